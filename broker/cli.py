@@ -1,0 +1,76 @@
+"""``feedline broker``: run the broker on the training host."""
+
+from __future__ import annotations
+
+import argparse
+
+from broker.config import BrokerConfig
+from broker.core import Broker
+from feedline import wire
+from feedline.cli import HelpFormatter, parse_size, stop_on_signals
+from feedline.logs import setup_logging
+from feedline.metrics import serve_metrics
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    d = BrokerConfig()
+    p = sub.add_parser(
+        "broker",
+        help="run the broker (fan-in from producers, fan-out to training processes)",
+        description="Receive batches from producers and hand each to one training process.\n"
+        "Memory is bounded by --max-batches and --max-bytes; producers wait for credit.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--ingress", default=d.ingress, help="address producers connect to")
+    p.add_argument("--egress", default=d.egress,
+                   help="address training processes connect to (ipc:// or tcp://)")
+    p.add_argument("--tensorpack-ingress", default=None, metavar="ADDR",
+                   help="also accept tensorpack send_dataflow_zmq (TENSORPACK_SERIALIZE="
+                   "msgpack) on this address; off when not given")
+    p.add_argument("--max-batches", type=int, default=d.max_batches,
+                   help="batches buffered plus credit granted, at most")
+    p.add_argument("--max-bytes", type=parse_size, default=d.max_bytes,
+                   help="bytes buffered (plus expected bytes of granted credit), at most")
+    p.add_argument("--producer-window", type=int, default=d.producer_window,
+                   help="most credit one producer holds (its batches in flight)")
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval,
+                   help="seconds between heartbeats to idle peers")
+    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
+                   help="seconds of silence after which a peer is dropped")
+    p.add_argument("--max-message-bytes", type=parse_size,
+                   default=wire.DEFAULT_LIMITS.max_message_bytes,
+                   help="largest batch accepted (array bytes); larger ones are refused")
+    p.add_argument("--metrics-port", type=int, default=9500,
+                   help="serve Prometheus metrics on this port; 0 turns them off")
+    p.add_argument("--metrics-addr", default=d.metrics_addr, help="address for the metrics")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> BrokerConfig:
+    return BrokerConfig(
+        ingress=args.ingress,
+        egress=args.egress,
+        tensorpack_ingress=args.tensorpack_ingress,
+        max_batches=args.max_batches,
+        max_bytes=args.max_bytes,
+        producer_window=args.producer_window,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_timeout=args.heartbeat_timeout,
+        limits=wire.Limits(max_message_bytes=args.max_message_bytes),
+        metrics_port=args.metrics_port or None,
+        metrics_addr=args.metrics_addr,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"feedline broker: {e}") from None
+    stop = stop_on_signals()
+    broker = Broker(config)
+    serve_metrics(broker.registry, config.metrics_port, config.metrics_addr)
+    broker.run(stop)
+    return 0

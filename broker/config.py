@@ -1,0 +1,37 @@
+"""The broker's configuration: one frozen dataclass, read from flags only at the entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from feedline import wire
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Everything the broker needs to run. Defaults suit one training host."""
+
+    ingress: str = "tcp://0.0.0.0:7878"
+    egress: str = "ipc:///tmp/feedline.sock"
+    tensorpack_ingress: str | None = None
+    max_batches: int = 32  # buffered + granted-but-not-yet-received batches
+    max_bytes: int = 1 << 30  # buffered bytes, plus the largest batch per outstanding credit
+    producer_window: int = 4  # most credit one producer holds at once
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0  # a peer silent this long is dropped
+    linger_ms: int = 100
+    limits: wire.Limits = field(default_factory=wire.Limits)
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    curve: Any = None  # feedline.security.ServerKeys, or None (plain TCP)
+
+    def __post_init__(self) -> None:
+        if self.max_batches < 1:
+            raise ValueError("max_batches must be >= 1")
+        if self.producer_window < 1:
+            raise ValueError("producer_window must be >= 1")
+        if self.max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")

@@ -1,0 +1,50 @@
+"""The broker's Prometheus metrics, registered on a registry that is passed in."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from feedline.metrics import BoundedLabel
+
+
+class BrokerMetrics:
+    def __init__(self, registry: CollectorRegistry, max_producer_labels: int = 64) -> None:
+        r = registry
+        self.producer_label = BoundedLabel(max_producer_labels)
+        self.received_batches = Counter(
+            "feedline_broker_received_batches", "Batches received from producers.",
+            ["producer"], registry=r)
+        self.received_bytes = Counter(
+            "feedline_broker_received_bytes", "Array bytes received from producers.",
+            ["producer"], registry=r)
+        self.forwarded_batches = Counter(
+            "feedline_broker_forwarded_batches", "Batches handed to consumers.", registry=r)
+        self.forwarded_bytes = Counter(
+            "feedline_broker_forwarded_bytes", "Array bytes handed to consumers.", registry=r)
+        self.lost_batches = Counter(
+            "feedline_broker_lost_batches",
+            "Batches missing from producer sequences (lost between producer and broker).",
+            ["producer"], registry=r)
+        self.rejected = Counter(
+            "feedline_broker_rejected_messages", "Messages refused, by reason.",
+            ["reason"], registry=r)
+        self.dropped_peers = Counter(
+            "feedline_broker_dropped_peers", "Peers dropped, by role and reason.",
+            ["role", "reason"], registry=r)
+        self.buffer_batches = Gauge(
+            "feedline_broker_buffer_batches", "Batches waiting in the broker.", registry=r)
+        self.buffer_bytes = Gauge(
+            "feedline_broker_buffer_bytes", "Array bytes waiting in the broker.", registry=r)
+        self.buffer_capacity_batches = Gauge(
+            "feedline_broker_buffer_capacity_batches", "Configured batch limit.", registry=r)
+        self.buffer_capacity_bytes = Gauge(
+            "feedline_broker_buffer_capacity_bytes", "Configured byte limit.", registry=r)
+        self.credit_outstanding = Gauge(
+            "feedline_broker_credit_outstanding_batches",
+            "Credit granted to producers and not yet used.", registry=r)
+        self.peers = Gauge(
+            "feedline_broker_peers", "Connected peers, by role.", ["role"], registry=r)
+        self.consumer_credit = Gauge(
+            "feedline_broker_consumer_credit_batches",
+            "Batches consumers are ready to take now (demand not met by the buffer).",
+            registry=r)

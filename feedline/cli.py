@@ -1,0 +1,79 @@
+"""The ``feedline`` command line: one entry point, a subcommand per module.
+
+Each module in ``COMMANDS`` has ``add_parser(subparsers)``, which adds its subcommand and sets
+``func`` (taking the parsed arguments, returning an exit code). Flags and environment
+variables are read here and in those functions only; everything below takes config objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from feedline import __version__
+
+COMMANDS = [
+    "broker.cli",
+    "producer.cli",
+    "feedline.demo",
+]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '1G', '4096' -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2G)")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * 1024**power)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every flag's default, keeps description paragraphs as written."""
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (a second SIGINT raises KeyboardInterrupt)."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="feedline",
+        description="Serve preprocessed training batches from data machines to trainers.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"feedline {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

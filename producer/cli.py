@@ -1,0 +1,63 @@
+"""``feedline producer``: run a pipeline from a YAML file and send its batches to a broker."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from feedline.cli import HelpFormatter, stop_on_signals
+from feedline.link import LinkConfig
+from feedline.logs import setup_logging
+from feedline.metrics import serve_metrics
+from producer.pipeline import ConfigError, build_pipeline, load_config
+from producer.sender import send_dataflow
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "producer",
+        help="run a preprocessing pipeline and send its batches to a broker",
+        description="Build the pipeline described by --config and send its batches to the "
+        "broker.\nWaits for the broker if it is not up yet and reconnects when it restarts.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--config", required=True, metavar="PIPELINE.yaml",
+                   help="pipeline file (see examples/)")
+    p.add_argument("--broker", default="tcp://127.0.0.1:7878", help="the broker's ingress")
+    p.add_argument("--id", default=None, help="producer id (default: hostname-pid)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="passes over the dataset, then exit (default: forever, or the "
+                   "config's 'epochs')")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds of broker silence before reconnecting")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on this port; 0 turns them off")
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between rate lines in the log")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        cfg = load_config(args.config)
+        df = build_pipeline(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"feedline producer: {args.config}: {e}") from None
+    epochs = args.epochs if args.epochs is not None else cfg.get("epochs")
+    stop = stop_on_signals()
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    serve_metrics(registry, args.metrics_port or None)
+    link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
+                      heartbeat_timeout=args.heartbeat_timeout)
+    stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=args.id, link=link,
+                          stop=stop, registry=registry, log_interval=args.log_interval)
+    log.info("sent %d batches (%.1f MB) in %.1fs", stats.batches, stats.bytes / 1e6,
+             stats.seconds)
+    return 0

@@ -1,0 +1,43 @@
+"""The DataFlow contract (as in tensorpack).
+
+A DataFlow is an iterable of datapoints (lists, tuples or dicts of arrays and scalars).
+``reset_state()`` is called once, in the process and thread that will iterate, before the
+first ``__iter__`` (after a fork: so each worker gets its own file handles and RNG).
+``__len__`` is optional and raises ``NotImplementedError`` when unknown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+class DataFlow:
+    """Base class of every stage."""
+
+    def __iter__(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} has no length")
+
+    def reset_state(self) -> None:
+        """Prepare to iterate in this process (open files, seed RNGs). Idempotent."""
+
+
+class ProxyDataFlow(DataFlow):
+    """A stage that wraps another and forwards ``len`` and ``reset_state`` to it."""
+
+    def __init__(self, ds: DataFlow) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def reset_state(self) -> None:
+        reset = getattr(self.ds, "reset_state", None)
+        if reset is not None:
+            reset()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.ds)
