@@ -1,0 +1,118 @@
+"""Shared fixtures: real brokers (in a thread or as a process), real producers, leak checks.
+
+Everything binds 127.0.0.1 with ephemeral ports or ipc:// paths under tmp_path. No sleeps to
+wait for connections: poll with a timeout (feedline.procs.wait_for).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from broker import Broker, BrokerConfig
+from feedline.procs import Daemon, free_port, wait_for
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_processes() -> Iterator[None]:
+    """Fail a test that leaves a child process running."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    def leftovers() -> list:
+        return [p for p in psutil.Process().children(recursive=True)
+                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    try:
+        wait_for(lambda: not leftovers(), 10, what="child processes to exit")
+    except TimeoutError:
+        left = leftovers()
+        for p in left:
+            p.kill()
+        pytest.fail(f"test leaked processes: {[p.cmdline() for p in left]}")
+
+
+@dataclass
+class Endpoints:
+    ingress: str
+    egress: str
+    port: int
+
+
+@pytest.fixture
+def endpoints(tmp_path: Path) -> Endpoints:
+    port = free_port()
+    return Endpoints(f"tcp://127.0.0.1:{port}", f"ipc://{tmp_path}/egress.sock", port)
+
+
+def tcp_ready(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class ThreadBroker:
+    """A Broker running in a thread of the test process (fast to start; same code path)."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.stop = threading.Event()
+        self.broker = Broker(config)
+        self.thread = threading.Thread(target=self.broker.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "broker thread did not stop"
+
+
+@pytest.fixture
+def thread_broker(endpoints: Endpoints) -> Iterator:
+    """Factory: start a broker thread with BrokerConfig overrides; closed at teardown."""
+    started: list[ThreadBroker] = []
+
+    def start(**overrides) -> ThreadBroker:
+        cfg = BrokerConfig(ingress=endpoints.ingress, egress=endpoints.egress,
+                           heartbeat_interval=0.2, heartbeat_timeout=1.5, **overrides)
+        b = ThreadBroker(cfg)
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        b.close()
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator:
+    """Factory: start ``python -m MODULE ARGS`` with a log in tmp_path; stopped at teardown."""
+    procs: list[Daemon] = []
+
+    def start(module: str, *args: str, name: str | None = None) -> Daemon:
+        log = tmp_path / f"{name or module}-{len(procs)}.log"
+        d = Daemon(module, [str(a) for a in args], log)
+        procs.append(d)
+        return d
+
+    yield start
+    for d in reversed(procs):
+        d.stop(timeout=10)
+
+
+@pytest.fixture
+def broker_proc(daemons, endpoints: Endpoints):
+    """Factory: a broker process on ``endpoints`` (fast heartbeats), ready when returned."""
+
+    def start(*extra: str) -> Daemon:
+        d = daemons("broker", "--ingress", endpoints.ingress, "--egress", endpoints.egress,
+                    "--metrics-port", "0", "--heartbeat-interval", "0.2",
+                    "--heartbeat-timeout", "1.5", *extra, name="broker")
+        wait_for(lambda: tcp_ready(endpoints.port) or not d.alive(), 20, what="broker port")
+        assert d.alive(), d.log_text()
+        return d
+
+    return start
