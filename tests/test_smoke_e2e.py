@@ -31,4 +31,4 @@ def test_batches_arrive_intact_and_in_order(thread_broker, endpoints):
         assert (dp[0] == i).all()
         np.testing.assert_array_equal(dp[1], np.arange(i, i + 3))
         assert dp[2] == f"s{i}"
-        assert not dp[0].flags.writeable  # a view on the received frame, not a copy
+        assert not dp[0].flags.owndata  # a view on the received frame, not a copy
