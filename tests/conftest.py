@@ -18,6 +18,8 @@ import pytest
 from broker import Broker, BrokerConfig
 from feedline.procs import Daemon, free_port, wait_for
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 @pytest.fixture(autouse=True)
 def _no_leaked_processes() -> Iterator[None]:
@@ -94,7 +96,8 @@ def daemons(tmp_path: Path) -> Iterator:
 
     def start(module: str, *args: str, name: str | None = None) -> Daemon:
         log = tmp_path / f"{name or module}-{len(procs)}.log"
-        d = Daemon(module, [str(a) for a in args], log)
+        # The repo root on the path: configs may name factories in tests/ (tests.ledger_data).
+        d = Daemon(module, [str(a) for a in args], log, env={"PYTHONPATH": str(ROOT)})
         procs.append(d)
         return d
 
