@@ -37,6 +37,7 @@ from feedline.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 _MAX_SESSIONS = 4096
+_CONTROL_SLACK = 64  # EOS/ERROR messages queued beyond max_batches, at most
 
 
 @dataclass
@@ -75,6 +76,7 @@ class _Buffered:
     nbytes: int
     session: int
     gap: int
+    broadcast: bool = False  # EOS / ERROR: to every consumer, in order behind the batches
 
 
 @dataclass
@@ -238,7 +240,11 @@ class Broker:
         if kind == wire.Kind.BATCH:
             self._on_batch(ident, prod, header, frames)
         elif kind in (wire.Kind.EOS, wire.Kind.ERROR):
-            self._broadcast(frames[0])
+            # Queued, not sent now: it must not overtake the batches sent before it.
+            if len(self._buffer) >= self.cfg.max_batches + _CONTROL_SLACK:
+                self._reject("buffer_full", kind.name)
+            else:
+                self._buffer.append(_Buffered([frames[0]], 0, prod.session, 0, True))
         elif kind == wire.Kind.BYE:
             self._drop_producer(ident, "bye")
         elif kind != wire.Kind.HEARTBEAT:
@@ -418,6 +424,9 @@ class Broker:
     def _dispatch(self) -> None:
         sent_any = False
         while self._buffer and self._rr:
+            if self._buffer[0].broadcast:
+                self._broadcast(self._buffer.popleft().frames[0])
+                continue
             ident = self._next_consumer()
             if ident is None:
                 break

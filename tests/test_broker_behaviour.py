@@ -1,0 +1,178 @@
+"""Broker behaviour against real sockets: loss accounting, errors that travel, flow control,
+hostile peers, the tensorpack ingress, and the CLI's help."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from consumer import RemoteDataZMQ
+from feedline import wire
+from feedline.errors import ProducerError, ReceiveTimeout
+from feedline.link import LinkConfig
+from feedline.procs import free_port, wait_for
+from producer import Sender, send_dataflow
+
+FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
+
+
+def test_gaps_in_a_producer_sequence_are_counted_once(thread_broker, endpoints):
+    thread_broker()
+
+    def produce() -> None:
+        with Sender(endpoints.ingress, producer_id="gappy", link=FAST) as s:
+            for i in range(10):
+                if i == 5:
+                    s.seq += 3  # three batches "lost" between producer and broker
+                s.send([np.full(8, i, np.int32)])
+            s.end(1)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+        got = [int(dp[0][0]) for dp in itertools.islice(src, 10)]
+        stats = src.stats()
+    t.join(10)
+    assert got == list(range(10))
+    assert stats["gappy"].received == 10 and stats["gappy"].lost == 3
+
+
+def test_a_pipeline_error_reaches_the_consumer_with_its_traceback(thread_broker, endpoints):
+    thread_broker()
+
+    def broken():
+        yield [np.zeros(4)]
+        raise KeyError("corrupt-record-17")
+
+    def produce() -> None:
+        with pytest.raises(KeyError):
+            send_dataflow(broken(), endpoints.ingress, epochs=1, producer_id="bad", link=FAST)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+        it = iter(src)
+        next(it)
+        with pytest.raises(ProducerError) as err:
+            next(it)
+    t.join(10)
+    assert "corrupt-record-17" in str(err.value) and "in broken" in err.value.remote_traceback
+
+
+def test_receive_timeout_says_what_is_missing(tmp_path):
+    with RemoteDataZMQ(f"ipc://{tmp_path}/nobody.sock", timeout=0.5, link=FAST) as src:
+        with pytest.raises(ReceiveTimeout, match="Is the broker running"):
+            next(iter(src))
+
+
+def test_credit_bounds_what_a_producer_can_push(thread_broker, endpoints):
+    tb = thread_broker(max_batches=6, producer_window=4)
+    with Sender(endpoints.ingress, producer_id="eager", link=FAST) as s:
+        wait_for(lambda: (s.pump(50), s.credit)[1] > 0, 10, what="first credit")
+        sent = 0
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # no consumer: only credit lets batches through
+            s.pump(20)
+            if s.credit > 0:
+                s.send([np.zeros(16, np.uint8)])
+                sent += 1
+    assert sent == 6, "exactly the buffer's worth, then producers wait"
+    assert tb.broker.stats.received == 6 and not tb.broker.stats.rejected
+
+
+def _raw_dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    return s
+
+
+def test_hostile_messages_are_refused_counted_and_the_stream_goes_on(thread_broker, endpoints,
+                                                                      tmp_path):
+    tb = thread_broker()
+    marker = tmp_path / "pwned"
+    ctx = zmq.Context()
+    try:
+        bad = _raw_dealer(ctx, endpoints.ingress)
+        hello = wire.encode_control(wire.Kind.HELLO, r="producer", p="evil", q=1)
+        bad.send(hello)
+        wait_for(lambda: bad.poll(100), 10, what="credit for the hostile peer")
+        header = msgpack.unpackb(wire.encode_batch([np.zeros(4, np.uint8)], producer="evil",
+                                                   session=1, seq=0)[0])
+        lying = dict(header, a=[["|u1", [1 << 20]]])
+        objdt = dict(header, a=[["|O", [4]]])
+        bad.send(b"\xc1garbage")
+        bad.send_multipart([msgpack.packb(lying), b"\0" * 4])
+        bad.send_multipart([msgpack.packb(objdt), b"\0" * 32])
+        bad.send_multipart([msgpack.packb({"v": 99, "k": 2}), b""])
+        # the same pickle payload msgpack-numpy would unpickle, in a header: never executed
+        pickled = f"__import__('pathlib').Path({str(marker)!r}).touch()"
+        bad.send_multipart([msgpack.packb(dict(header, d={b"nd": True, b"kind": b"O",
+                                                           b"data": pickled.encode()})),
+                            b"\0" * 4])
+        wait_for(lambda: sum(tb.broker.stats.rejected.values()) >= 4, 10, what="rejections")
+        rejected = tb.broker.stats.rejected
+        assert rejected.get("bad_msgpack") == 1 and rejected.get("shape_mismatch") == 1
+        assert rejected.get("bad_dtype") == 1 and rejected.get("bad_version") == 1
+        t = threading.Thread(target=send_dataflow, args=([[np.arange(3)]] * 5,
+                             endpoints.ingress), kwargs={"epochs": 1, "link": FAST},
+                             daemon=True)
+        t.start()
+        with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+            got = list(itertools.islice(src, 5))
+        t.join(10)
+        assert len(got) >= 5 and tb.thread.is_alive()
+        assert not marker.exists()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_tensorpack_send_dataflow_zmq_is_served_safely(thread_broker, endpoints, tmp_path):
+    pytest.importorskip("tensorpack", reason="tensorpack is in the test extra")
+    tp_addr = f"tcp://127.0.0.1:{free_port()}"
+    thread_broker(tensorpack_ingress=tp_addr)
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from tensorpack.dataflow import DataFromList
+        from tensorpack.dataflow.remote import send_dataflow_zmq
+        dps = [[np.full((2, 3), i, np.float32), i, "label-%d" % i] for i in range(20)]
+        send_dataflow_zmq(DataFromList(dps, shuffle=False), {tp_addr!r}, hwm=10)
+    """)
+    env = {**os.environ, "TENSORPACK_SERIALIZE": "msgpack", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        with RemoteDataZMQ(endpoints.egress, timeout=90, link=FAST) as src:
+            got = list(itertools.islice(src, 20))
+    finally:
+        proc.kill()
+        proc.wait(10)
+    values = sorted(int(dp[1]) for dp in got)
+    assert values == list(range(20))
+    for arr, i, label in got:
+        assert arr.dtype == np.float32 and arr.shape == (2, 3) and (arr == i).all()
+        assert label == f"label-{i}"
+
+
+def test_help_documents_every_flag_with_its_default():
+    for cmd in ("broker", "producer", "demo"):
+        out = subprocess.run([sys.executable, "-m", "feedline.cli", cmd, "--help"],
+                             capture_output=True, text=True, check=True).stdout
+        options = out[out.index("options:"):]
+        # one entry per flag: from its "  --flag" line to the next flag's line
+        entries = ["--" + e for e in options.split("\n  --")[1:]]
+        assert len(entries) >= 3, out
+        for entry in entries:
+            if entry.startswith("--config"):  # required: there is no default to show
+                continue
+            assert "(default:" in entry, f"{cmd}: {entry.split()[0]} shows no default"
