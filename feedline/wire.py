@@ -236,9 +236,13 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]
     return header
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _int(h: Mapping[str, Any], key: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
     v = h.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+    if not _is_int(v) or not lo <= v <= hi:
         raise DecodeError("bad_header", f"field {key!r}")
     return v
 
@@ -267,7 +271,7 @@ def check_batch_header(header: Mapping[str, Any], nframes: int, limits: Limits) 
         if len(shape) > limits.max_ndim:
             raise DecodeError("too_many_dims", str(len(shape)))
         for d in shape:
-            if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= limits.max_message_bytes:
+            if not _is_int(d) or not 0 <= d <= limits.max_message_bytes:
                 raise DecodeError("bad_shape", repr(d)[:32])
         out.append((dt, tuple(shape)))
     return out
@@ -296,7 +300,7 @@ def check_frame_lengths(specs: Sequence[tuple], frames: Sequence[Any], limits: L
     Reads lengths only, never payloads: the broker calls this on frames it forwards.
     """
     total = 0
-    for (dt, shape), frame in zip(specs, frames):
+    for (dt, shape), frame in zip(specs, frames, strict=True):
         count = 1
         for d in shape:
             count *= d
@@ -305,7 +309,7 @@ def check_frame_lengths(specs: Sequence[tuple], frames: Sequence[Any], limits: L
         if total > limits.max_message_bytes:
             raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
         if nbytes != len(frame):
-            raise DecodeError("shape_mismatch", f"{shape} {dt.str} needs {nbytes}, got {len(frame)}")
+            raise DecodeError("shape_mismatch", f"{shape} {dt.str}: {nbytes} != {len(frame)}")
     return total
 
 
@@ -314,7 +318,8 @@ def _arrays_from_frames(
 ) -> list[np.ndarray]:
     bufs = [_buffer(f) for f in frames]
     check_frame_lengths(specs, bufs, limits)
-    return [np.frombuffer(b, dtype=dt).reshape(shape) for (dt, shape), b in zip(specs, bufs)]
+    pairs = zip(specs, bufs, strict=True)
+    return [np.frombuffer(b, dtype=dt).reshape(shape) for (dt, shape), b in pairs]
 
 
 @dataclass(frozen=True)

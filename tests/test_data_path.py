@@ -46,7 +46,8 @@ def test_n_producers_m_consumers_every_batch_once_intact(broker_proc, daemons, e
     broker_proc()
     n_prod, per = 3, 40
     for i in range(n_prod):
-        start_producer(daemons, endpoints, tmp_path, f"p{i}", epochs=1, count=per, nbytes=65536, seed=i)
+        start_producer(daemons, endpoints, tmp_path, f"p{i}", epochs=1, count=per,
+                       nbytes=65536, seed=i)
     ledgers: list[list] = [[], []]
     done = threading.Event()
 
