@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-message-bytes", type=parse_size,
                    default=wire.DEFAULT_LIMITS.max_message_bytes,
                    help="largest batch accepted (array bytes); larger ones are refused")
+    p.add_argument("--io-threads", type=int, default=d.io_threads,
+                   help="libzmq I/O threads (they do the socket copies); more can help on "
+                   "hosts with many cores and several GB/s")
     p.add_argument("--metrics-port", type=int, default=9500,
                    help="serve Prometheus metrics on this port; 0 turns them off")
     p.add_argument("--metrics-addr", default=d.metrics_addr, help="address for the metrics")
@@ -58,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
         limits=wire.Limits(max_message_bytes=args.max_message_bytes),
+        io_threads=args.io_threads,
         metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr,
     )

@@ -21,6 +21,7 @@ class BrokerConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0  # a peer silent this long is dropped
     linger_ms: int = 100
+    io_threads: int = 1  # libzmq I/O threads: the socket copies happen there
     limits: wire.Limits = field(default_factory=wire.Limits)
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"

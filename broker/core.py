@@ -101,7 +101,7 @@ class Broker:
         self.metrics.buffer_capacity_batches.set(config.max_batches)
         self.metrics.buffer_capacity_bytes.set(config.max_bytes)
         self._own_ctx = ctx is None
-        self.ctx = ctx or zmq.Context()
+        self.ctx = ctx or zmq.Context(io_threads=config.io_threads)
         self.instance = random.getrandbits(62)
         self.stats = BrokerStats()
         self._producers: dict[bytes, _Producer] = {}

@@ -19,17 +19,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class Daemon:
-    """A child process running ``python -m <module> ARGS``, logging to a file."""
+class Child:
+    """A child process running ``argv``, its output going to ``log_path`` (or nowhere)."""
 
-    def __init__(self, module: str, args: Sequence[str], log_path: Path | None = None,
+    def __init__(self, argv: Sequence[str], log_path: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
-        self.module, self.args = module, list(args)
+        self.argv = list(argv)
         self.log_path = log_path
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *self.args],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            self.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
         if log_path:
             out.close()  # type: ignore[union-attr]
@@ -61,6 +60,15 @@ class Daemon:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+
+class Daemon(Child):
+    """A child process running ``python -m <module> ARGS``."""
+
+    def __init__(self, module: str, args: Sequence[str], log_path: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.module, self.args = module, list(args)
+        super().__init__([sys.executable, "-m", module, *self.args], log_path, env)
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
