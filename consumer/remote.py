@@ -6,8 +6,8 @@ while the model is busy (a long evaluation does not get us dropped), decodes wha
 hands it to the iterating thread through a bounded queue. Each batch the iterator takes
 returns one credit to the broker, so at most ``window`` batches are ever buffered here.
 
-Arrays are read-only ``np.frombuffer`` views on the received frames: no copy is made between
-the socket and the caller. Copy an array (``a.copy()``) to modify it.
+Arrays are ``np.frombuffer`` views on the received frames: no copy is made between the socket
+and the caller. They may be unaligned for their dtype (NumPy copes; ``a.copy()`` aligns).
 """
 
 from __future__ import annotations

@@ -176,3 +176,23 @@ def test_help_documents_every_flag_with_its_default():
             if entry.startswith("--config"):  # required: there is no default to show
                 continue
             assert "(default:" in entry, f"{cmd}: {entry.split()[0]} shows no default"
+
+
+def test_a_silent_producer_is_dropped_and_its_credit_returns(thread_broker, endpoints):
+    tb = thread_broker(max_batches=4, producer_window=4)  # heartbeat timeout 1.5 s
+    ctx = zmq.Context()
+    try:
+        mute = _raw_dealer(ctx, endpoints.ingress)
+        mute.send(wire.encode_control(wire.Kind.HELLO, r="producer", p="mute", q=5))
+        wait_for(lambda: mute.poll(100), 10, what="credit for the mute producer")
+        credit = wire.decode_header(mute.recv())
+        assert credit["k"] == wire.Kind.CREDIT and credit["t"] == 4  # it holds all the room
+        with Sender(endpoints.ingress, producer_id="live", link=FAST) as live:
+            # No room is left until the broker gives up on the mute peer and takes back its
+            # credit; then the live producer gets it. Nothing but heartbeats moves it.
+            wait_for(lambda: (live.pump(50), live.credit)[1] > 0, 15, what="credit for live")
+        dropped = tb.broker.registry.get_sample_value(
+            "feedline_broker_dropped_peers_total", {"role": "producer", "reason": "timeout"})
+        assert dropped == 1
+    finally:
+        ctx.destroy(linger=0)
