@@ -30,3 +30,8 @@ class ConsumerMetrics:
         self.local_queue = Gauge(
             "feedline_consumer_local_queue_batches",
             "Batches received and not yet taken by the training loop.", registry=r)
+        # local_queue / window is the occupancy: ~1 model-bound, ~0 input-bound.
+        self.window = Gauge(
+            "feedline_consumer_window_batches",
+            "Batches this process may hold undelivered to the model (its credit window).",
+            registry=r)

@@ -89,6 +89,9 @@ class RemoteDataZMQ:
         self._stats_lock = threading.Lock()
         # Old registrations' batches may still sit here after a broker restart: 2 windows.
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=2 * window + 64)
+        # Read at scrape time: exact whenever Prometheus looks, and free per batch.
+        self.metrics.local_queue.set_function(self._queue.qsize)
+        self.metrics.window.set(window)
         self._ctx: zmq.Context | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -165,7 +168,6 @@ class RemoteDataZMQ:
             try:
                 item = self._queue.get(timeout=max(wait, 0.0))
                 self.metrics.wait.observe(time.monotonic() - t0)
-                self.metrics.local_queue.set(self._queue.qsize())
                 return item
             except queue.Empty:
                 pass

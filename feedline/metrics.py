@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -29,9 +30,17 @@ class BoundedLabel:
         return "other"
 
 
-def serve_metrics(registry: CollectorRegistry, port: int | None, addr: str = "0.0.0.0") -> None:
-    """Serve ``registry`` on http://addr:port/metrics from a daemon thread (None: don't)."""
+def serve_metrics(
+    registry: CollectorRegistry, port: int | None, addr: str = "0.0.0.0"
+) -> Any | None:
+    """Serve ``registry`` on http://addr:port/metrics from a daemon thread (None: don't).
+
+    Returns the HTTP server (call ``.shutdown()`` and ``.server_close()`` to stop it), or
+    None. A training process serves its consumer metrics this way: pass the same registry to
+    ``RemoteDataZMQ(registry=...)`` and ``serve_metrics(registry, 9400)``.
+    """
     if port is None:
-        return
-    start_http_server(port, addr=addr, registry=registry)
+        return None
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
     log.info("metrics on http://%s:%d/metrics", addr, port)
+    return server

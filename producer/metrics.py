@@ -19,6 +19,10 @@ class ProducerMetrics:
             "feedline_producer_credit_wait_seconds",
             "Time a batch waited for broker credit (long waits: the trainer is the bottleneck).",
             buckets=WAIT_BUCKETS, registry=r)
+        self.pipeline_seconds = Counter(
+            "feedline_producer_pipeline_seconds",
+            "Time spent waiting for the pipeline's next batch (its rate near 1: preprocessing "
+            "is the bottleneck).", registry=r)
         self.registrations = Counter(
             "feedline_producer_registrations",
             "HELLOs to a broker (first connect, reconnects, broker restarts).", registry=r)

@@ -219,10 +219,12 @@ def send_dataflow(
             epoch = 0
             while epochs is None or epoch < epochs:
                 before = stats.batches
+                ready = time.monotonic()  # when we started waiting for the pipeline
                 for dp in df:
+                    sender.metrics.pipeline_seconds.inc(time.monotonic() - ready)
                     stats.bytes += sender.send(dp, epoch=epoch, stop=stop)
                     stats.batches += 1
-                    now = time.monotonic()
+                    now = ready = time.monotonic()
                     if now - last_log >= log_interval:
                         dt = now - last_log
                         log.info(
