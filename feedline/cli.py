@@ -21,6 +21,8 @@ COMMANDS = [
     "broker.cli",
     "producer.cli",
     "feedline.demo",
+    "feedline.drain",
+    "feedline.top",
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -1,0 +1,85 @@
+"""``feedline drain``: a stand-in training loop that takes batches from a broker.
+
+It iterates :class:`consumer.RemoteDataZMQ` as a training job would, optionally sleeping
+``--step-seconds`` per batch to play a model of that speed, and serves the consumer metrics
+(``--metrics-port``). Use it to smoke-test a deployment, to size producers before the real
+job exists, or as the ``trainer`` service of the compose demo. It needs no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from feedline.cli import HelpFormatter, stop_on_signals
+from feedline.logs import setup_logging
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "drain",
+        help="consume batches like a training loop (no TensorFlow), serving consumer metrics",
+        description="Take batches from the broker's egress as a training job would, sleeping "
+        "--step-seconds per batch\nto stand in for a model. Logs batches/s and MB/s.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--broker", default="ipc:///tmp/feedline.sock",
+                   help="the broker's egress (ipc:// or tcp://)")
+    p.add_argument("--window", type=int, default=4,
+                   help="batches this process may hold ahead of the model")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="simulated model step per batch (0: as fast as batches come)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds to run, then exit (default: until SIGTERM)")
+    p.add_argument("--id", default=None, help="consumer id (default: hostname-pid)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on this port; 0 turns them off")
+    p.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics")
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between rate lines in the log")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from consumer import RemoteDataZMQ
+    from feedline.errors import ReceiveTimeout
+    from feedline.metrics import serve_metrics
+
+    setup_logging(args.log_level)
+    if args.step_seconds < 0:
+        raise SystemExit("feedline drain: --step-seconds must be >= 0")
+    stop = stop_on_signals()
+    registry = CollectorRegistry()
+    serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
+    t0 = last = time.monotonic()
+    end = None if args.duration is None else t0 + args.duration
+    count = nbytes = last_count = last_bytes = 0
+    # A short receive timeout only so that SIGTERM is noticed while no batch comes.
+    with RemoteDataZMQ(args.broker, window=args.window, timeout=0.5, consumer_id=args.id,
+                       return_meta=True, registry=registry) as source:
+        while not stop.is_set() and (end is None or time.monotonic() < end):
+            try:
+                for batch in source:
+                    count += 1
+                    nbytes += batch.nbytes
+                    if args.step_seconds:
+                        stop.wait(args.step_seconds)
+                    now = time.monotonic()
+                    if now - last >= args.log_interval:
+                        log.info("%d batches, %.1f batches/s, %.1f MB/s", count,
+                                 (count - last_count) / (now - last),
+                                 (nbytes - last_bytes) / (now - last) / 1e6)
+                        last, last_count, last_bytes = now, count, nbytes
+                    if stop.is_set() or (end is not None and now >= end):
+                        break
+            except ReceiveTimeout:
+                continue  # no batch for a while: check stop and the deadline, wait again
+    log.info("drained %d batches (%.1f MB) in %.1fs", count, nbytes / 1e6,
+             time.monotonic() - t0)
+    return 0

@@ -1,0 +1,259 @@
+"""``feedline top``: a live terminal view of a running system, read from its /metrics.
+
+Give it the metrics endpoints of the broker, the producers and the training processes (in any
+order: each endpoint is recognised by the metrics it serves). Every ``--interval`` seconds it
+scrapes them all and shows, from the difference between two scrapes:
+
+- per producer (as the broker counts them, by producer id): batches/s and MB/s;
+- per producer endpoint: how much of its time it waits for credit (the trainer is slower) or
+  for its own pipeline (preprocessing is slower);
+- the broker's buffer fill, peers, losses and rejects;
+- each consumer's queue occupancy and the share of time the model waited for data;
+- the verdict: input-bound, model-bound or balanced (see :func:`verdict`).
+
+:func:`render` is pure (two snapshots in, text out) so that tests can call it on live figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from feedline.cli import HelpFormatter, stop_on_signals
+
+# Thresholds of the verdict; the Grafana dashboard's "Verdict" panel uses the same ones.
+INPUT_BOUND_BELOW = 0.25  # mean consumer queue occupancy below this: the model starves
+MODEL_BOUND_ABOVE = 0.75  # above this: batches queue up in front of the model
+WAIT_SHARE_INPUT_BOUND = 0.10  # the model waits for data this share of its time or more
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass
+class Scrape:
+    """One scrape of one endpoint: sample name and sorted labels -> value, at ``time``."""
+
+    url: str
+    time: float
+    samples: dict[tuple[str, Labels], float] = field(default_factory=dict)
+    error: str | None = None
+
+    def get(self, name: str, **labels: str) -> float | None:
+        return self.samples.get((name, tuple(sorted(labels.items()))))
+
+    def series(self, name: str) -> dict[Labels, float]:
+        return {lab: v for (n, lab), v in self.samples.items() if n == name}
+
+    def total(self, name: str) -> float:
+        return sum(self.series(name).values())
+
+    @property
+    def role(self) -> str:
+        """'broker', 'producer', 'consumer' or 'unknown', from the metric names served."""
+        names = {n for n, _ in self.samples}
+        for role in ("broker", "producer", "consumer"):
+            if any(n.startswith(f"feedline_{role}_") for n in names):
+                return role
+        return "unknown"
+
+
+Snapshot = Mapping[str, Scrape]  # url -> scrape
+
+
+def normalize_url(target: str) -> str:
+    """'host:9500' -> 'http://host:9500/metrics'; full URLs are kept."""
+    url = target if "://" in target else f"http://{target}"
+    if url.rstrip("/").count("/") < 3:  # no path given
+        url = url.rstrip("/") + "/metrics"
+    return url
+
+
+def parse(url: str, text: str, at: float) -> Scrape:
+    """Parse Prometheus text exposition into a :class:`Scrape`."""
+    s = Scrape(url, at)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            s.samples[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return s
+
+
+def scrape(url: str, timeout: float = 2.0) -> Scrape:
+    """Fetch and parse one endpoint; an unreachable one gives a Scrape with ``error`` set."""
+    at = time.monotonic()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http only)
+            text = resp.read(16 << 20).decode("utf-8", "replace")
+    except OSError as e:
+        return Scrape(url, at, error=str(getattr(e, "reason", e)))
+    return parse(url, text, at)
+
+
+def snapshot(urls: Iterable[str], timeout: float = 2.0) -> dict[str, Scrape]:
+    return {u: scrape(u, timeout) for u in urls}
+
+
+def _rate(prev: Scrape | None, cur: Scrape, name: str, labels: Labels = ()) -> float:
+    """Per-second increase of a counter between two scrapes (0 after a restart or if new)."""
+    if prev is None or prev.error or cur.error or cur.time <= prev.time:
+        return 0.0
+    a = prev.samples.get((name, labels))
+    b = cur.samples.get((name, labels))
+    if a is None or b is None or b < a:
+        return 0.0
+    return (b - a) / (cur.time - prev.time)
+
+
+def verdict(occupancy: float | None, wait_share: float | None) -> str:
+    """The bottleneck, from the consumers' mean queue occupancy (0..1) and wait share (0..1).
+
+    Input-bound when the model waits for data (a queue near empty, or waiting a tenth of the
+    time or more); model-bound when the queue stays near full; balanced in between.
+    """
+    if occupancy is None:
+        return "unknown (no consumer metrics)"
+    if occupancy < INPUT_BOUND_BELOW or (wait_share or 0.0) >= WAIT_SHARE_INPUT_BOUND:
+        return ("INPUT-BOUND: the model waits for data; add producers or make the pipeline "
+                "faster")
+    if occupancy > MODEL_BOUND_ABOVE:
+        return "MODEL-BOUND: batches wait for the model; the input keeps up"
+    return "balanced: the input just keeps up with the model"
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:8.1f}"
+
+
+def render(prev: Snapshot, cur: Snapshot, width: int = 120) -> str:
+    """The screen for two successive snapshots of the same endpoints (pure: no I/O)."""
+    lines: list[str] = []
+    by_role: dict[str, list[Scrape]] = {"broker": [], "producer": [], "consumer": []}
+    down = [s for s in cur.values() if s.error]
+    for s in cur.values():
+        if not s.error and s.role in by_role:
+            by_role[s.role].append(s)
+    interval = max((s.time - prev[u].time for u, s in cur.items() if u in prev), default=0.0)
+    lines.append(f"feedline top   {time.strftime('%H:%M:%S')}   "
+                 f"{len(cur) - len(down)}/{len(cur)} endpoints up, {interval:.1f}s between scrapes")
+
+    for b in by_role["broker"]:
+        p = prev.get(b.url)
+        lines.append("")
+        lines.append(f"PRODUCERS (as broker {b.url} receives them)")
+        lines.append(f"  {'producer':<32} {'batches/s':>10} {'MB/s':>8} {'lost':>6}")
+        tot_b = tot_y = 0.0
+        for labels in sorted(b.series("feedline_broker_received_batches_total")):
+            pid = dict(labels).get("producer", "?")
+            rb = _rate(p, b, "feedline_broker_received_batches_total", labels)
+            ry = _rate(p, b, "feedline_broker_received_bytes_total", labels)
+            lost = b.samples.get(("feedline_broker_lost_batches_total", labels), 0.0)
+            tot_b, tot_y = tot_b + rb, tot_y + ry
+            lines.append(f"  {pid[:32]:<32} {rb:>10.1f} {_mb(ry)} {lost:>6.0f}")
+        lines.append(f"  {'total':<32} {tot_b:>10.1f} {_mb(tot_y)}")
+        fill = b.get("feedline_broker_buffer_batches") or 0.0
+        cap = b.get("feedline_broker_buffer_capacity_batches") or 0.0
+        fill_b = b.get("feedline_broker_buffer_bytes") or 0.0
+        fwd = _rate(p, b, "feedline_broker_forwarded_batches_total")
+        lines.append("")
+        lines.append(
+            f"BROKER  buffer {fill:.0f}/{cap:.0f} batches ({100 * fill / cap if cap else 0:.0f}%)"
+            f" {fill_b / 2**20:.1f} MiB   forwarded {fwd:.1f} batches/s   peers: "
+            f"{b.get('feedline_broker_peers', role='producer') or 0:.0f} producers, "
+            f"{b.get('feedline_broker_peers', role='consumer') or 0:.0f} consumers")
+        lines.append(
+            f"        lost {b.total('feedline_broker_lost_batches_total'):.0f}   rejected "
+            f"{b.total('feedline_broker_rejected_messages_total'):.0f}   dropped peers "
+            f"{b.total('feedline_broker_dropped_peers_total'):.0f}")
+
+    if by_role["producer"]:
+        lines.append("")
+        lines.append("PRODUCER ENDPOINTS  (time share waiting for credit: trainer slower; "
+                     "for the pipeline: preprocessing slower)")
+        lines.append(f"  {'endpoint':<32} {'batches/s':>10} {'MB/s':>8} {'credit':>7} "
+                     f"{'pipeline':>9}")
+        for s in sorted(by_role["producer"], key=lambda s: s.url):
+            p = prev.get(s.url)
+            rb = _rate(p, s, "feedline_producer_sent_batches_total")
+            ry = _rate(p, s, "feedline_producer_sent_bytes_total")
+            cw = _rate(p, s, "feedline_producer_credit_wait_seconds_sum")
+            pl = _rate(p, s, "feedline_producer_pipeline_seconds_total")
+            lines.append(f"  {_short(s.url):<32} {rb:>10.1f} {_mb(ry)} {100 * cw:>6.0f}% "
+                         f"{100 * pl:>8.0f}%")
+
+    occupancies: list[float] = []
+    waits: list[float] = []
+    if by_role["consumer"]:
+        lines.append("")
+        lines.append("CONSUMERS (training processes)")
+        lines.append(f"  {'endpoint':<32} {'batches/s':>10} {'MB/s':>8} {'queue':>9} "
+                     f"{'waiting':>8} {'lost':>6}")
+        for s in sorted(by_role["consumer"], key=lambda s: s.url):
+            p = prev.get(s.url)
+            q = s.get("feedline_consumer_local_queue_batches") or 0.0
+            w = s.get("feedline_consumer_window_batches") or 0.0
+            if p is not None and not p.error:
+                # Mean of both scrapes: one instant of a queue is noisy.
+                q = (q + (p.get("feedline_consumer_local_queue_batches") or 0.0)) / 2
+            rb = _rate(p, s, "feedline_consumer_received_batches_total")
+            ry = _rate(p, s, "feedline_consumer_received_bytes_total")
+            ws = min(1.0, _rate(p, s, "feedline_consumer_wait_seconds_sum"))
+            if w > 0:
+                occupancies.append(min(1.0, q / w))
+            waits.append(ws)
+            lost = s.get("feedline_consumer_lost_batches_total") or 0.0
+            lines.append(f"  {_short(s.url):<32} {rb:>10.1f} {_mb(ry)} {q:>4.1f}/{w:<4.0f}"
+                         f"{100 * ws:>7.0f}% {lost:>6.0f}")
+
+    occ = sum(occupancies) / len(occupancies) if occupancies else None
+    wait = sum(waits) / len(waits) if waits else None
+    lines.append("")
+    lines.append("VERDICT  " + verdict(occ, wait))
+    for s in down:
+        lines.append(f"  down: {s.url} ({s.error})")
+    return "\n".join(line[:width] for line in lines)
+
+
+def _short(url: str) -> str:
+    return url.removeprefix("http://").removesuffix("/metrics")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "top",
+        help="live terminal view of a running system, from its metrics endpoints",
+        description="Scrape the metrics endpoints given (broker, producers, training "
+        "processes; host:port or URLs)\nand show throughput, buffer and queue fill, and "
+        "whether the input or the model is the bottleneck.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("targets", nargs="+", metavar="HOST:PORT",
+                   help="metrics endpoints, e.g. localhost:9500 localhost:9400")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true",
+                   help="print one screen (two scrapes --interval apart) and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise SystemExit("feedline top: --interval must be > 0")
+    urls = [normalize_url(t) for t in args.targets]
+    stop = stop_on_signals()
+    prev = snapshot(urls)
+    while not stop.wait(args.interval):
+        cur = snapshot(urls)
+        screen = render(prev, cur)
+        if args.once:
+            print(screen)
+            return 0
+        # Home the cursor and clear the screen: a plain redraw, no curses needed.
+        sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
+        sys.stdout.flush()
+        prev = cur
+    return 0
+
