@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds of broker silence before reconnecting")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port; 0 turns them off")
+    p.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics")
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between rate lines in the log")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
-    serve_metrics(registry, args.metrics_port or None)
+    serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)
     stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=args.id, link=link,
