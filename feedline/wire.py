@@ -47,6 +47,20 @@ from typing import Any
 import msgpack
 import numpy as np
 
+# msgpack's own implementation, bound here so that no monkeypatch can swap it: tensorpack calls
+# msgpack_numpy.patch() at import, which rebinds msgpack.unpackb to a function that unpickles
+# object arrays. A training process that imports tensorpack must not make this decoder unsafe.
+try:
+    from msgpack._cmsgpack import Packer as _Packer
+    from msgpack._cmsgpack import unpackb as _unpackb
+except ImportError:  # pure-Python msgpack build
+    from msgpack.fallback import Packer as _Packer  # type: ignore[assignment]
+    from msgpack.fallback import unpackb as _unpackb  # type: ignore[assignment]
+
+
+def _packb(obj: Any) -> bytes:
+    return _Packer(use_bin_type=True).pack(obj)
+
 PROTOCOL_VERSION = 1
 _ARRAY_EXT = 1
 _U32 = struct.Struct(">I")
@@ -172,12 +186,12 @@ def encode_batch(
         "d": structure,
         "a": [[a.dtype.str, list(a.shape)] for a in arrays],
     }
-    return [msgpack.packb(header, use_bin_type=True), *arrays]
+    return [_packb(header), *arrays]
 
 
 def encode_control(kind: Kind, **fields: Any) -> bytes:
     """A header-only message of ``kind`` with extra short-key fields."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, "k": int(kind), **fields}, use_bin_type=True)
+    return _packb({"v": PROTOCOL_VERSION, "k": int(kind), **fields})
 
 
 # ---------------------------------------------------------------------------------- decoding
@@ -210,7 +224,7 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]
         raise DecodeError("header_too_large", f"{len(buf)} bytes")
     n = limits.max_header_bytes
     try:
-        header = msgpack.unpackb(
+        header = _unpackb(
             buf,
             raw=False,
             strict_map_key=True,
@@ -439,7 +453,7 @@ def decode_tensorpack(frame: Any, limits: Limits = DEFAULT_LIMITS) -> Any:
         raise DecodeError("message_too_large", f"{len(buf)} bytes")
     n = len(buf)
     try:
-        obj = msgpack.unpackb(
+        obj = _unpackb(
             buf,
             raw=False,
             strict_map_key=False,

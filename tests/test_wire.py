@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgpack
 import msgpack_numpy
 import numpy as np
@@ -179,3 +182,27 @@ def test_tensorpack_datapoints_decode_and_object_arrays_are_never_unpickled(tmp_
     with pytest.raises(wire.DecodeError) as err:
         wire.decode_tensorpack(payload)
     assert err.value.reason == "bad_dtype" and not marker.exists()
+
+
+def test_decoder_stays_safe_when_msgpack_numpy_patches_msgpack(tmp_path):
+    """tensorpack calls msgpack_numpy.patch() at import; our decoder must not follow it."""
+    marker = tmp_path / "executed"
+    script = f"""
+import msgpack, msgpack_numpy, numpy as np
+msgpack_numpy.patch()  # what `import tensorpack` does
+from feedline import wire
+
+class Evil:
+    def __reduce__(self):
+        return (open, ({str(marker)!r}, "w"))
+
+payload = msgpack.packb([np.array([Evil()], dtype=object)], use_bin_type=True)
+try:
+    wire.decode_tensorpack(payload)
+except wire.DecodeError as e:
+    print("refused", e.reason)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "refused bad_dtype", out.stderr
+    assert not marker.exists()
