@@ -266,6 +266,7 @@ class Broker:
         self._producers[ident] = _Producer(
             pid=pid, session=session, label=self.metrics.producer_label(pid), last_seen=now
         )
+        self.metrics.init_producer(self._producers[ident].label)
         log.info("producer %s joined (%d connected)", pid, len(self._producers))
         self._grant()
 

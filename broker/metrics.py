@@ -48,3 +48,9 @@ class BrokerMetrics:
             "feedline_broker_consumer_credit_batches",
             "Batches consumers are ready to take now (demand not met by the buffer).",
             registry=r)
+
+    def init_producer(self, label: str) -> None:
+        """Expose a new producer's series at 0, so that rates and "no losses" show at once
+        (a labelled series otherwise appears only when first incremented)."""
+        for counter in (self.received_batches, self.received_bytes, self.lost_batches):
+            counter.labels(label)
