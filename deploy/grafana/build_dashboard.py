@@ -1,0 +1,203 @@
+"""Writes deploy/grafana/dashboards/feedline.json, the provisioned Grafana dashboard.
+
+The JSON is generated so that panels stay consistent (one datasource uid, one layout grid,
+the verdict thresholds of ``feedline top``). Edit this file, run it, commit both:
+
+    python3 deploy/grafana/build_dashboard.py
+
+tests/test_ops_deploy.py checks that the committed JSON is what this script writes, and runs
+every panel's query against a live Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+DATASOURCE = {"type": "prometheus", "uid": "feedline-prometheus"}
+OUT = Path(__file__).resolve().parent / "dashboards" / "feedline.json"
+
+# The same thresholds as feedline.top (INPUT_BOUND_BELOW, MODEL_BOUND_ABOVE,
+# WAIT_SHARE_INPUT_BOUND); the deploy test checks they agree.
+INPUT_BOUND_BELOW = 0.25
+MODEL_BOUND_ABOVE = 0.75
+WAIT_SHARE_INPUT_BOUND = 0.10
+
+RI = "$__rate_interval"
+
+# Occupancy forced to 0 ("input-bound") when the loop waits for data >= 10% of its time:
+# the rule of feedline.top.verdict, in PromQL.
+VERDICT = (
+    "avg(avg_over_time(feedline_consumer_local_queue_batches[1m])"
+    " / avg_over_time(feedline_consumer_window_batches[1m]))"
+    f" * (avg(rate(feedline_consumer_wait_seconds_sum[1m])) < bool {WAIT_SHARE_INPUT_BOUND})"
+)
+
+
+def target(expr: str, legend: str = "", ref: str = "A") -> dict[str, Any]:
+    return {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "refId": ref,
+            "range": True, "instant": False}
+
+
+def panel(pid: int, kind: str, title: str, desc: str, grid: tuple[int, int, int, int],
+          targets: list[tuple[str, str]], unit: str = "short", **field: Any) -> dict[str, Any]:
+    x, y, w, h = grid
+    defaults: dict[str, Any] = {"unit": unit, **field}
+    return {
+        "id": pid,
+        "type": kind,
+        "title": title,
+        "description": desc,
+        "datasource": DATASOURCE,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "targets": [target(e, leg, chr(ord("A") + i)) for i, (e, leg) in enumerate(targets)],
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": ({"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                     "colorMode": "background", "graphMode": "area", "textMode": "auto"}
+                    if kind == "stat" else
+                    {"legend": {"displayMode": "table", "placement": "bottom",
+                                "calcs": ["mean", "lastNotNull"]},
+                     "tooltip": {"mode": "multi", "sort": "desc"}}),
+    }
+
+
+def thresholds(*steps: tuple[float | None, str]) -> dict[str, Any]:
+    return {"mode": "absolute",
+            "steps": [{"value": v, "color": c} for v, c in steps]}
+
+
+def dashboard() -> dict[str, Any]:
+    ok_bad = thresholds((None, "green"), (1, "red"))
+    panels = [
+        panel(1, "stat", "Throughput (batches/s)",
+              "Batches the broker hands to training processes per second.",
+              (0, 0, 4, 4), [(f"sum(rate(feedline_broker_forwarded_batches_total[{RI}]))", "")],
+              decimals=1),
+        panel(2, "stat", "Throughput (bytes/s)",
+              "Array bytes the broker hands to training processes per second.",
+              (4, 0, 4, 4), [(f"sum(rate(feedline_broker_forwarded_bytes_total[{RI}]))", "")],
+              unit="Bps"),
+        panel(3, "stat", "Verdict",
+              "Mean fill of the training processes' queues over 1 minute (0 when the loop "
+              f"waits for data {WAIT_SHARE_INPUT_BOUND:.0%} of its time or more). Below "
+              f"{INPUT_BOUND_BELOW}: INPUT-BOUND, add producers or speed up the pipeline. "
+              f"Above {MODEL_BOUND_ABOVE}: MODEL-BOUND, the input keeps up.",
+              (8, 0, 6, 4), [(VERDICT, "")], unit="percentunit",
+              mappings=[{"type": "range", "options": {
+                  "from": lo, "to": hi, "result": {"text": text, "color": color}}}
+                  for lo, hi, text, color in (
+                      (0, INPUT_BOUND_BELOW, "INPUT-BOUND", "red"),
+                      (INPUT_BOUND_BELOW, MODEL_BOUND_ABOVE, "balanced", "yellow"),
+                      (MODEL_BOUND_ABOVE, 2, "MODEL-BOUND", "green"))],
+              thresholds=thresholds((None, "red"), (INPUT_BOUND_BELOW, "yellow"),
+                                    (MODEL_BOUND_ABOVE, "green"))),
+        panel(4, "stat", "Peers", "Producers and training processes connected to the broker.",
+              (14, 0, 4, 4), [("feedline_broker_peers", "{{role}}")]),
+        panel(5, "stat", "Batches lost (1h)",
+              "Batches missing from producers' sequences (a producer died with batches in "
+              "flight, or the network dropped them).",
+              (18, 0, 3, 4), [("sum(increase(feedline_broker_lost_batches_total[1h]))", "")],
+              thresholds=ok_bad, decimals=0),
+        panel(6, "stat", "Rejected (1h)",
+              "Messages the broker refused (malformed, oversized, no credit, unknown peer).",
+              (21, 0, 3, 4),
+              [("sum(increase(feedline_broker_rejected_messages_total[1h]))", "")],
+              thresholds=ok_bad, decimals=0),
+        panel(7, "timeseries", "Throughput per producer (batches/s)",
+              "Batches received by the broker per second, by producer id.",
+              (0, 4, 12, 8),
+              [(f"sum by (producer) (rate(feedline_broker_received_batches_total[{RI}]))",
+                "{{producer}}"),
+               (f"sum(rate(feedline_broker_received_batches_total[{RI}]))", "total")]),
+        panel(8, "timeseries", "Throughput per producer (bytes/s)",
+              "Array bytes received by the broker per second, by producer id.",
+              (12, 4, 12, 8),
+              [(f"sum by (producer) (rate(feedline_broker_received_bytes_total[{RI}]))",
+                "{{producer}}"),
+               (f"sum(rate(feedline_broker_received_bytes_total[{RI}]))", "total")],
+              unit="Bps"),
+        panel(9, "timeseries", "Broker buffer",
+              "Batches waiting in the broker, its capacity, and credit granted to producers "
+              "but not yet used. A full buffer with idle consumers cannot happen; a full "
+              "buffer means the trainers are slower than the producers.",
+              (0, 12, 12, 8),
+              [("feedline_broker_buffer_batches", "buffered"),
+               ("feedline_broker_buffer_capacity_batches", "capacity"),
+               ("feedline_broker_credit_outstanding_batches", "credit outstanding")]),
+        panel(10, "timeseries", "Consumer queue occupancy",
+              "Batches waiting in each training process / its window. Near 100%: "
+              "model-bound. Near 0%: input-bound.",
+              (12, 12, 12, 8),
+              [("feedline_consumer_local_queue_batches / feedline_consumer_window_batches",
+                "{{instance}}")],
+              unit="percentunit", min=0, max=1,
+              thresholds=thresholds((None, "red"), (INPUT_BOUND_BELOW, "yellow"),
+                                    (MODEL_BOUND_ABOVE, "green")),
+              custom={"thresholdsStyle": {"mode": "line"}}),
+        panel(11, "timeseries", "Where the time goes (share of each second)",
+              "Training loop waiting for data (input-bound); producers waiting for credit "
+              "(model-bound); producers waiting for their own pipeline (preprocessing-bound).",
+              (0, 20, 12, 8),
+              [(f"rate(feedline_consumer_wait_seconds_sum[{RI}])",
+                "trainer waits for data {{instance}}"),
+               (f"rate(feedline_producer_credit_wait_seconds_sum[{RI}])",
+                "producer waits for credit {{instance}}"),
+               (f"rate(feedline_producer_pipeline_seconds_total[{RI}])",
+                "producer waits for its pipeline {{instance}}")],
+              unit="percentunit", min=0),
+        panel(12, "timeseries", "Wait per batch, p99",
+              "99th percentile of the training loop's wait for a batch and of a producer's "
+              "wait for credit.",
+              (12, 20, 12, 8),
+              [("histogram_quantile(0.99, sum by (le) "
+                f"(rate(feedline_consumer_wait_seconds_bucket[{RI}])))", "trainer, data"),
+               ("histogram_quantile(0.99, sum by (le) "
+                f"(rate(feedline_producer_credit_wait_seconds_bucket[{RI}])))",
+                "producers, credit")],
+              unit="s"),
+        panel(13, "timeseries", "Losses and rejects",
+              "Lost batches by producer, messages refused by reason, peers dropped by reason "
+              "(per scrape interval).",
+              (0, 28, 12, 8),
+              [(f"sum by (producer) (increase(feedline_broker_lost_batches_total[{RI}]))",
+                "lost {{producer}}"),
+               ("sum by (reason) "
+                f"(increase(feedline_broker_rejected_messages_total[{RI}]))",
+                "rejected {{reason}}"),
+               ("sum by (role, reason) "
+                f"(increase(feedline_broker_dropped_peers_total[{RI}]))",
+                "dropped {{role}} ({{reason}})")],
+              decimals=0),
+        panel(14, "timeseries", "Peers connected",
+              "Peers registered with the broker, and producer metrics endpoints up.",
+              (12, 28, 12, 8),
+              [("feedline_broker_peers", "{{role}}"),
+               ('count(up{job=~"producer|producer-remote"} == 1)', "producer endpoints up")],
+              decimals=0),
+    ]
+    return {
+        "uid": "feedline",
+        "title": "feedline",
+        "description": "Throughput, buffers, bottleneck verdict, losses (docs/operations.md).",
+        "tags": ["feedline"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": False,
+        "refresh": "5s",
+        "time": {"from": "now-15m", "to": "now"},
+        "templating": {"list": []},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    sys.stdout.write(f"wrote {OUT}\n")
