@@ -1,6 +1,49 @@
-"""The DataFlow library: sources, transforms and parallel stages, one module each."""
+"""The DataFlow library: sources, transforms and parallel stages, one module each.
+
+Names follow tensorpack's, so its users recognise them. Every stage is a plain iterable
+with an optional ``__len__`` and ``reset_state()`` (see :mod:`producer.dataflow.base`).
+"""
 
 from producer.dataflow.base import DataFlow, ProxyDataFlow
+from producer.dataflow.batch_data import BatchData
+from producer.dataflow.data_from_generator import DataFromGenerator
+from producer.dataflow.data_from_list import DataFromList
+from producer.dataflow.errors import SampleError, WorkerError
 from producer.dataflow.fake import FakeData
+from producer.dataflow.filter_data import FilterData
+from producer.dataflow.image_folder import ImageFolder
+from producer.dataflow.lmdb_serializer import LMDBData, LMDBSerializer
+from producer.dataflow.locally_shuffle_data import LocallyShuffleData
+from producer.dataflow.map_data import MapData, MapDataComponent
+from producer.dataflow.multi_process_map_data import MultiProcessMapData
+from producer.dataflow.multi_process_runner import MultiProcessRunner
+from producer.dataflow.multi_thread_map_data import MultiThreadMapData
+from producer.dataflow.repeated_data import RepeatedData
+from producer.dataflow.test_data_speed import TestDataSpeed
+from producer.dataflow.worker import WorkerInfo, get_worker, make_rng
 
-__all__ = ["DataFlow", "FakeData", "ProxyDataFlow"]
+__all__ = [
+    "BatchData",
+    "DataFlow",
+    "DataFromGenerator",
+    "DataFromList",
+    "FakeData",
+    "FilterData",
+    "ImageFolder",
+    "LMDBData",
+    "LMDBSerializer",
+    "LocallyShuffleData",
+    "MapData",
+    "MapDataComponent",
+    "MultiProcessMapData",
+    "MultiProcessRunner",
+    "MultiThreadMapData",
+    "ProxyDataFlow",
+    "RepeatedData",
+    "SampleError",
+    "TestDataSpeed",
+    "WorkerError",
+    "WorkerInfo",
+    "get_worker",
+    "make_rng",
+]

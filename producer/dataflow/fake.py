@@ -48,7 +48,7 @@ class FakeData(DataFlow):
     def _make(self, rng: np.random.Generator) -> list[np.ndarray]:
         lo, hi = self.domain
         out = []
-        for shape, dt in zip(self.shapes, self.dtypes):
+        for shape, dt in zip(self.shapes, self.dtypes, strict=True):
             if dt.kind in "iu":
                 out.append(rng.integers(int(lo), max(int(hi), int(lo) + 1), shape, dtype=dt))
             elif dt.kind == "b":

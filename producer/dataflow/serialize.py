@@ -1,0 +1,51 @@
+"""A safe, compact serialisation of datapoints (for LMDB files): msgpack plus numeric arrays.
+
+Datapoints are nested lists, tuples and dicts of ``None``, bool, int, float, str, bytes and
+numpy arrays / scalars of numeric or bool dtype. Arrays are stored as a msgpack extension
+(dtype string, shape, raw bytes). Nothing is ever unpickled: an LMDB file from elsewhere can
+be read without trusting it. Tuples come back as lists (as in tensorpack).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+_ARRAY = 42
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        obj = np.asarray(obj)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biufc" or obj.dtype.fields is not None:
+            raise TypeError(f"cannot serialise an array of dtype {obj.dtype}")
+        arr = np.ascontiguousarray(obj)
+        head = msgpack.packb([arr.dtype.str, list(arr.shape)])
+        return msgpack.ExtType(_ARRAY, head + arr.tobytes())
+    raise TypeError(f"cannot serialise {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != _ARRAY:
+        raise ValueError(f"unknown extension type {code}")
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    dtype_str, shape = unpacker.unpack()
+    dt = np.dtype(dtype_str)
+    if dt.kind not in "biufc" or dt.fields is not None:
+        raise ValueError(f"refusing dtype {dtype_str!r}")
+    offset = unpacker.tell()
+    return np.frombuffer(data, dtype=dt, offset=offset).reshape(tuple(shape))
+
+
+def dumps(dp: Any) -> bytes:
+    """Serialise one datapoint."""
+    return msgpack.packb(dp, default=_default, use_bin_type=True)
+
+
+def loads(buf: bytes | memoryview) -> Any:
+    """Rebuild a datapoint; arrays are read-only views on ``buf``'s copy."""
+    return msgpack.unpackb(buf, ext_hook=_ext_hook, raw=False, strict_map_key=False)
