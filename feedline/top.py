@@ -180,8 +180,9 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120) -> str:
             p = prev.get(s.url)
             rb = _rate(p, s, "feedline_producer_sent_batches_total")
             ry = _rate(p, s, "feedline_producer_sent_bytes_total")
-            cw = _rate(p, s, "feedline_producer_credit_wait_seconds_sum")
-            pl = _rate(p, s, "feedline_producer_pipeline_seconds_total")
+            # A wait is counted when it ends, so a short interval can see more than 100%.
+            cw = min(1.0, _rate(p, s, "feedline_producer_credit_wait_seconds_sum"))
+            pl = min(1.0, _rate(p, s, "feedline_producer_pipeline_seconds_total"))
             lines.append(f"  {_short(s.url):<32} {rb:>10.1f} {_mb(ry)} {100 * cw:>6.0f}% "
                          f"{100 * pl:>8.0f}%")
 

@@ -7,9 +7,10 @@ The server is Debian's ``prometheus`` binary (``.ci/run`` installs it), started 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -20,6 +21,13 @@ import yaml
 
 from feedline.procs import Child, free_port, wait_for
 
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_PRODUCERS = ROOT / "docker-compose.producers.yml"
+DOCKER_COMPOSE = shutil.which("docker-compose")
+needs_compose = pytest.mark.skipif(
+    DOCKER_COMPOSE is None, reason="docker-compose is missing (apt-get install docker-compose; "
+    ".ci/run installs it)")
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 needs_prometheus = pytest.mark.skipif(
@@ -126,5 +134,30 @@ def promtool_check(text: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
-def now() -> float:
-    return time.time()
+
+def compose_config(*files: Path, profile: str | None = None,
+                   env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The resolved configuration, as ``docker-compose config`` prints it."""
+    assert DOCKER_COMPOSE is not None
+    argv = [DOCKER_COMPOSE, "--project-directory", str(ROOT)]
+    for f in files:
+        argv += ["-f", str(f)]
+    if profile:
+        argv += ["--profile", profile]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("FEEDLINE_",
+                                                                         "COMPOSE_"))}
+    out = subprocess.run([*argv, "config"], capture_output=True, text=True, timeout=60,
+                         env={**full_env, **(env or {})}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def option(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def healthcheck_port(service: dict[str, Any]) -> int:
+    probe = " ".join(service["healthcheck"]["test"])
+    m = re.search(r"http://127\.0\.0\.1:(\d+)/", probe)
+    assert m, probe
+    return int(m.group(1))

@@ -95,15 +95,17 @@ def dashboard() -> dict[str, Any]:
                                     (MODEL_BOUND_ABOVE, "green"))),
         panel(4, "stat", "Peers", "Producers and training processes connected to the broker.",
               (14, 0, 4, 4), [("feedline_broker_peers", "{{role}}")]),
-        panel(5, "stat", "Batches lost (1h)",
-              "Batches missing from producers' sequences (a producer died with batches in "
-              "flight, or the network dropped them).",
-              (18, 0, 3, 4), [("sum(increase(feedline_broker_lost_batches_total[1h]))", "")],
+        # Totals since the broker started, not increase(): a reason's series appears with its
+        # first reject, and increase() would miss that first one.
+        panel(5, "stat", "Batches lost",
+              "Batches missing from producers' sequences since the broker started (a "
+              "producer died with batches in flight, or the network dropped them).",
+              (18, 0, 3, 4), [("sum(feedline_broker_lost_batches_total)", "")],
               thresholds=ok_bad, decimals=0),
-        panel(6, "stat", "Rejected (1h)",
-              "Messages the broker refused (malformed, oversized, no credit, unknown peer).",
-              (21, 0, 3, 4),
-              [("sum(increase(feedline_broker_rejected_messages_total[1h]))", "")],
+        panel(6, "stat", "Rejected",
+              "Messages the broker refused since it started (malformed, oversized, no "
+              "credit, unknown peer); the reasons are in 'Losses and rejects'.",
+              (21, 0, 3, 4), [("sum(feedline_broker_rejected_messages_total)", "")],
               thresholds=ok_bad, decimals=0),
         panel(7, "timeseries", "Throughput per producer (batches/s)",
               "Batches received by the broker per second, by producer id.",

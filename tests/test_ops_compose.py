@@ -1,0 +1,372 @@
+"""Run what docker-compose.yml starts, natively on this host, and prove it works together.
+
+There is no Docker engine here, so each service's *resolved* compose configuration
+(``docker-compose --profile demo config``) is run as a process: the same command and flags,
+the same replicas, the bind-mounted files at their host paths, addresses mapped to
+127.0.0.1 and ports to free ones (every replica has its own metrics port, as every container
+has its own address). Prometheus runs deploy/prometheus/prometheus.yml with the DNS discovery
+of the producers answered by the native replicas. Healthchecks are the compose ones, run
+natively. On this live system the tests check the dashboard's queries, promtool's lint and
+``feedline top``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+import zmq
+
+from feedline import top, wire
+from feedline.procs import Daemon, free_port, wait_for
+from tests.ops_support import (
+    COMPOSE,
+    PROMETHEUS,
+    ROOT,
+    Prometheus,
+    compose_config,
+    http_get,
+    needs_compose,
+    needs_prometheus,
+    needs_promtool,
+    promtool_check,
+)
+
+pytestmark = [needs_compose, needs_prometheus]
+
+DEPLOY = ROOT / "deploy"
+PIPELINE = {"source": {"fake": {"shapes": [[8, 16, 16, 3], [8]], "dtypes": ["uint8", "int32"],
+                                "random": False, "size": 50}}}
+_TCP = re.compile(r"tcp://([^:/]+):(\d+)")
+_URL = re.compile(r"http://127\.0\.0\.1:(\d+)/")
+
+
+@dataclass
+class Replica:
+    service: str
+    index: int
+    metrics_port: int
+    daemon: Daemon | None = None
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
+@dataclass
+class NativeCompose:
+    """The feedline services of a resolved compose configuration, as local processes."""
+
+    config: dict[str, Any]
+    workdir: Path
+    ports: dict[tuple[str, int], int] = field(default_factory=dict)  # (service, port) -> port
+    replicas: dict[str, list[Replica]] = field(default_factory=dict)
+    prometheus: Prometheus | None = None
+
+    def feedline_services(self) -> list[str]:
+        names = [n for n, s in self.config["services"].items()
+                 if s.get("build", {}).get("dockerfile") == "deploy/Dockerfile"]
+        return sorted(names, key=self._depth)
+
+    def _depth(self, name: str) -> int:
+        deps = self.config["services"][name].get("depends_on", {})
+        return 1 + max((self._depth(d) for d in deps), default=0)
+
+    def binds(self, service: str) -> dict[str, str]:
+        """container path -> host path, for this service's volumes (named ones: a dir)."""
+        out = {}
+        for vol in self.config["services"][service].get("volumes", []):
+            src, dst = vol.split(":")[:2]
+            if not src.startswith("/"):
+                src = str(self.workdir / "volumes" / src)
+                Path(src).mkdir(parents=True, exist_ok=True)
+            out[dst] = src
+        return out
+
+    def port(self, owner: str, port: int) -> int:
+        return self.ports.setdefault((owner, port), free_port())
+
+    def translate(self, args: list[str], replica: Replica) -> list[str]:
+        binds = self.binds(replica.service)
+        out = []
+        for i, arg in enumerate(args):
+            m = _TCP.fullmatch(arg)
+            if i > 0 and args[i - 1] == "--metrics-port":
+                arg = str(replica.metrics_port)
+            elif m:
+                host, port = m.group(1), int(m.group(2))
+                owner = replica.service if host == "0.0.0.0" else host
+                assert owner in self.config["services"], f"{arg}: no service {owner!r}"
+                arg = f"tcp://127.0.0.1:{self.port(owner, port)}"
+            else:
+                for dst, src in binds.items():
+                    if arg == dst or arg.startswith(dst + "/"):
+                        arg = src + arg[len(dst):]
+            out.append(arg)
+        # Metrics on loopback only (in a container they listen on its own address).
+        return [*out, "--metrics-addr", "127.0.0.1"]
+
+    def healthcheck(self, replica: Replica) -> list[str]:
+        test = self.config["services"][replica.service]["healthcheck"]["test"]
+        assert test[0] == "CMD" and test[1] == "python", test
+        return [sys.executable, *(_URL.sub(f"http://127.0.0.1:{replica.metrics_port}/", a)
+                                  for a in test[2:])]
+
+    def healthy(self, replica: Replica) -> bool:
+        return subprocess.run(self.healthcheck(replica), capture_output=True,
+                              timeout=30).returncode == 0
+
+    def start(self) -> None:
+        for name in self.feedline_services():
+            svc = self.config["services"][name]
+            for dep, cond in svc.get("depends_on", {}).items():
+                if cond.get("condition") == "service_healthy":
+                    for r in self.replicas[dep]:
+                        wait_for(lambda r=r: self.healthy(r) or not r.daemon.alive(), 60,
+                                 interval=0.2, what=f"{dep} healthy")
+                        assert r.daemon is not None and r.daemon.alive(), r.daemon.log_text()
+            count = int(svc.get("deploy", {}).get("replicas", 1))
+            self.replicas[name] = []
+            for i in range(count):
+                r = Replica(name, i, free_port())
+                args = self.translate(list(svc["command"]), r)
+                r.daemon = Daemon("feedline.cli", args, self.workdir / f"{name}-{i}.log",
+                                  env={"PYTHONPATH": str(ROOT)})
+                self.replicas[name].append(r)
+
+    def all_replicas(self) -> list[Replica]:
+        return [r for rs in self.replicas.values() for r in rs]
+
+    def prometheus_config(self) -> dict[str, Any]:
+        """deploy/prometheus/prometheus.yml with compose names answered natively."""
+        cfg = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+        binds = self.binds("prometheus")
+
+        def host_path(p: str) -> str:
+            for dst, src in binds.items():
+                if p == dst or p.startswith(dst + "/"):
+                    return src + p[len(dst):]
+            raise AssertionError(f"{p} is not mounted into the prometheus service")
+
+        cfg["global"].update(scrape_interval="500ms", scrape_timeout="500ms",
+                             evaluation_interval="1s")
+        cfg["rule_files"] = [host_path(p) for p in cfg.get("rule_files", [])]
+        for job in cfg["scrape_configs"]:
+            targets: list[str] = []
+            for sc in job.pop("static_configs", []):
+                for t in sc["targets"]:
+                    host, port = t.rsplit(":", 1)
+                    if host == "host.docker.internal":
+                        continue  # a trainer outside compose: the `trainer` service plays it
+                    targets += self.native_targets(host, int(port))
+            for dns in job.pop("dns_sd_configs", []):
+                # Docker's DNS answers a service name with every replica's address.
+                for name in dns["names"]:
+                    targets += self.native_targets(name, int(dns["port"]))
+            for fsd in job.get("file_sd_configs", []):
+                fsd["files"] = [host_path(f) for f in fsd["files"]]
+            if targets:
+                job["static_configs"] = [{"targets": targets}]
+        return cfg
+
+    def native_targets(self, service: str, port: int) -> list[str]:
+        svc = self.config["services"][service]
+        assert str(port) in svc["command"], f"{service} does not serve metrics on {port}"
+        return [f"127.0.0.1:{r.metrics_port}" for r in self.replicas[service]]
+
+    def stop(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        for name in reversed(list(self.replicas)):
+            for r in self.replicas[name]:
+                if r.daemon is not None:
+                    r.daemon.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NativeCompose]:
+    work = tmp_path_factory.mktemp("compose")
+    pipeline = work / "pipeline.yaml"
+    pipeline.write_text(yaml.safe_dump(PIPELINE))
+    # Small batches through the compose file's own variables (what a .env would set).
+    config = compose_config(COMPOSE, profile="demo", env={
+        "FEEDLINE_PIPELINE": str(pipeline), "FEEDLINE_DEMO_STEP_SECONDS": "0.02"})
+    system = NativeCompose(config, work)
+    try:
+        system.start()
+        assert PROMETHEUS is not None
+        system.prometheus = Prometheus(system.prometheus_config(), work / "prometheus")
+        yield system
+    finally:
+        system.stop()
+
+
+def test_compose_services_work_together(native: NativeCompose) -> None:
+    prom = native.prometheus
+    assert prom is not None
+    assert {n: len(rs) for n, rs in native.replicas.items()} == {
+        "broker": 1, "producer": 2, "trainer": 1}
+    prom.wait_all_up(4)
+    jobs = {t["labels"]["job"] for t in prom.api("targets")["activeTargets"]}
+    assert jobs == {"broker", "producer", "trainer"}
+    # Both producer replicas and the trainer are registered with the broker, and batches
+    # flow from each producer through the broker into the trainer.
+    wait_for(lambda: prom.value('feedline_broker_peers{role="producer"}') == 2
+             and prom.value('feedline_broker_peers{role="consumer"}') == 1, 30, interval=0.2,
+             what="peers registered")
+    wait_for(lambda: len(prom.query(
+        "rate(feedline_broker_received_batches_total[2s]) > 0")) == 2, 30, interval=0.2,
+        what="both producers sending")
+    wait_for(lambda: (prom.value("rate(feedline_consumer_received_batches_total[2s])") or 0) > 0,
+             30, interval=0.2, what="the trainer receiving")
+    # Every compose healthcheck passes natively; and fails where nothing serves.
+    for r in native.all_replicas():
+        assert native.healthy(r), r
+    dead = Replica("broker", 9, free_port())
+    assert not native.healthy(dead)
+
+
+def test_dockerfile_healthcheck_probes_the_metrics_port(native: NativeCompose) -> None:
+    DockerfileParser = pytest.importorskip(
+        "dockerfile_parse", reason="pip install dockerfile-parse (the test extra has it)"
+    ).DockerfileParser
+
+    (health,) = [i["value"] for i in DockerfileParser(str(DEPLOY / "Dockerfile")).structure
+                 if i["instruction"] == "HEALTHCHECK"]
+    cmd = json.loads(health.split("CMD", 1)[1])
+    assert cmd[0] == "python"
+    broker = native.replicas["broker"][0]
+    ok = subprocess.run([sys.executable, *cmd[1:]], capture_output=True, timeout=30,
+                        env={"FEEDLINE_METRICS_PORT": str(broker.metrics_port)})
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, *cmd[1:]], capture_output=True, timeout=30,
+                         env={"FEEDLINE_METRICS_PORT": str(free_port())})
+    assert bad.returncode != 0
+
+
+@needs_promtool
+def test_promtool_check_metrics_on_every_component(native: NativeCompose) -> None:
+    roles = set()
+    for r in native.all_replicas():
+        text = http_get(r.metrics_url)
+        out = promtool_check(text)
+        assert out.returncode == 0, (r.service, out.stdout, out.stderr)
+        roles |= {m for m in ("broker", "producer", "consumer") if f"feedline_{m}_" in text}
+    assert roles == {"broker", "producer", "consumer"}
+
+
+def _provoke_reject_and_drop(ingress: str) -> None:
+    """A garbage message (refused) and a producer that says HELLO then BYE (dropped)."""
+    ctx = zmq.Context()
+    try:
+        for frames in ([b"\x00garbage"], None):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(ingress)
+            if frames:
+                s.send_multipart(frames)
+            else:
+                s.send(wire.encode_control(wire.Kind.HELLO, r="producer", p="probe", q=7))
+                s.poll(5000)  # its CREDIT: registered
+                s.send(wire.encode_control(wire.Kind.BYE))
+            s.close()
+    finally:
+        ctx.term()
+
+
+def test_every_dashboard_query_works_on_live_metrics(native: NativeCompose) -> None:
+    prom = native.prometheus
+    assert prom is not None
+    prom.wait_all_up(4)
+    ingress = f"tcp://127.0.0.1:{native.ports[('broker', 7878)]}"
+    _provoke_reject_and_drop(ingress)
+    # Scraped at least twice (a rate needs two samples of the new series).
+    wait_for(lambda: prom.query("increase(feedline_broker_rejected_messages_total[2s])")
+             and prom.query("increase(feedline_broker_dropped_peers_total[2s])"), 30,
+             interval=0.2, what="reject and drop scraped")
+    exposed: set[str] = set()
+    for r in native.all_replicas():
+        for line in http_get(r.metrics_url).splitlines():
+            if line and not line.startswith("#"):
+                exposed.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/feedline.json").read_text())
+    # Let every rate() window hold samples of the running system.
+    wait_for(lambda: prom.value("sum(rate(feedline_broker_forwarded_batches_total[2s]))"),
+             30, interval=0.2, what="throughput in Prometheus")
+    checked = 0
+    for panel in dashboard["panels"]:
+        for t in panel["targets"]:
+            expr = t["expr"]
+            names = set(re.findall(r"\bfeedline_[a-z_]+\b", expr))
+            assert names or expr.startswith("count(up{"), expr  # `up`: Prometheus's own
+            assert names <= exposed, (panel["title"], names - exposed)
+            # Grafana's $__rate_interval is >= 4 scrapes: 2 s at this test's 500 ms.
+            live = expr.replace("$__rate_interval", "2s")
+            result = prom.query(live)
+            assert result, (panel["title"], live)
+            checked += 1
+    assert checked >= 14
+    verdict = prom.value(next(t["expr"] for p in dashboard["panels"] if p["title"] == "Verdict"
+                              for t in p["targets"]))
+    assert verdict is not None and 0 <= verdict <= 1
+
+
+def test_recording_rules_evaluate_on_live_metrics(native: NativeCompose) -> None:
+    prom = native.prometheus
+    assert prom is not None
+    groups = prom.api("rules")["groups"]
+    rules = {r["name"]: r for g in groups for r in g["rules"]}
+    assert "feedline:consumer_queue_occupancy:ratio" in rules
+    assert all(r["health"] != "err" for r in rules.values()), rules
+    wait_for(lambda: prom.value("feedline:consumer_queue_occupancy:ratio") is not None
+             and prom.value("feedline:throughput_bytes:rate1m"), 30, interval=0.2,
+             what="recording rules evaluated")
+    occupancy = prom.value("feedline:consumer_queue_occupancy:ratio")
+    assert occupancy is not None and 0 <= occupancy <= 1
+
+
+def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
+    urls = [r.metrics_url for r in native.all_replicas()]
+    broker_url = native.replicas["broker"][0].metrics_url
+
+    def forwarded(snap: dict[str, top.Scrape]) -> float:
+        return snap[broker_url].total("feedline_broker_forwarded_batches_total")
+
+    first = top.snapshot(urls)
+    assert all(s.error is None for s in first.values()), first
+    second: dict[str, top.Scrape] = {}
+
+    def moved_on() -> bool:
+        second.update(top.snapshot(urls))
+        return forwarded(second) >= forwarded(first) + 20
+    wait_for(moved_on, 30, interval=0.2, what="20 more batches")
+    screen = top.render(first, second)
+
+    producer_rows = [line for line in screen.splitlines()
+                     if re.match(r"\s+\S+-\d+\s+[\d.]+\s+[\d.]+\s+\d+$", line)]
+    ids = {line.split()[0] for line in producer_rows}
+    assert len(ids) == 2, screen  # the two replicas, by their producer ids (host-pid)
+    total = next(line for line in screen.splitlines() if line.strip().startswith("total"))
+    assert float(total.split()[1]) > 0, screen
+    endpoints = [line for line in screen.splitlines() if line.strip().startswith("127.0.0.1:")]
+    assert len(endpoints) == 3, screen  # two producer endpoints and the trainer
+    # The trainer's queue: "n.n/4" (the compose demo's window), and its rate.
+    (consumer,) = [line for line in endpoints if re.search(r"\d\.\d/4 ", line)]
+    assert float(consumer.split()[1]) > 0, screen
+    assert "VERDICT" in screen and "unknown" not in screen
+
+    # The command itself, as a user runs it.
+    out = subprocess.run(
+        [sys.executable, "-m", "feedline.cli", "top", "--once", "--interval", "0.5",
+         *(u.removeprefix("http://").removesuffix("/metrics") for u in urls)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "VERDICT" in out.stdout and "PRODUCERS" in out.stdout, out.stdout
