@@ -21,6 +21,7 @@ COMMANDS = [
     "broker.cli",
     "producer.cli",
     "feedline.demo",
+    "producer.lmdb_cli",
     "feedline.drain",
     "feedline.top",
 ]

@@ -1,11 +1,24 @@
 """Pipelines from YAML: what ``feedline producer --config`` runs.
 
-A pipeline file is a map::
+A pipeline file is a map (see docs/pipelines.md for every stage and its arguments)::
 
-    source: {fake: {shapes: [[64, 224, 224, 3], [64]], dtypes: [uint8, int32], random: false}}
-    epochs: null          # passes, or null for forever
+    seed: 0                                      # randomness = f(seed, epoch, worker)
+    source: {image_folder: {root: /data/train}}  # fake | image_folder | lmdb | list | generator
+    shard: {index: 0, count: 4}                  # this producer's share (no overlap)
+    on_error: skip                               # raise | skip (corrupt images: counted)
+    parallel: {mode: process, workers: 2}        # none | thread | process | runner
+    steps:
+      - imagenet_train: {size: 224}              # decode + augment component 0
+      - batch: {batch_size: 64}
+    epochs: null                                 # passes, or null for forever
 
-or, for a pipeline written in Python::
+Consecutive map steps (``imagenet_train``, ``imagenet_val``, ``decode``, ``augment``,
+``map``) are fused into one function, run by ``parallel``'s workers (``thread`` /
+``process``); ``runner`` instead runs whole copies of everything before the first ``batch``
+in worker processes. ``parallel.strict: true`` gives every input exactly once, in order where
+the mode can (validation).
+
+Or, for a pipeline written in Python::
 
     factory: mypackage.pipelines:imagenet_train   # a function returning a DataFlow
     args: {root: /data/train}                     # its keyword arguments
@@ -15,18 +28,37 @@ Errors are :class:`ConfigError` and name the field, e.g. ``source.fake.shapes[1]
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from producer.dataflow import DataFlow, FakeData
+from producer.dataflow import (
+    DataFlow,
+    MapData,
+    MultiProcessMapData,
+    MultiProcessRunner,
+    MultiThreadMapData,
+)
+from producer.dataflow.map_data import ComponentFunc, reseed
+from producer.dataflow.shard import check_shard
+from producer.pipeline_spec import (
+    MAP_STEPS,
+    SOURCES,
+    STEPS,
+    Args,
+    ConfigError,
+    guarded,
+    load_object,
+    one_key,
+)
 
+__all__ = ["SOURCES", "ConfigError", "build_pipeline", "load_config"]
 
-class ConfigError(ValueError):
-    """A pipeline file is invalid; the message names the field."""
+TOP_LEVEL = ("source", "factory", "args", "steps", "shard", "seed", "parallel", "on_error",
+             "epochs")
+MODES = ("none", "thread", "process", "runner")
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -43,56 +75,108 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def _require(m: Mapping[str, Any], key: str, where: str, kind: type | tuple) -> Any:
-    if key not in m:
-        raise ConfigError(f"{where}.{key}: required")
-    v = m[key]
-    if not isinstance(v, kind):
-        raise ConfigError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}")
-    return v
+class Chain:
+    """Several map functions as one (one hop to a worker for all of them); picklable."""
 
+    def __init__(self, funcs: list[Callable[[Any], Any]]) -> None:
+        self.funcs = funcs
 
-def _fake(args: Mapping[str, Any], where: str) -> DataFlow:
-    shapes = _require(args, "shapes", where, list)
-    for i, s in enumerate(shapes):
-        if not isinstance(s, list) or not all(isinstance(d, int) and d >= 0 for d in s):
-            raise ConfigError(f"{where}.shapes[{i}]: expected a list of non-negative ints")
-    dtypes = args.get("dtypes", "float32")
-    try:
-        df = FakeData(shapes, size=int(args.get("size", 1000)),
-                      random=bool(args.get("random", True)), dtype=dtypes,
-                      seed=int(args.get("seed", 0)))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from None
-    return df
+    def reseed(self, epoch: int) -> None:
+        for f in self.funcs:
+            reseed(f, epoch)
 
-
-SOURCES: dict[str, Callable[[Mapping[str, Any], str], DataFlow]] = {"fake": _fake}
+    def __call__(self, dp: Any) -> Any:
+        for f in self.funcs:
+            dp = f(dp)
+            if dp is None:
+                return None
+        return dp
 
 
 def _factory(spec: Any, args: Any) -> DataFlow:
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ConfigError("factory: expected 'package.module:function'")
-    mod_name, _, fn_name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"factory: cannot load {spec!r}: {e}") from None
+    fn = load_object(spec, "factory")
     if args is not None and not isinstance(args, dict):
         raise ConfigError("args: expected a map")
-    return fn(**(args or {}))
+    return fn(**(args or {}))  # type: ignore[no-any-return]
+
+
+def _parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    a = Args(cfg.get("parallel"), "parallel")
+    p = {"mode": a.str("mode", "none", choices=MODES), "workers": a.int("workers", 1, lo=1),
+         "strict": a.bool("strict", False), "buffer_size": a.int("buffer_size", 64, lo=1)}
+    a.done()
+    if p["buffer_size"] < p["workers"]:
+        raise ConfigError(f"parallel.buffer_size: must be >= parallel.workers ({p['workers']})")
+    return p
+
+
+def _wrap_map(ds: DataFlow, funcs: list, par: dict[str, Any], on_error: str) -> DataFlow:
+    func = funcs[0] if len(funcs) == 1 else Chain(funcs)
+    if par["mode"] == "thread":
+        return MultiThreadMapData(ds, par["workers"], func, par["buffer_size"], par["strict"],
+                                  on_error)
+    if par["mode"] == "process":
+        return MultiProcessMapData(ds, par["workers"], func, par["buffer_size"], par["strict"],
+                                   on_error)
+    return MapData(ds, func, on_error)
 
 
 def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
-    """Build the DataFlow a pipeline map describes."""
+    """Build the DataFlow a pipeline map describes (workers start at ``reset_state()``)."""
+    for k in cfg:
+        if k not in TOP_LEVEL:
+            raise ConfigError(f"{k}: unknown key (known: {list(TOP_LEVEL)})")
     if "factory" in cfg:
         return _factory(cfg["factory"], cfg.get("args"))
-    source = _require(cfg, "source", "pipeline", dict)
-    if len(source) != 1:
-        raise ConfigError(f"source: expected one of {sorted(SOURCES)}")
-    (name, args), = source.items()
-    if name not in SOURCES:
-        raise ConfigError(f"source.{name}: unknown source (known: {sorted(SOURCES)})")
-    if not isinstance(args, dict):
-        raise ConfigError(f"source.{name}: expected a map")
-    return SOURCES[name](args, f"source.{name}")
+    top = Args(cfg, "pipeline")
+    seed = top.int("seed", 0)
+    on_error = top.str("on_error", "raise", choices=("raise", "skip"))
+    par = _parallel(cfg)
+    source = top.get("source", required=True)
+    name, args = one_key(source, "source", SOURCES)
+    a = Args(args, f"source.{name}")
+    ds = SOURCES[name](a, seed)
+    a.done()
+    if "shard" in cfg:
+        s = Args(cfg["shard"], "shard")
+        index, count = s.int("index", required=True, lo=0), s.int("count", required=True, lo=1)
+        s.done()
+        if not hasattr(ds, "set_shard"):
+            raise ConfigError(f"shard: source '{name}' cannot be sharded")
+        guarded("shard", lambda: check_shard(index, count))
+        ds.set_shard(index, count)
+
+    steps = cfg.get("steps") or []
+    if not isinstance(steps, list):
+        raise ConfigError("steps: expected a list")
+    known = {**MAP_STEPS, **STEPS}
+    funcs: list[Any] = []
+    runner_done = par["mode"] != "runner"
+    for i, item in enumerate(steps):
+        where = f"steps[{i}]"
+        step, sargs = one_key(item, where, known)
+        a = Args(sargs, f"{where}.{step}")
+        step_seed = seed * 1000 + i  # distinct streams per step, all from one seed
+        if step in MAP_STEPS:
+            component = a.get("component", 0)
+            if not isinstance(component, (int, str)) or isinstance(component, bool):
+                raise ConfigError(f"{a.field('component')}: expected an int or a key")
+            f = MAP_STEPS[step](a, step_seed)
+            funcs.append(f if component is None else ComponentFunc(f, component))
+            a.done()
+            continue
+        if funcs:
+            ds = _wrap_map(ds, funcs, par, on_error)
+            funcs = []
+        if step == "batch" and not runner_done:
+            ds = guarded("parallel", lambda d=ds: MultiProcessRunner(
+                d, par["workers"], par["buffer_size"], par["strict"]))
+            runner_done = True
+        ds = guarded(where, lambda d=ds, s=step, ar=a, sd=step_seed: STEPS[s](d, ar, sd))
+        a.done()
+    if funcs:
+        ds = _wrap_map(ds, funcs, par, on_error)
+    if not runner_done:
+        ds = guarded("parallel", lambda: MultiProcessRunner(ds, par["workers"],
+                                                             par["buffer_size"], par["strict"]))
+    return ds

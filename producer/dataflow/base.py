@@ -24,6 +24,9 @@ class DataFlow:
     def reset_state(self) -> None:
         """Prepare to iterate in this process (open files, seed RNGs). Idempotent."""
 
+    def close(self) -> None:
+        """Release workers and handles (parallel stages stop their workers). Idempotent."""
+
 
 class ProxyDataFlow(DataFlow):
     """A stage that wraps another and forwards ``len`` and ``reset_state`` to it."""
@@ -38,6 +41,11 @@ class ProxyDataFlow(DataFlow):
         reset = getattr(self.ds, "reset_state", None)
         if reset is not None:
             reset()
+
+    def close(self) -> None:
+        close = getattr(self.ds, "close", None)
+        if close is not None:
+            close()
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.ds)

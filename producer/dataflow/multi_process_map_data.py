@@ -121,6 +121,7 @@ class MultiProcessMapData(ParallelMapBase):
     def close(self) -> None:
         """Stop the workers and close the sockets (idempotent; only in the owning process)."""
         if not self._started or os.getpid() != self._pid:
+            super().close()
             return
         self._started = False
         for s in self._ins:
@@ -134,3 +135,4 @@ class MultiProcessMapData(ParallelMapBase):
             self._ctx = None
         self._eps.close()
         self._procs = []
+        super().close()

@@ -172,6 +172,7 @@ class MultiProcessRunner(ProxyDataFlow):
     def close(self) -> None:
         """Stop the workers (idempotent; only in the owning process)."""
         if not self._started or os.getpid() != self._pid:
+            super().close()
             return
         self._started = False
         for s in self._ctls:
@@ -183,3 +184,4 @@ class MultiProcessRunner(ProxyDataFlow):
         self._ctx.term()
         self._eps.close()
         self._procs = []
+        super().close()

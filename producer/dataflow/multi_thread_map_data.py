@@ -85,3 +85,4 @@ class MultiThreadMapData(ParallelMapBase):
             t.join(5)
         self._threads = []
         self._started = False
+        super().close()

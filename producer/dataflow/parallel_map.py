@@ -56,9 +56,6 @@ class ParallelMapBase(ProxyDataFlow):
     def _check_alive(self) -> None:
         """Raise WorkerError if a worker is gone."""
 
-    def close(self) -> None:
-        raise NotImplementedError
-
     # -- the contract ------------------------------------------------------------------
     def reset_state(self) -> None:
         super().reset_state()
