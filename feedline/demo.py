@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -46,15 +47,23 @@ def run(args: argparse.Namespace) -> int:
         ingress = f"tcp://127.0.0.1:{free_port()}"
         egress = f"ipc://{work}/egress.sock"
         n, s = args.batch_size, args.image_size
-        pipeline = {"source": {"fake": {"shapes": [[n, s, s, 3], [n]],
-                                        "dtypes": ["uint8", "int32"], "random": False,
-                                        "size": 1000}}}
-        cfg_path = work / "pipeline.yaml"
-        cfg_path.write_text(yaml.safe_dump(pipeline))
+        # Real JPEGs (cut from the photos inside scikit-image, made once and cached), run
+        # through the ImageNet-style train pipeline; each producer reads its own shard.
+        from producer.demo_data import build, default_dir
+
+        data = build(default_dir(os.environ.get("XDG_CACHE_HOME"), count=512), count=512)
+        cfg_paths = []
+        for i in range(args.producers):
+            pipeline = {"seed": i, "source": {"image_folder": {"root": str(data)}},
+                        "shard": {"index": i, "count": args.producers}, "on_error": "skip",
+                        "steps": [{"imagenet_train": {"size": s}},
+                                  {"batch": {"batch_size": n}}]}
+            cfg_paths.append(work / f"pipeline-{i}.yaml")
+            cfg_paths[-1].write_text(yaml.safe_dump(pipeline))
         daemons = [Daemon("broker", ["--ingress", ingress, "--egress", egress,
                                      "--metrics-port", "0"], work / "broker.log")]
         for i in range(args.producers):
-            daemons.append(Daemon("producer", ["--config", str(cfg_path), "--broker", ingress,
+            daemons.append(Daemon("producer", ["--config", str(cfg_paths[i]), "--broker", ingress,
                                                "--id", f"demo-{i}"], work / f"producer-{i}.log"))
         print(f"feedline demo: broker {ingress} -> {egress}, {args.producers} producers, "
               f"batches of {n}x{s}x{s}x3 uint8, {args.duration:.0f}s")
