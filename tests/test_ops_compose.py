@@ -370,3 +370,35 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "VERDICT" in out.stdout and "PRODUCERS" in out.stdout, out.stdout
+
+
+def _seconds(duration: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", duration)
+    assert m, duration
+    return float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m.group(2)]
+
+
+def test_services_stop_cleanly_on_sigterm(native: NativeCompose) -> None:
+    """What `docker compose stop` does: SIGTERM, SIGKILL after stop_grace_period.
+
+    Runs last in this module (it stops the system). Every daemon exits 0 on SIGTERM, and
+    producers say BYE, so the broker frees their credit at once instead of timing out.
+    """
+    broker = native.replicas["broker"][0]
+
+    def dropped_by_bye() -> float:
+        text = http_get(broker.metrics_url)
+        scrape = top.parse(broker.metrics_url, text, 0.0)
+        return scrape.get("feedline_broker_dropped_peers_total", role="producer",
+                          reason="bye") or 0.0
+
+    before = dropped_by_bye()  # (another test's probe may have said BYE already)
+    for name in ("trainer", "producer"):
+        grace = _seconds(native.config["services"][name]["stop_grace_period"])
+        for r in native.replicas[name]:
+            assert r.daemon is not None
+            assert r.daemon.stop(timeout=grace) == 0, r.daemon.log_text()
+    wait_for(lambda: dropped_by_bye() >= before + 2, 20, what="producers' BYE at the broker")
+    assert broker.daemon is not None
+    grace = _seconds(native.config["services"]["broker"]["stop_grace_period"])
+    assert broker.daemon.stop(timeout=grace) == 0, broker.daemon.log_text()
