@@ -130,9 +130,11 @@ class NativeCompose:
             for dep, cond in svc.get("depends_on", {}).items():
                 if cond.get("condition") == "service_healthy":
                     for r in self.replicas[dep]:
-                        wait_for(lambda r=r: self.healthy(r) or not r.daemon.alive(), 60,
+                        d = r.daemon
+                        assert d is not None
+                        wait_for(lambda r=r, d=d: self.healthy(r) or not d.alive(), 60,
                                  interval=0.2, what=f"{dep} healthy")
-                        assert r.daemon is not None and r.daemon.alive(), r.daemon.log_text()
+                        assert d.alive(), d.log_text()
             count = int(svc.get("deploy", {}).get("replicas", 1))
             self.replicas[name] = []
             for i in range(count):

@@ -64,7 +64,8 @@ def test_prometheus_rates_and_queue_agree_with_the_consumer(
             t1 = time.time()
 
             def received() -> float:
-                return registry.get_sample_value("feedline_consumer_received_batches_total")
+                return registry.get_sample_value(
+                    "feedline_consumer_received_batches_total") or 0.0
 
             # We take no more, so no credit returns: the broker fills our window and stops.
             wait_for(lambda: received() == TAKE + 1 + WINDOW, 20, what="window filled")
