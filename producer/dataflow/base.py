@@ -12,6 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 
+class UnknownLength(NotImplementedError, TypeError):
+    """Raised by ``len()`` of a stage whose length is unknown.
+
+    A NotImplementedError as in tensorpack, and a TypeError so that ``list(df)`` (which asks
+    for a length hint and only tolerates TypeError) still works.
+    """
+
+
 class DataFlow:
     """Base class of every stage."""
 
@@ -19,7 +27,7 @@ class DataFlow:
         raise NotImplementedError
 
     def __len__(self) -> int:
-        raise NotImplementedError(f"{type(self).__name__} has no length")
+        raise UnknownLength(f"{type(self).__name__} has no length")
 
     def reset_state(self) -> None:
         """Prepare to iterate in this process (open files, seed RNGs). Idempotent."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from producer.dataflow.base import DataFlow
+from producer.dataflow.base import DataFlow, UnknownLength
 
 
 class DataFromGenerator(DataFlow):
@@ -23,7 +23,7 @@ class DataFromGenerator(DataFlow):
 
     def __len__(self) -> int:
         if self.size is None:
-            raise NotImplementedError("DataFromGenerator has no size")
+            raise UnknownLength("DataFromGenerator has no size")
         return self.size
 
     def __iter__(self) -> Iterator[Any]:

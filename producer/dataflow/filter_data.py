@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from producer.dataflow.base import DataFlow, ProxyDataFlow
+from producer.dataflow.base import DataFlow, ProxyDataFlow, UnknownLength
 
 
 class FilterData(ProxyDataFlow):
@@ -16,7 +16,7 @@ class FilterData(ProxyDataFlow):
         self.func = func
 
     def __len__(self) -> int:
-        raise NotImplementedError("FilterData has no length")
+        raise UnknownLength("FilterData has no length")
 
     def __iter__(self) -> Iterator[Any]:
         for dp in self.ds:

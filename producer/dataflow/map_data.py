@@ -26,7 +26,7 @@ def apply(func: Callable[[Any], Any], dp: Any, on_error: str) -> tuple[Any, bool
     except SampleError as e:
         if on_error != "skip":
             raise
-        log.debug("skipped a datapoint: %s", e)
+        log.warning("skipped a datapoint: %s", e)
         return None, True
 
 

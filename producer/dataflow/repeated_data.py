@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from producer.dataflow.base import DataFlow, ProxyDataFlow
+from producer.dataflow.base import DataFlow, ProxyDataFlow, UnknownLength
 
 
 class RepeatedData(ProxyDataFlow):
@@ -19,7 +19,7 @@ class RepeatedData(ProxyDataFlow):
 
     def __len__(self) -> int:
         if self.num == -1:
-            raise NotImplementedError("RepeatedData(num=-1) is infinite")
+            raise UnknownLength("RepeatedData(num=-1) is infinite")
         return len(self.ds) * self.num
 
     def __iter__(self) -> Iterator[Any]:

@@ -22,7 +22,7 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in "biufc" or obj.dtype.fields is not None:
             raise TypeError(f"cannot serialise an array of dtype {obj.dtype}")
-        arr = np.ascontiguousarray(obj)
+        arr = obj if obj.flags.c_contiguous else obj.copy(order="C")  # keeps 0-d shapes
         head = msgpack.packb([arr.dtype.str, list(arr.shape)])
         return msgpack.ExtType(_ARRAY, head + arr.tobytes())
     raise TypeError(f"cannot serialise {type(obj).__name__}")
