@@ -107,9 +107,12 @@ def open_reader(path: str | Path) -> lmdb.Environment:
     if env is None:
         if not Path(path).is_file():
             raise FileNotFoundError(f"no LMDB file at {path}")
-        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_readers=256)
         for old in [o for o in _READERS if o[1] != os.getpid()]:
-            del _READERS[old]  # inherited from a parent: never used, never closed here
+            # Inherited through fork: unusable here, and py-lmdb refuses a second open of
+            # the same file while it is registered. Closing unmaps it in this process only
+            # (read-only, lock=False: no shared lock table to disturb).
+            _READERS.pop(old).close()
+        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_readers=256)
         _READERS[k] = env
     return env
 
