@@ -127,6 +127,8 @@ def guarded(where: str, build: Callable[[], Any]) -> Any:
     """Run a constructor; its ValueError/TypeError becomes a ConfigError at ``where``."""
     try:
         return build()
+    except ConfigError:
+        raise
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"{where}: {e}") from None
 

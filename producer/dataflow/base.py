@@ -35,6 +35,12 @@ class DataFlow:
     def close(self) -> None:
         """Release workers and handles (parallel stages stop their workers). Idempotent."""
 
+    def __enter__(self) -> DataFlow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class ProxyDataFlow(DataFlow):
     """A stage that wraps another and forwards ``len`` and ``reset_state`` to it."""

@@ -157,12 +157,6 @@ class MultiProcessRunner(ProxyDataFlow):
             else:
                 yield payload
 
-    def __enter__(self) -> MultiProcessRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __del__(self) -> None:
         try:
             self.close()

@@ -64,12 +64,6 @@ class ParallelMapBase(ProxyDataFlow):
             self._start()
             self._started = True
 
-    def __enter__(self) -> ParallelMapBase:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __del__(self) -> None:
         try:
             self.close()

@@ -1,0 +1,242 @@
+"""Pipelines from YAML: every stage, sharding, error policy, field-naming errors, and the
+producer CLI running an example file against a real broker."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from consumer import RemoteDataZMQ
+from feedline.link import LinkConfig
+from producer.dataflow import MapData, MultiProcessMapData
+from producer.image import ImageNetVal
+from producer.pipeline import ConfigError, build_pipeline, load_config
+from tests.jpeg_data import make_folder
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> Path:
+    make_folder(tmp_path / "imgs", classes=3, per_class=5)
+    return tmp_path / "imgs"
+
+
+def run(cfg: dict, passes: int = 1) -> list:
+    df = build_pipeline(cfg)
+    try:
+        df.reset_state()
+        return [list(df) for _ in range(passes)]
+    finally:
+        df.close()
+
+
+def labels(batches: list) -> list[int]:
+    return sorted(int(x) for b in batches for x in b[1])
+
+
+def test_image_folder_train_pipeline_in_each_parallel_mode(images: Path) -> None:
+    for mode in ("none", "thread", "process", "runner"):
+        cfg = {"source": {"image_folder": {"root": str(images)}},
+               "parallel": {"mode": mode, "workers": 2, "buffer_size": 4},
+               "steps": [{"imagenet_train": {"size": 32, "color_jitter": 0.4, "lighting": 0.1}},
+                         {"local_shuffle": {"buffer_size": 4}},
+                         {"batch": {"batch_size": 5}}]}
+        [batches] = run(cfg)
+        assert len(batches) == 3, mode
+        assert batches[0][0].shape == (5, 32, 32, 3) and batches[0][0].dtype == np.uint8
+        if mode == "runner":  # unordered runner: each worker shuffles its own full copy
+            assert len(labels(batches)) == 15 and set(labels(batches)) <= {0, 1, 2}
+        else:
+            assert labels(batches) == [0] * 5 + [1] * 5 + [2] * 5, mode
+
+
+def test_every_other_stage_from_yaml(images: Path, tmp_path: Path) -> None:
+    cfg = {"source": {"list": {"items": [[i, i] for i in range(10)]}},
+           "steps": [{"map": {"function": "tests.test_pipeline_yaml:add", "args": {"k": 100},
+                              "component": 1}},
+                     {"filter": {"function": "tests.test_pipeline_yaml:even"}},
+                     {"repeat": {"times": 2}},
+                     {"batch": {"batch_size": 4, "remainder": True, "use_list": True}}]}
+    [batches] = run(cfg)
+    assert [dp for b in batches for dp in b[0]] == [0, 2, 4, 6, 8] * 2
+    assert batches[0][1] == [100, 102, 104, 106]
+    gen = {"source": {"generator": {"function": "tests.test_pipeline_yaml:gen", "size": 3}}}
+    assert run(gen, 2) == [[[0], [1], [2]]] * 2
+    aug = {"source": {"image_folder": {"root": str(images), "shuffle": False}},
+           "steps": [{"decode": {"channels": "bgr"}},
+                     {"augment": {"augmentors": [
+                         {"resize_shortest_edge": {"size": 40}}, {"center_crop": {"size": 40}},
+                         {"random_resized_crop": {"size": 24, "scale": [0.5, 1.0]}},
+                         {"flip": {"prob": 1.0}}, {"brightness": {"delta": 10}},
+                         {"contrast": {"range": [0.8, 1.2]}}, {"saturation": {"alpha": 0.2}},
+                         {"color_jitter": {}}, {"lighting": {"std": 0.1}}]}},
+                     {"batch": {"batch_size": 15}}]}
+    [[batch]] = run(aug)
+    assert batch[0].shape == (15, 24, 24, 3)
+    fake = load_config(ROOT / "examples" / "fake.yaml")
+    df = build_pipeline(fake)
+    df.reset_state()
+    assert next(iter(df))[0].shape == (64, 224, 224, 3)
+
+
+def add(k: int):
+    return lambda x: x + k
+
+
+def even(dp) -> bool:
+    return dp[0] % 2 == 0
+
+
+def gen():
+    yield from ([i] for i in range(3))
+
+
+def test_lmdb_source_from_yaml(images: Path, tmp_path: Path) -> None:
+    from producer.dataflow import ImageFolder, LMDBSerializer
+
+    LMDBSerializer.save(ImageFolder(images, shuffle=False), tmp_path / "i.lmdb", progress=False)
+    cfg = {"source": {"lmdb": {"path": str(tmp_path / "i.lmdb"), "shuffle": True}},
+           "steps": [{"imagenet_val": {"size": 16, "resize": 20}}, {"batch": {"batch_size": 15}}]}
+    [[batch]] = run(cfg)
+    assert batch[0].shape == (15, 16, 16, 3) and labels([batch]) == [0] * 5 + [1] * 5 + [2] * 5
+
+
+@pytest.mark.parametrize("mode", ["none", "process", "runner"])
+def test_shards_cover_the_dataset_exactly_once(images: Path, mode: str) -> None:
+    seen: list[int] = []
+    for i in range(3):
+        cfg = {"source": {"image_folder": {"root": str(images), "shuffle": True}},
+               "shard": {"index": i, "count": 3},
+               "parallel": {"mode": mode, "workers": 2, "strict": True, "buffer_size": 4},
+               "steps": [{"map": {"function": "tests.test_pipeline_yaml:digest",
+                                  "component": 0}}]}
+        [out] = run(cfg)
+        seen += [dp[0] for dp in out]
+    expected = [digest(p.read_bytes()) for p in sorted(images.rglob("*.jpg"))]
+    assert sorted(seen) == sorted(expected) and len(set(seen)) == 15
+
+
+def digest(data) -> str:
+    return hashlib.sha1(bytes(data)).hexdigest()
+
+
+def test_a_corrupt_jpeg_is_skipped_and_counted_not_fatal(images: Path) -> None:
+    (images / "c1" / "zz-corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 64)
+    for mode in ("none", "process"):
+        cfg = {"source": {"image_folder": {"root": str(images)}}, "on_error": "skip",
+               "parallel": {"mode": mode, "workers": 2, "buffer_size": 4},
+               "steps": [{"imagenet_train": {"size": 16}}, {"batch": {"batch_size": 1}}]}
+        df = build_pipeline(cfg)
+        with df:
+            df.reset_state()
+            assert len(list(df)) == 15
+            stage = df.ds
+            assert isinstance(stage, (MapData, MultiProcessMapData)) and stage.skipped == 1
+    cfg["on_error"] = "raise"
+    cfg["parallel"] = {"mode": "none"}
+    with pytest.raises(Exception, match="cannot decode"):
+        run(cfg)
+
+
+def test_same_seed_same_batches(images: Path) -> None:
+    cfg = {"seed": 11, "source": {"image_folder": {"root": str(images)}},
+           "parallel": {"mode": "process", "workers": 2, "strict": True, "buffer_size": 4},
+           "steps": [{"imagenet_train": {"size": 24}}, {"batch": {"batch_size": 5}}]}
+    a, b = run(cfg, 2), run(cfg, 2)
+    flat = [[x.tobytes() for x in batch] for epoch in a for batch in epoch]
+    assert flat == [[x.tobytes() for x in batch] for epoch in b for batch in epoch]
+    assert flat[:3] != flat[3:], "epochs differ"
+    c = run({**cfg, "seed": 12})
+    assert [[x.tobytes() for x in batch] for batch in c[0]] != flat[:3]
+
+
+@pytest.mark.parametrize("cfg, field", [
+    ({"source": {"fake": {"shapes": [[2], ["x"]]}}}, "source.fake.shapes[1]"),
+    ({"source": {"nope": {}}}, "source.nope"),
+    ({"source": {"fake": {"shapes": [[2]], "sise": 3}}}, "source.fake.sise"),
+    ({"source": {"image_folder": {}}}, "source.image_folder.root"),
+    ({"source": {"image_folder": {"root": "/no/such/dir"}}}, "source.image_folder"),
+    ({"source": {"list": {"items": [1]}}, "shard": {"index": 2, "count": 2}}, "shard"),
+    ({"source": {"list": {"items": [1]}}, "shard": {"count": 2}}, "shard.index"),
+    ({"source": {"fake": {"shapes": [[1]]}}, "shard": {"index": 0, "count": 2}}, "shard"),
+    ({"source": {"list": {"items": [1]}}, "steps": [{"batch": {"batch_size": 0}}]},
+     "steps[0].batch.batch_size"),
+    ({"source": {"list": {"items": [1]}}, "steps": [{"batch": {}}]}, "steps[0].batch.batch_size"),
+    ({"source": {"list": {"items": [1]}}, "steps": [{"bach": {}}]}, "steps[0].bach"),
+    ({"source": {"list": {"items": [1]}}, "steps": [{"imagenet_train": {"size": "big"}}]},
+     "steps[0].imagenet_train.size"),
+    ({"source": {"list": {"items": [1]}},
+      "steps": [{"augment": {"augmentors": [{"flip": {}}, {"twirl": {}}]}}]},
+     "steps[0].augment.augmentors[1].twirl"),
+    ({"source": {"list": {"items": [1]}},
+      "steps": [{"augment": {"augmentors": [{"center_crop": {"size": -1}}]}}]},
+     "steps[0].augment.augmentors[0].center_crop.size"),
+    ({"source": {"list": {"items": [1]}}, "steps": [{"map": {"function": "os:nope"}}]},
+     "steps[0].map.function"),
+    ({"source": {"list": {"items": [1]}}, "parallel": {"mode": "gpu"}}, "parallel.mode"),
+    ({"source": {"list": {"items": [1]}}, "parallel": {"workers": 0}}, "parallel.workers"),
+    ({"source": {"list": {"items": [1]}}, "on_error": "ignore"}, "pipeline.on_error"),
+    ({"source": {"list": {"items": [1]}}, "epoch": 3}, "epoch"),
+    ({"factory": "no_colon"}, "factory"),
+])
+def test_errors_name_the_field(cfg: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_pipeline(cfg)
+    assert str(info.value).startswith(f"{field}:"), str(info.value)
+
+
+def test_example_configs_build(images: Path, tmp_path: Path) -> None:
+    for name in ("imagenet_train", "imagenet_val"):
+        cfg = load_config(ROOT / "examples" / f"{name}.yaml")
+        cfg["source"]["image_folder"]["root"] = str(images)
+        cfg["steps"][-1]["batch"]["batch_size"] = 4
+        [batches] = run(cfg)
+        assert batches[0][0].shape == (4, 224, 224, 3) and batches[0][0].dtype == np.uint8
+        total = sum(len(b[1]) for b in batches)
+        assert total == (12 if name == "imagenet_train" else 15)
+
+
+def test_producer_cli_runs_the_val_example_against_a_real_broker(
+    images: Path, tmp_path: Path, broker_proc, daemons, endpoints
+) -> None:
+    """Two producer processes, one shard each, strict workers: epoch 0 of the two producers
+    together is every image exactly once, as the model would see it."""
+    broker_proc()
+    example = yaml.safe_load((ROOT / "examples" / "imagenet_val.yaml").read_text())
+    for i in range(2):
+        cfg = dict(example)
+        cfg["source"] = {"image_folder": {"root": str(images), "shuffle": False}}
+        cfg["shard"] = {"index": i, "count": 2}
+        cfg["steps"] = [{"imagenet_val": {"size": 64, "resize": 72}},
+                        {"batch": {"batch_size": 4, "remainder": True}}]
+        # Keep sending (epochs: forever): a producer that exits right after its last batch
+        # may lose it with the link's zero linger; epoch 0 is complete once epoch 1 starts.
+        cfg["epochs"] = None
+        (tmp_path / f"p{i}.yaml").write_text(yaml.safe_dump(cfg))
+        daemons("producer", "--config", tmp_path / f"p{i}.yaml", "--broker", endpoints.ingress,
+                "--id", f"p{i}", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
+                name=f"producer-{i}")
+    got: dict[str, list] = {"p0": [], "p1": []}
+    later: set[str] = set()
+    with RemoteDataZMQ(endpoints.egress, timeout=60, link=FAST, return_meta=True) as src:
+        for batch in src:
+            if batch.epoch > 0:
+                later.add(batch.producer)
+                if later == {"p0", "p1"}:
+                    break
+                continue
+            imgs, labs = batch.datapoint
+            got[batch.producer] += [(img.tobytes(), int(lab)) for img, lab in
+                                    zip(imgs, labs, strict=True)]
+    val = ImageNetVal(64, 72)
+    expected = []
+    for k, d in enumerate(sorted(images.iterdir())):
+        expected += [(val(np.fromfile(p, np.uint8)).tobytes(), k) for p in sorted(d.iterdir())]
+    assert len(got["p0"]) == 8 and len(got["p1"]) == 7
+    assert sorted(got["p0"] + got["p1"]) == sorted(expected)
