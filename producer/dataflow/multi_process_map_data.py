@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import traceback
 from collections.abc import Callable
@@ -36,22 +37,23 @@ def _worker(k: int, n: int, func: Callable[[Any], Any], on_error: str, in_ep: st
                 if ipc.parent_gone(parent_pid):
                     return
                 continue
-            job = ipc.recv(inq)
-            if job == STOP:
+            jobs = ipc.recv(inq)
+            if jobs == STOP:
                 return
-            gen, ep, i, dp = job
-            if ep != epoch:
-                reseed(func, ep)
-                epoch = ep
-            try:
-                res, skipped = apply(func, dp, on_error)
-                msg = (SKIP if skipped else OK, gen, i, k, res)
-            except Exception:
-                msg = (ERR, gen, i, k, traceback.format_exc())
+            results = []
+            for gen, ep, i, dp in jobs:
+                if ep != epoch:
+                    reseed(func, ep)
+                    epoch = ep
+                try:
+                    res, skipped = apply(func, dp, on_error)
+                    results.append((SKIP if skipped else OK, gen, i, k, res))
+                except Exception:
+                    results.append((ERR, gen, i, k, traceback.format_exc()))
             while not out.poll(ipc.POLL_MS, zmq.POLLOUT):
                 if ipc.parent_gone(parent_pid):
                     return
-            ipc.send(out, msg)
+            ipc.send(out, results)
     finally:
         inq.close()
         out.close()
@@ -73,9 +75,17 @@ class MultiProcessMapData(ParallelMapBase):
     """
 
     def __init__(self, ds: DataFlow, num_proc: int, func: Callable[[Any], Any],
-                 buffer_size: int = 64, strict: bool = False, on_error: str = "raise") -> None:
+                 buffer_size: int = 64, strict: bool = False, on_error: str = "raise",
+                 chunk: int = 8) -> None:
         super().__init__(ds, num_proc, buffer_size, strict, on_error)
+        if not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
         self.func = func
+        # Datapoints travel in messages of up to `chunk` (and results likewise): each
+        # message costs wake-ups and context switches in both processes, so fewer is faster.
+        self.chunk = chunk
+        self._held: list[list[tuple]] = []
+        self._results: collections.deque = collections.deque()
         self._procs: list[Any] = []
         self._ctx: zmq.Context | None = None
         self._pid = os.getpid()
@@ -101,6 +111,8 @@ class MultiProcessMapData(ParallelMapBase):
             self._ins.append(s)
         self._out = ipc.socket(self._ctx, zmq.PULL, self.buffer_size + 1)
         self._out.bind(out)
+        self._held = [[] for _ in range(self.num_workers)]
+        self._results.clear()
 
     def _check_alive(self) -> None:
         dead = ipc.dead_worker(self._procs)
@@ -108,15 +120,29 @@ class MultiProcessMapData(ParallelMapBase):
             raise WorkerError(f"map worker died: {dead}")
 
     def _send(self, worker: int, job: tuple) -> None:
+        held = self._held[worker]
+        held.append(job)
+        if len(held) >= self.chunk:
+            self._send_held(worker)
+
+    def _send_held(self, worker: int) -> None:
         sock = self._ins[worker]
         while not sock.poll(ipc.POLL_MS, zmq.POLLOUT):  # not yet connected, or gone
             self._check_alive()
-        ipc.send(sock, job)
+        ipc.send(sock, self._held[worker])
+        self._held[worker] = []
+
+    def _flush(self) -> None:
+        for w, held in enumerate(self._held):
+            if held:
+                self._send_held(w)
 
     def _recv(self, timeout: float) -> tuple | None:
-        if not self._out.poll(int(timeout * 1000)):
-            return None
-        return ipc.recv(self._out)  # type: ignore[no-any-return]
+        if not self._results:
+            if not self._out.poll(int(timeout * 1000)):
+                return None
+            self._results.extend(ipc.recv(self._out))
+        return self._results.popleft()  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Stop the workers and close the sockets (idempotent; only in the owning process)."""

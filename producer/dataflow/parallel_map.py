@@ -56,6 +56,9 @@ class ParallelMapBase(ProxyDataFlow):
     def _check_alive(self) -> None:
         """Raise WorkerError if a worker is gone."""
 
+    def _flush(self) -> None:
+        """Send jobs a subclass may have held back to batch them (called before waiting)."""
+
     # -- the contract ------------------------------------------------------------------
     def reset_state(self) -> None:
         super().reset_state()
@@ -71,6 +74,7 @@ class ParallelMapBase(ProxyDataFlow):
             pass
 
     def _wait(self) -> tuple:
+        self._flush()
         while True:
             res = self._recv(0.2)
             if res is not None:
@@ -136,7 +140,7 @@ class ParallelMapBase(ProxyDataFlow):
                     if out is not None:
                         yield out
         finally:
-            if total:
+            if total and self._started and gen == self._generation:
                 self._drain(gen, total)
 
     def _drain(self, gen: int, total: int) -> None:
