@@ -84,6 +84,7 @@ class MultiProcessMapData(ParallelMapBase):
         # Datapoints travel in messages of up to `chunk` (and results likewise): each
         # message costs wake-ups and context switches in both processes, so fewer is faster.
         self.chunk = chunk
+        self._refill = min(chunk, max(1, buffer_size // 2))
         self._held: list[list[tuple]] = []
         self._results: collections.deque = collections.deque()
         self._procs: list[Any] = []

@@ -41,6 +41,7 @@ class ParallelMapBase(ProxyDataFlow):
         self._epoch = 0
         self._generation = 0
         self._started = False
+        self._refill = 1
 
     # -- for subclasses --------------------------------------------------------------
     def _start(self) -> None:
@@ -98,7 +99,11 @@ class ParallelMapBase(ProxyDataFlow):
         exhausted = False
         try:
             while True:
-                while not exhausted and total < self.buffer_size:
+                # Refill in runs of `_refill` (a subclass's message size), not one by one
+                # as results trickle in: one message per datapoint costs wake-ups.
+                room = self.buffer_size - total
+                while not exhausted and total < self.buffer_size and \
+                        (room >= self._refill or total == 0):
                     if self.strict:
                         w = idx % n
                     else:
