@@ -1,0 +1,49 @@
+"""Plot the pipeline benchmark's results (``pipeline.py --json``) into a PNG for docs/.
+
+    python benchmarks/plot_pipeline.py docs/pipeline_benchmark.json docs/pipeline_benchmark.png
+
+Needs matplotlib (``pip install '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path)
+    ap.add_argument("out", type=Path)
+    args = ap.parse_args()
+    data = json.loads(args.results.read_text())
+    summary, runs = data["summary"], data["runs"]
+    names = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in [(axes[0], "images_per_cpu_s", "images per CPU-second (per core)"),
+                           (axes[1], "images_per_s", "images per second (wall, 2 shared cores)")]:
+        vals = [summary[n][key] for n in names]
+        colors = ["#888888" if n == "tf.data" else "#2a6fb0" for n in names]
+        ax.bar(names, vals, color=colors)
+        for i, n in enumerate(names):
+            pts = [r[key] for r in runs if r["variant"] == n]
+            ax.scatter([i] * len(pts), pts, color="black", s=10, zorder=3)
+            ax.text(i, vals[i], f"{vals[i]:.0f}", ha="center", va="bottom", fontsize=9)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("ImageNet train preprocessing (decode, RandomResizedCrop 224, flip, batch 64):"
+                 " median of rounds, dots = rounds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=100)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
