@@ -102,8 +102,8 @@ def _factory(spec: Any, args: Any) -> DataFlow:
 
 def _parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
     a = Args(cfg.get("parallel"), "parallel")
-    p = {"mode": a.str("mode", "none", choices=MODES), "workers": a.int("workers", 1, lo=1),
-         "strict": a.bool("strict", False), "buffer_size": a.int("buffer_size", 64, lo=1)}
+    p = {"mode": a.text("mode", "none", choices=MODES), "workers": a.integer("workers", 1, lo=1),
+         "strict": a.flag("strict", False), "buffer_size": a.integer("buffer_size", 64, lo=1)}
     a.done()
     if p["buffer_size"] < p["workers"]:
         raise ConfigError(f"parallel.buffer_size: must be >= parallel.workers ({p['workers']})")
@@ -121,6 +121,13 @@ def _wrap_map(ds: DataFlow, funcs: list, par: dict[str, Any], on_error: str) -> 
     return MapData(ds, func, on_error)
 
 
+def _runner(ds: DataFlow, par: dict[str, Any]) -> DataFlow:
+    try:
+        return MultiProcessRunner(ds, par["workers"], par["buffer_size"], par["strict"])
+    except ValueError as e:
+        raise ConfigError(f"parallel: {e}") from None
+
+
 def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
     """Build the DataFlow a pipeline map describes (workers start at ``reset_state()``)."""
     for k in cfg:
@@ -129,8 +136,8 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
     if "factory" in cfg:
         return _factory(cfg["factory"], cfg.get("args"))
     top = Args(cfg, "pipeline")
-    seed = top.int("seed", 0)
-    on_error = top.str("on_error", "raise", choices=("raise", "skip"))
+    seed = top.integer("seed", 0)
+    on_error = top.text("on_error", "raise", choices=("raise", "skip"))
     par = _parallel(cfg)
     source = top.get("source", required=True)
     name, args = one_key(source, "source", SOURCES)
@@ -139,7 +146,8 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
     a.done()
     if "shard" in cfg:
         s = Args(cfg["shard"], "shard")
-        index, count = s.int("index", required=True, lo=0), s.int("count", required=True, lo=1)
+        index = s.integer("index", required=True, lo=0)
+        count = s.integer("count", required=True, lo=1)
         s.done()
         if not hasattr(ds, "set_shard"):
             raise ConfigError(f"shard: source '{name}' cannot be sharded")
@@ -169,14 +177,17 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
             ds = _wrap_map(ds, funcs, par, on_error)
             funcs = []
         if step == "batch" and not runner_done:
-            ds = guarded("parallel", lambda d=ds: MultiProcessRunner(
-                d, par["workers"], par["buffer_size"], par["strict"]))
+            ds = _runner(ds, par)
             runner_done = True
-        ds = guarded(where, lambda d=ds, s=step, ar=a, sd=step_seed: STEPS[s](d, ar, sd))
+        try:
+            ds = STEPS[step](ds, a, step_seed)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{where}: {e}") from None
         a.done()
     if funcs:
         ds = _wrap_map(ds, funcs, par, on_error)
     if not runner_done:
-        ds = guarded("parallel", lambda: MultiProcessRunner(ds, par["workers"],
-                                                             par["buffer_size"], par["strict"]))
+        ds = _runner(ds, par)
     return ds

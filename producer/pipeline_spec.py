@@ -37,7 +37,8 @@ class Args:
             m = {}
         if not isinstance(m, Mapping):
             raise ConfigError(f"{where}: expected a map")
-        self.m, self.where, self.seen = m, where, set()
+        self.m, self.where = m, where
+        self.seen: set[str] = set()
 
     def field(self, key: str) -> str:
         return f"{self.where}.{key}"
@@ -50,7 +51,7 @@ class Args:
             return default
         return self.m[key]
 
-    def int(self, key: str, default: Any = None, lo: int | None = None,
+    def integer(self, key: str, default: Any = None, lo: int | None = None,
             required: bool = False, allow_none: bool = False) -> Any:
         v = self.get(key, default, required)
         if v is None and allow_none:
@@ -60,20 +61,20 @@ class Args:
                               f"{f' >= {lo}' if lo is not None else ''}, got {v!r}")
         return v
 
-    def float(self, key: str, default: Any = None, lo: float | None = None) -> float:
+    def number(self, key: str, default: Any = None, lo: float | None = None) -> float:
         v = self.get(key, default)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or (lo is not None and v < lo):
             raise ConfigError(f"{self.field(key)}: expected a number"
                               f"{f' >= {lo}' if lo is not None else ''}, got {v!r}")
         return float(v)
 
-    def bool(self, key: str, default: bool) -> bool:
+    def flag(self, key: str, default: bool) -> bool:
         v = self.get(key, default)
         if not isinstance(v, bool):
             raise ConfigError(f"{self.field(key)}: expected true or false, got {v!r}")
         return v
 
-    def str(self, key: str, default: Any = None, required: bool = False,
+    def text(self, key: str, default: Any = None, required: bool = False,
             choices: tuple[str, ...] | None = None) -> Any:
         v = self.get(key, default, required)
         if v is None and not required:
@@ -143,28 +144,28 @@ def _fake(a: Args, seed: int) -> DataFlow:
         if not isinstance(s, list) or not all(isinstance(d, int) and d >= 0 for d in s):
             raise ConfigError(f"{a.field('shapes')}[{i}]: expected a list of non-negative ints")
     dtypes = a.get("dtypes", "float32")
-    size = a.int("size", 1000, lo=0)
-    random = a.bool("random", True)
-    seed = a.int("seed", seed)
+    size = a.integer("size", 1000, lo=0)
+    random = a.flag("random", True)
+    seed = a.integer("seed", seed)
     a.done()
     return guarded(a.where, lambda: FakeData(shapes, size=size, random=random, dtype=dtypes,
                                              seed=seed))
 
 
 def _image_folder(a: Args, seed: int) -> DataFlow:
-    root, list_file = a.str("root"), a.str("list_file")
+    root, list_file = a.text("root"), a.text("list_file")
     if root is None and list_file is None:
         raise ConfigError(f"{a.field('root')}: required (or list_file)")
-    shuffle = a.bool("shuffle", True)
-    seed = a.int("seed", seed)
+    shuffle = a.flag("shuffle", True)
+    seed = a.integer("seed", seed)
     a.done()
     return guarded(a.where, lambda: ImageFolder(root, list_file, shuffle=shuffle, seed=seed))
 
 
 def _lmdb(a: Args, seed: int) -> DataFlow:
-    path = a.str("path", required=True)
-    shuffle = a.bool("shuffle", False)
-    seed = a.int("seed", seed)
+    path = a.text("path", required=True)
+    shuffle = a.flag("shuffle", False)
+    seed = a.integer("seed", seed)
     a.done()
     return guarded(a.where, lambda: LMDBSerializer.load(path, shuffle=shuffle, seed=seed))
 
@@ -173,15 +174,15 @@ def _list(a: Args, seed: int) -> DataFlow:
     items = a.get("items", required=True)
     if not isinstance(items, list):
         raise ConfigError(f"{a.field('items')}: expected a list")
-    shuffle = a.bool("shuffle", False)
-    seed = a.int("seed", seed)
+    shuffle = a.flag("shuffle", False)
+    seed = a.integer("seed", seed)
     a.done()
     return DataFromList(items, shuffle=shuffle, seed=seed)
 
 
 def _generator(a: Args, seed: int) -> DataFlow:
-    gen = function(a)
-    size = a.int("size", None, lo=0, allow_none=True)
+    gen: Any = function(a)
+    size = a.integer("size", None, lo=0, allow_none=True)
     a.done()
     return DataFromGenerator(gen, size=size)
 
@@ -195,20 +196,20 @@ SOURCES: dict[str, Callable[[Args, int], DataFlow]] = {
 
 
 AUGMENTORS: dict[str, Callable[[Args], Any]] = {
-    "resize_shortest_edge": lambda a: image.ResizeShortestEdge(a.int("size", required=True,
+    "resize_shortest_edge": lambda a: image.ResizeShortestEdge(a.integer("size", required=True,
                                                                      lo=1)),
     "random_resized_crop": lambda a: image.RandomResizedCrop(
-        a.int("size", required=True, lo=1), a.pair("scale", (0.08, 1.0)),
+        a.integer("size", required=True, lo=1), a.pair("scale", (0.08, 1.0)),
         a.pair("ratio", (3 / 4, 4 / 3))),
-    "center_crop": lambda a: image.CenterCrop(a.int("size", required=True, lo=1)),
-    "flip": lambda a: image.Flip(a.float("prob", 0.5, lo=0)),
-    "brightness": lambda a: image.Brightness(a.float("delta", 30.0, lo=0)),
+    "center_crop": lambda a: image.CenterCrop(a.integer("size", required=True, lo=1)),
+    "flip": lambda a: image.Flip(a.number("prob", 0.5, lo=0)),
+    "brightness": lambda a: image.Brightness(a.number("delta", 30.0, lo=0)),
     "contrast": lambda a: image.Contrast(a.pair("range", (0.6, 1.4))),
-    "saturation": lambda a: image.Saturation(a.float("alpha", 0.4, lo=0)),
-    "color_jitter": lambda a: image.ColorJitter(a.float("brightness", 30.0, lo=0),
-                                                a.float("contrast", 0.4, lo=0),
-                                                a.float("saturation", 0.4, lo=0)),
-    "lighting": lambda a: image.Lighting(a.float("std", 0.1, lo=0)),
+    "saturation": lambda a: image.Saturation(a.number("alpha", 0.4, lo=0)),
+    "color_jitter": lambda a: image.ColorJitter(a.number("brightness", 30.0, lo=0),
+                                                a.number("contrast", 0.4, lo=0),
+                                                a.number("saturation", 0.4, lo=0)),
+    "lighting": lambda a: image.Lighting(a.number("std", 0.1, lo=0)),
 }
 
 
@@ -227,19 +228,20 @@ def one_key(item: Any, where: str, known: Mapping[str, Any]) -> tuple[str, Any]:
 
 def _imagenet_train(a: Args, seed: int) -> Any:
     return guarded(a.where, lambda: image.ImageNetTrain(
-        size=a.int("size", 224, lo=1), seed=a.int("seed", seed),
+        size=a.integer("size", 224, lo=1), seed=a.integer("seed", seed),
         scale=a.pair("scale", (0.08, 1.0)), ratio=a.pair("ratio", (3 / 4, 4 / 3)),
-        flip=a.bool("flip", True), color_jitter=a.float("color_jitter", 0.0, lo=0),
-        lighting=a.float("lighting", 0.0, lo=0), reduced_decode=a.bool("reduced_decode", True)))
+        flip=a.flag("flip", True), color_jitter=a.number("color_jitter", 0.0, lo=0),
+        lighting=a.number("lighting", 0.0, lo=0), reduced_decode=a.flag("reduced_decode", True)))
 
 
 def _imagenet_val(a: Args, seed: int) -> Any:
-    return image.ImageNetVal(size=a.int("size", 224, lo=1), resize=a.int("resize", 256, lo=1),
-                             reduced_decode=a.bool("reduced_decode", True))
+    return image.ImageNetVal(size=a.integer("size", 224, lo=1),
+                             resize=a.integer("resize", 256, lo=1),
+                             reduced_decode=a.flag("reduced_decode", True))
 
 
 def _decode(a: Args, seed: int) -> Any:
-    return image.Decode(bgr=a.str("channels", "rgb", choices=("rgb", "bgr")) == "bgr")
+    return image.Decode(bgr=a.text("channels", "rgb", choices=("rgb", "bgr")) == "bgr")
 
 
 def _augment(a: Args, seed: int) -> Any:
@@ -253,7 +255,7 @@ def _augment(a: Args, seed: int) -> Any:
         sub = Args(args, f"{w}.{name}")
         augs.append(AUGMENTORS[name](sub))
         sub.done()
-    return image.Augment(augs, seed=a.int("seed", seed))
+    return image.Augment(augs, seed=a.integer("seed", seed))
 
 
 def _map(a: Args, seed: int) -> Any:
@@ -269,17 +271,17 @@ MAP_STEPS: dict[str, Callable[[Args, int], Any]] = {
 
 
 def _batch(ds: DataFlow, a: Args, seed: int) -> DataFlow:
-    return BatchData(ds, a.int("batch_size", required=True, lo=1),
-                     remainder=a.bool("remainder", False), use_list=a.bool("use_list", False))
+    return BatchData(ds, a.integer("batch_size", required=True, lo=1),
+                     remainder=a.flag("remainder", False), use_list=a.flag("use_list", False))
 
 
 def _local_shuffle(ds: DataFlow, a: Args, seed: int) -> DataFlow:
-    return LocallyShuffleData(ds, a.int("buffer_size", required=True, lo=1),
-                              seed=a.int("seed", seed))
+    return LocallyShuffleData(ds, a.integer("buffer_size", required=True, lo=1),
+                              seed=a.integer("seed", seed))
 
 
 def _repeat(ds: DataFlow, a: Args, seed: int) -> DataFlow:
-    times = a.int("times", required=True, lo=-1)
+    times = a.integer("times", required=True, lo=-1)
     if times == 0:
         raise ConfigError(f"{a.field('times')}: expected an int >= 1 or -1 (forever)")
     return RepeatedData(ds, times)

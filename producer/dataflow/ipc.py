@@ -76,7 +76,7 @@ def fork_workers(target: Callable[..., None], args_for: Callable[[int], tuple],
                  count: int, name: str) -> list[mp.process.BaseProcess]:
     """Fork ``count`` daemon processes running ``target(*args_for(k))``."""
     ctx = mp.get_context("fork")
-    procs = []
+    procs: list[mp.process.BaseProcess] = []
     for k in range(count):
         p = ctx.Process(target=_child_entry, args=(target, args_for(k)), daemon=True,
                         name=f"{name}-{k}")

@@ -170,7 +170,10 @@ class LMDBData(DataFlow):
                 order = list(positions)
                 make_rng(self.seed, epoch).shuffle(order)
                 for i in order:
-                    yield loads(txn.get(key(i)))
+                    value = txn.get(key(i))
+                    if value is None:
+                        raise KeyError(f"{self.path}: datapoint {i} is missing")
+                    yield loads(value)
                 return
             index, count = self.shard
             cur = txn.cursor()

@@ -36,7 +36,8 @@ class MultiThreadMapData(ParallelMapBase):
         cap = -(-self.buffer_size // self.num_workers)
         # Strict: one queue per thread (datapoint i -> thread i % n); else one shared queue.
         nq = self.num_workers if self.strict else 1
-        self._in = [queue.Queue(maxsize=self.buffer_size if nq == 1 else cap) for _ in range(nq)]
+        size = self.buffer_size if nq == 1 else cap
+        self._in: list[queue.Queue] = [queue.Queue(maxsize=size) for _ in range(nq)]
         self._out: queue.Queue = queue.Queue(maxsize=self.buffer_size)
         self._threads = [
             threading.Thread(target=self._run, args=(k,), daemon=True, name=f"map-thread-{k}")

@@ -54,7 +54,9 @@ class RandomResizedCrop:
 
     def __init__(self, size: int, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
-        self.size, self.scale, self.ratio = int(size), tuple(scale), tuple(ratio)
+        self.size = int(size)
+        self.scale: tuple[float, float] = (float(scale[0]), float(scale[1]))
+        self.ratio: tuple[float, float] = (float(ratio[0]), float(ratio[1]))
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale must satisfy 0 < lo <= hi <= 1, got {scale}")
 
@@ -81,7 +83,7 @@ class RandomResizedCrop:
         return (h - ch) // 2, (w - cw) // 2, ch, cw
 
     def __call__(self, img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        y0, x0, ch, cw = self.sample_box(*img.shape[:2], rng)
+        y0, x0, ch, cw = self.sample_box(img.shape[0], img.shape[1], rng)
         return resize(img[y0:y0 + ch, x0:x0 + cw], self.size, self.size)
 
 

@@ -43,7 +43,7 @@ class ImageNetTrain(_Seeded):
                  reduced_decode: bool = True) -> None:
         super().__init__(seed)
         self.size = int(size)
-        self.crop = RandomResizedCrop(size, tuple(scale), tuple(ratio))  # type: ignore[arg-type]
+        self.crop = RandomResizedCrop(size, (scale[0], scale[1]), (ratio[0], ratio[1]))
         self.flip = Flip() if flip else None
         self.jitter = ColorJitter(30.0 * color_jitter / 0.4, color_jitter, color_jitter) \
             if color_jitter else None
@@ -56,9 +56,9 @@ class ImageNetTrain(_Seeded):
         hw = jpeg_size(buf) if self.reduced_decode else None
         if hw is None:
             img = decode(buf)
-            y0, x0, ch, cw = self.crop.sample_box(*img.shape[:2], rng)
+            y0, x0, ch, cw = self.crop.sample_box(img.shape[0], img.shape[1], rng)
         else:
-            y0, x0, ch, cw = self.crop.sample_box(*hw, rng)
+            y0, x0, ch, cw = self.crop.sample_box(hw[0], hw[1], rng)
             r = reduction_for(hw, (ch, cw), (self.size, self.size))
             img = decode(buf, r)
             if r > 1:  # the box in reduced pixels (libjpeg rounds sizes up)
