@@ -119,3 +119,22 @@ def test_lmdb_build_and_info_commands(tmp_path: Path) -> None:
     assert r.returncode == 1 and "--overwrite" in r.stderr
     r = feedline("lmdb", "info", str(tmp_path / "missing.lmdb"))
     assert r.returncode == 1 and "missing.lmdb" in r.stderr
+
+
+def test_image_folder_from_class_folders_or_a_list_file(tmp_path: Path) -> None:
+    paths = make_folder(tmp_path / "imgs", classes=2, per_class=3)
+    df = ImageFolder(tmp_path / "imgs", shuffle=False, read=False)
+    df.reset_state()
+    assert df.classes == ["c0", "c1"] and len(df) == 6
+    assert list(df) == [[str(p), i // 3] for i, p in enumerate(paths)]
+    (tmp_path / "imgs" / "val.txt").write_text(
+        "# path label\nc1/0001.jpg 7\n\nc0/0000.jpg 3\n")
+    lf = ImageFolder(list_file=tmp_path / "imgs" / "val.txt", shuffle=False)
+    lf.reset_state()
+    got = [(bytes(d), lab) for d, lab in lf]
+    assert got == [(paths[4].read_bytes(), 7), (paths[0].read_bytes(), 3)]
+    (tmp_path / "bad.txt").write_text("only-a-path.jpg\n")
+    with pytest.raises(ValueError, match="bad.txt:1"):
+        ImageFolder(list_file=tmp_path / "bad.txt")
+    with pytest.raises(ValueError, match="root or list_file"):
+        ImageFolder()
