@@ -13,7 +13,9 @@ natively. On this live system the tests check the dashboard's queries, promtool'
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -372,6 +374,35 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "VERDICT" in out.stdout and "PRODUCERS" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None,
+                    reason="tmux is missing (apt-get install tmux; .ci/run installs it)")
+def test_feedline_top_live_in_a_terminal(native: NativeCompose, tmp_path: Path) -> None:
+    """The live view, as a person sees it: `feedline top` in a real terminal (tmux)."""
+    socket_name = f"feedline-top-{os.getpid()}"
+    tmux = ["tmux", "-L", socket_name]
+    targets = [f"127.0.0.1:{r.metrics_port}" for r in native.all_replicas()]
+    cmd = " ".join([sys.executable, "-m", "feedline.cli", "top", "--interval", "0.5",
+                    *targets])
+    subprocess.run([*tmux, "new-session", "-d", "-x", "130", "-y", "40", "-c", str(ROOT),
+                    f"PYTHONPATH={ROOT} {cmd}"], check=True, timeout=30)
+    try:
+        screen: list[str] = []
+
+        def shows_figures() -> bool:
+            out = subprocess.run([*tmux, "capture-pane", "-p"], capture_output=True,
+                                 text=True, timeout=10)
+            screen[:] = [out.stdout]
+            # Two refreshes in: rates are non-zero (the total line has a positive rate).
+            m = re.search(r"^\s+total\s+([\d.]+)", out.stdout, re.M)
+            return bool(m and float(m.group(1)) > 0 and "VERDICT" in out.stdout)
+        wait_for(shows_figures, 30, interval=0.3, what="feedline top figures on screen")
+        text = screen[0]
+        assert "PRODUCERS" in text and "BROKER" in text and "CONSUMERS" in text, text
+        (tmp_path / "top-screen.txt").write_text(text)
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=10)
 
 
 def _seconds(duration: str) -> float:
