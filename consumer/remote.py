@@ -207,7 +207,7 @@ class RemoteDataZMQ:
         finally:
             if link is not None:
                 link.send_control(wire.Kind.BYE)
-                link.close()
+                link.close(flush=True)
             sig.close(linger=0)
 
     def _io_loop(self, link: BrokerLink, sig: zmq.Socket, state: _IOState) -> None:

@@ -34,7 +34,8 @@ class LinkConfig:
     heartbeat_timeout: float = 5.0
     reconnect_min: float = 0.1
     reconnect_max: float = 5.0
-    linger_ms: int = 0
+    linger_ms: int = 0  # on reconnect: drop what was queued for the dead broker
+    flush_ms: int = 3000  # on a final close: let queued batches, EOS and BYE go out, bounded
     limits: wire.Limits = wire.DEFAULT_LIMITS
     curve: Any = None  # feedline.security.ClientKeys, or None for plain TCP
 
@@ -121,9 +122,11 @@ class BrokerLink:
         self.reconnects += 1
         self._retry_at = time.monotonic() + self._backoff.next_delay()
 
-    def close(self) -> None:
+    def close(self, flush: bool = False) -> None:
+        """Close the socket. ``flush``: give queued messages up to ``flush_ms`` to leave
+        (a final close); otherwise drop them at once (a reconnect)."""
         if self.socket is not None:
-            self.socket.close(linger=self.cfg.linger_ms)
+            self.socket.close(linger=self.cfg.flush_ms if flush else self.cfg.linger_ms)
             self.socket = None
 
     # -- sending ------------------------------------------------------------------------

@@ -176,10 +176,11 @@ class Sender:
             self.pump(50)
 
     def close(self) -> None:
-        """Say BYE (frees our credit at the broker at once) and close the socket."""
+        """Say BYE (frees our credit at the broker at once) and close the socket, giving what
+        is still queued (last batches, EOS, BYE) up to ``flush_ms`` to leave."""
         if self.link.socket is not None:
             self.link.send_control(wire.Kind.BYE)
-        self.link.close()
+        self.link.close(flush=True)
         if self._own_ctx:
             self.ctx.term()
 
