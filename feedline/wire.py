@@ -52,14 +52,25 @@ import numpy as np
 # object arrays. A training process that imports tensorpack must not make this decoder unsafe.
 try:
     from msgpack._cmsgpack import Packer as _Packer
+    from msgpack._cmsgpack import Unpacker
     from msgpack._cmsgpack import unpackb as _unpackb
 except ImportError:  # pure-Python msgpack build
     from msgpack.fallback import Packer as _Packer  # type: ignore[assignment]
+    from msgpack.fallback import Unpacker  # type: ignore[assignment]
     from msgpack.fallback import unpackb as _unpackb  # type: ignore[assignment]
 
 
-def _packb(obj: Any) -> bytes:
-    return _Packer(use_bin_type=True).pack(obj)
+def packb(obj: Any, default: Any = None) -> bytes:
+    """msgpack-encode with msgpack's own packer (immune to msgpack_numpy.patch)."""
+    return _Packer(use_bin_type=True, default=default).pack(obj)
+
+
+def unpackb(buf: Any, **kwargs: Any) -> Any:
+    """msgpack-decode with msgpack's own unpacker (never msgpack_numpy's, which unpickles).
+
+    For bytes from outside the process, pass the ``max_*_len`` limits too.
+    """
+    return _unpackb(buf, **kwargs)
 
 PROTOCOL_VERSION = 1
 _ARRAY_EXT = 1
@@ -186,12 +197,12 @@ def encode_batch(
         "d": structure,
         "a": [[a.dtype.str, list(a.shape)] for a in arrays],
     }
-    return [_packb(header), *arrays]
+    return [packb(header), *arrays]
 
 
 def encode_control(kind: Kind, **fields: Any) -> bytes:
     """A header-only message of ``kind`` with extra short-key fields."""
-    return _packb({"v": PROTOCOL_VERSION, "k": int(kind), **fields})
+    return packb({"v": PROTOCOL_VERSION, "k": int(kind), **fields})
 
 
 # ---------------------------------------------------------------------------------- decoding

@@ -206,3 +206,31 @@ except wire.DecodeError as e:
                          timeout=60)
     assert out.stdout.strip() == "refused bad_dtype", out.stderr
     assert not marker.exists()
+
+
+def test_lmdb_values_stay_safe_when_msgpack_numpy_patches_msgpack(tmp_path):
+    """The LMDB serializer shares the wire's msgpack: an LMDB file is never a pickle."""
+    marker = tmp_path / "executed"
+    script = f"""
+import pickle, msgpack, msgpack_numpy
+msgpack_numpy.patch()  # what `import tensorpack` does
+from producer.dataflow import serialize
+
+class Evil:
+    def __reduce__(self):
+        return (open, ({str(marker)!r}, "w"))
+
+as_numpy = {{b"nd": True, b"type": "|O", b"kind": b"O", b"shape": [1],
+             b"data": pickle.dumps(Evil())}}
+out = serialize.loads(msgpack.packb([as_numpy], use_bin_type=True))
+print(type(out[0]).__name__)
+head = msgpack.packb(["|O", [1]])
+try:
+    serialize.loads(msgpack.packb([msgpack.ExtType(42, head + b"x" * 8)]))
+except ValueError as e:
+    print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["dict", "refused"], out.stderr
+    assert not marker.exists()

@@ -13,6 +13,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from feedline import wire
+
 _ARRAY = 42
 
 
@@ -23,7 +25,7 @@ def _default(obj: Any) -> Any:
         if obj.dtype.kind not in "biufc" or obj.dtype.fields is not None:
             raise TypeError(f"cannot serialise an array of dtype {obj.dtype}")
         arr = obj if obj.flags.c_contiguous else obj.copy(order="C")  # keeps 0-d shapes
-        head = msgpack.packb([arr.dtype.str, list(arr.shape)])
+        head = wire.packb([arr.dtype.str, list(arr.shape)])
         return msgpack.ExtType(_ARRAY, head + arr.tobytes())
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
@@ -31,21 +33,24 @@ def _default(obj: Any) -> Any:
 def _ext_hook(code: int, data: bytes) -> Any:
     if code != _ARRAY:
         raise ValueError(f"unknown extension type {code}")
-    unpacker = msgpack.Unpacker(raw=False)
+    unpacker = wire.Unpacker(raw=False)
     unpacker.feed(data)
     dtype_str, shape = unpacker.unpack()
-    dt = np.dtype(dtype_str)
-    if dt.kind not in "biufc" or dt.fields is not None:
-        raise ValueError(f"refusing dtype {dtype_str!r}")
+    try:
+        dt = wire.check_dtype(dtype_str)  # numeric and bool only: never object arrays
+    except wire.DecodeError as e:
+        raise ValueError(f"refusing dtype {dtype_str!r}") from e
     offset = unpacker.tell()
     return np.frombuffer(data, dtype=dt, offset=offset).reshape(tuple(shape))
 
 
 def dumps(dp: Any) -> bytes:
     """Serialise one datapoint."""
-    return msgpack.packb(dp, default=_default, use_bin_type=True)
+    return wire.packb(dp, default=_default)
 
 
 def loads(buf: bytes | memoryview) -> Any:
     """Rebuild a datapoint; arrays are read-only views on ``buf``'s copy."""
-    return msgpack.unpackb(buf, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    # wire.unpackb is msgpack's own: a process that imported tensorpack (which monkeypatches
+    # msgpack to unpickle object arrays) still never unpickles what an LMDB file holds.
+    return wire.unpackb(buf, ext_hook=_ext_hook, raw=False, strict_map_key=False)
