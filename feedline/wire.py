@@ -52,11 +52,11 @@ import numpy as np
 # object arrays. A training process that imports tensorpack must not make this decoder unsafe.
 try:
     from msgpack._cmsgpack import Packer as _Packer
-    from msgpack._cmsgpack import Unpacker
+    from msgpack._cmsgpack import Unpacker as Unpacker  # re-exported: msgpack's own
     from msgpack._cmsgpack import unpackb as _unpackb
 except ImportError:  # pure-Python msgpack build
     from msgpack.fallback import Packer as _Packer  # type: ignore[assignment]
-    from msgpack.fallback import Unpacker  # type: ignore[assignment]
+    from msgpack.fallback import Unpacker as Unpacker  # type: ignore[assignment]
     from msgpack.fallback import unpackb as _unpackb  # type: ignore[assignment]
 
 
