@@ -13,7 +13,13 @@ from consumer.remote import ProducerStats, RemoteDataZMQ
 __all__ = ["ProducerStats", "RemoteDataZMQ"]
 
 # name -> module, for the TensorFlow-side classes (imported lazily, see __getattr__)
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "QueueInput": "consumer.queue_input",
+    "StagingInput": "consumer.staging",
+    "DummyConstantInput": "consumer.dummy",
+    "as_dataset": "consumer.dataset",
+    "OccupancyMonitor": "consumer.bottleneck",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -35,3 +35,22 @@ class ConsumerMetrics:
             "feedline_consumer_window_batches",
             "Batches this process may hold undelivered to the model (its credit window).",
             registry=r)
+
+
+class QueueMetrics:
+    """The training-side input queue (QueueInput), sampled every step by OccupancyMonitor."""
+
+    def __init__(self, registry: CollectorRegistry, queue: str = "input") -> None:
+        r = registry
+        labels = {"queue": queue}
+        self.size = Gauge(
+            "feedline_consumer_queue_batches",
+            "Batches waiting in the training process's TensorFlow input queue.",
+            ["queue"], registry=r).labels(**labels)
+        self.capacity = Gauge(
+            "feedline_consumer_queue_capacity_batches",
+            "Capacity of the TensorFlow input queue.", ["queue"], registry=r).labels(**labels)
+        self.average = Gauge(
+            "feedline_consumer_queue_occupancy_ratio",
+            "Moving average of queue size / capacity: ~1 model-bound, ~0 input-bound.",
+            ["queue"], registry=r).labels(**labels)

@@ -334,11 +334,12 @@ def test_docs_describe_every_metric() -> None:
     from prometheus_client import CollectorRegistry
 
     from broker.metrics import BrokerMetrics
-    from consumer.metrics import ConsumerMetrics
+    from consumer.metrics import ConsumerMetrics, QueueMetrics
     from producer.metrics import ProducerMetrics
 
     registry = CollectorRegistry()
     BrokerMetrics(registry), ProducerMetrics(registry), ConsumerMetrics(registry)
+    QueueMetrics(registry)
     names = {m.name for m in registry.collect()}
     doc = (ROOT / "docs/operations.md").read_text()
     missing = sorted(n for n in names if n not in doc)

@@ -1,0 +1,76 @@
+"""The bottleneck answer: is the input or the model the slow side?
+
+Sample the input queue's occupancy once per step. A queue that stays full means batches wait
+for the model (model-bound: the input keeps up). A queue that stays empty means the model
+waits for batches (input-bound: add producers or make the pipeline faster). The monitor keeps
+an exponential moving average, logs a summary line every ``every`` steps, and exports the same
+figures as Prometheus gauges from the training process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from consumer.metrics import QueueMetrics
+
+log = logging.getLogger(__name__)
+
+MODEL_BOUND = 0.5  # average occupancy above this: the model is the bottleneck
+INPUT_BOUND = 0.1  # below this: the input is
+
+
+def verdict(ratio: float) -> str:
+    """'model-bound', 'input-bound' or 'balanced' for an average occupancy ratio."""
+    if ratio >= MODEL_BOUND:
+        return "model-bound"
+    if ratio <= INPUT_BOUND:
+        return "input-bound"
+    return "balanced"
+
+
+class OccupancyMonitor:
+    """Call :meth:`step` once per training step (or use :meth:`keras_callback`)."""
+
+    def __init__(self, input: Any, every: int = 100, alpha: float = 0.05,
+                 registry: CollectorRegistry | None = None, name: str = "input") -> None:
+        self.input, self.every, self.alpha = input, every, alpha
+        self.capacity = int(getattr(input, "capacity", 0)) or 1
+        self.metrics = QueueMetrics(registry if registry is not None else CollectorRegistry(),
+                                    name)
+        self.metrics.capacity.set(self.capacity)
+        self.average: float | None = None  # of size / capacity
+        self.steps = 0
+        self.last_size = 0
+
+    def step(self) -> int:
+        """Sample the queue now; log the summary every ``every`` steps. Returns the size."""
+        size = int(self.input.size())
+        ratio = size / self.capacity
+        self.average = ratio if self.average is None else (
+            self.alpha * ratio + (1 - self.alpha) * self.average)
+        self.steps += 1
+        self.last_size = size
+        self.metrics.size.set(size)
+        self.metrics.average.set(self.average)
+        if self.every and self.steps % self.every == 0:
+            log.info("%s", self.summary())
+        return size
+
+    def summary(self) -> str:
+        avg = self.average or 0.0
+        return (f"step {self.steps}: queue {self.last_size}/{self.capacity} "
+                f"(avg {avg * self.capacity:.1f}) -> {verdict(avg)}")
+
+    def keras_callback(self) -> Any:
+        import tensorflow as tf
+
+        monitor = self
+
+        class _Callback(tf.keras.callbacks.Callback):
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                monitor.step()
+
+        return _Callback()
