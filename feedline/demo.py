@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--producers", type=int, default=2, help="producer processes")
     p.add_argument("--batch-size", type=int, default=64, help="images per batch")
     p.add_argument("--image-size", type=int, default=224, help="image side (pixels)")
+    p.add_argument("--no-train", action="store_true",
+                   help="only receive batches (no TensorFlow); the default trains a small "
+                   "classifier when TensorFlow is installed")
     p.add_argument("--workdir", default=None,
                    help="where logs and the socket go (default: a temporary directory)")
     p.set_defaults(func=run)
@@ -69,11 +72,34 @@ def run(args: argparse.Namespace) -> int:
               f"batches of {n}x{s}x{s}x3 uint8, {args.duration:.0f}s")
         try:
             wait_for(lambda: Path(egress[len("ipc://"):]).exists(), 30, what="broker socket")
-            _consume(RemoteDataZMQ(egress, timeout=60), args.duration)
+            if args.no_train or not _has_tensorflow():
+                _consume(RemoteDataZMQ(egress, timeout=60), args.duration)
+            else:
+                _train(egress, args.duration, n)
         finally:
             for d in reversed(daemons):
                 d.stop()
     return 0
+
+
+def _has_tensorflow() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        print("TensorFlow is not installed (pip install '.[tf]'): receiving only, no training")
+        return False
+    return True
+
+
+def _train(egress: str, duration: float, batch_size: int) -> None:
+    from feedline.demo_train import train
+
+    print("training a small classifier: RemoteDataZMQ -> QueueInput -> StagingInput -> step")
+    r = train(egress, duration)
+    print(f"\n{r['steps']} steps in {r['seconds']:.1f}s: {r['steps'] / r['seconds']:.1f} steps/s,"
+          f" {r['steps'] * batch_size / r['seconds']:.0f} images/s, final loss {r['loss']:.3f}")
+    print(r["verdict"])
+    _table(r["start"], r["end"], r["seconds"])
 
 
 def _consume(source, duration: float) -> None:
@@ -96,6 +122,11 @@ def _consume(source, duration: float) -> None:
                 break
         elapsed = time.monotonic() - t0
         end = source.stats()
+    _table(start, end, elapsed)
+
+
+def _table(start: dict, end: dict, elapsed: float) -> None:
+    """Per-producer and total throughput between two RemoteDataZMQ.stats() snapshots."""
     print(f"\n{'producer':<12} {'batches':>8} {'batches/s':>10} {'MB/s':>9} {'lost':>5}")
     tot_b = tot_bytes = 0
     for pid in sorted(end):
