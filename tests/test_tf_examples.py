@@ -1,0 +1,33 @@
+"""The training examples run against a live broker and producer, as a user would run them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.tf
+
+
+@pytest.mark.parametrize("script", ["train_loop.py", "train_keras.py"])
+def test_example_trains_from_a_live_broker(script, broker_proc, daemons, endpoints, tmp_path):
+    pytest.importorskip("tensorflow")
+    broker_proc()
+    cfg = tmp_path / "fake.yaml"
+    cfg.write_text(yaml.safe_dump({"source": {"fake": {
+        "shapes": [[8, 32, 32, 3], [8]], "dtypes": ["uint8", "int32"], "random": True,
+        "size": 1000}}}))  # random int32 labels in [0, 1): a valid class index
+    daemons("producer", "--config", cfg, "--broker", endpoints.ingress, name="producer")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--egress", endpoints.egress,
+         "--steps", "6", "--classes", "10", "--capacity", "8", "--log-every", "3"],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "final loss" in out.stdout
+    assert "-> " in out.stdout  # the bottleneck verdict
