@@ -1,0 +1,128 @@
+"""What the input costs the training step: steps/s of a small MLP from three inputs.
+
+Model: 1024 -> Dense(1024, relu) -> Dense(1), batch 256, float32, SGD. Inputs:
+
+- ``dummy``:    DummyConstantInput, the same tensors every step (the ceiling)
+- ``feedline``: producer and broker processes pinned to core 1 (``taskset``), this process on
+                core 0: RemoteDataZMQ -> QueueInput -> StagingInput -> the step
+- ``feed``:     a numpy batch passed into the tf.function each step (the feed_dict pattern)
+
+Rounds alternate between the three; the report gives medians and the ratios the issue asks
+for: feedline/dummy and feedline/feed.
+
+    python benchmarks/input_overhead.py --rounds 5 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+BATCH, WIDTH = 256, 1024
+
+
+def pin(core: int) -> None:
+    if hasattr(os, "sched_setaffinity") and core < (os.cpu_count() or 1):
+        os.sched_setaffinity(0, {core})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    ap.add_argument("--steps", type=int, default=200, help="measured steps per run")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    pin(0)  # before TensorFlow starts its thread pools: training gets core 0 only
+
+    import numpy as np
+    import tensorflow as tf
+    import yaml
+
+    from consumer import DummyConstantInput, QueueInput, RemoteDataZMQ, StagingInput
+    from feedline.procs import Child, free_port, wait_for
+
+    L = tf.keras.layers
+    model = tf.keras.Sequential([tf.keras.Input((WIDTH,)), L.Dense(1024, activation="relu"),
+                                 L.Dense(1)])
+    opt = tf.keras.optimizers.SGD(0.001)
+
+    def train(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    dummy = DummyConstantInput([[BATCH, WIDTH], [BATCH, 1]], [tf.float32, tf.float32]).start()
+    step_dummy = tf.function(lambda: train(*dummy.dequeue()))
+    step_feed = tf.function(train)
+    x_np = np.random.default_rng(0).random((BATCH, WIDTH), dtype=np.float32)
+    y_np = np.random.default_rng(1).random((BATCH, 1), dtype=np.float32)
+
+    work = Path(tempfile.mkdtemp(prefix="feedline-bench-"))
+    ingress, egress = f"tcp://127.0.0.1:{free_port()}", f"ipc://{work}/egress.sock"
+    cfg = work / "mlp.yaml"
+    cfg.write_text(yaml.safe_dump({"source": {"fake": {
+        "shapes": [[BATCH, WIDTH], [BATCH, 1]], "dtypes": ["float32", "float32"],
+        "random": False, "size": 10**9}}}))
+    other = ["taskset", "-c", "1"] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 \
+        else []
+    py = sys.executable
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    daemons = [
+        Child([*other, py, "-m", "broker", "--ingress", ingress, "--egress", egress,
+               "--metrics-port", "0", "--log-level", "WARNING"], work / "broker.log", env),
+        Child([*other, py, "-m", "producer", "--config", str(cfg), "--broker", ingress,
+               "--log-level", "WARNING"], work / "producer.log", env),
+    ]
+    results: dict[str, list[float]] = {"dummy": [], "feedline": [], "feed": []}
+    try:
+        wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
+        queue = QueueInput(RemoteDataZMQ(egress, timeout=60), capacity=50).start()
+        staged = StagingInput(queue, nr_stage=1).start()
+        step_remote = tf.function(lambda: train(*staged.get()))
+        runs = {"dummy": step_dummy, "feedline": step_remote,
+                "feed": lambda: step_feed(x_np, y_np)}
+        for fn in runs.values():  # trace and warm up
+            for _ in range(10):
+                fn()
+        print(f"MLP {WIDTH}->1024->1, batch {BATCH}; training on core 0"
+              f"{', producer and broker on core 1' if other else ''}; "
+              f"{args.rounds} rounds x {args.steps} steps")
+        for r in range(args.rounds):
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    loss = fn()
+                float(loss)  # wait for the last step
+                sps = args.steps / (time.perf_counter() - t0)
+                results[name].append(sps)
+                print(f"  round {r + 1} {name:<9} {sps:7.1f} steps/s", flush=True)
+        queue.close()
+    finally:
+        for d in daemons:
+            d.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(f"\n{'input':<10} {'median steps/s':>15}")
+    for k, v in med.items():
+        print(f"{k:<10} {v:>15.1f}")
+    print(f"\nfeedline / dummy = {med['feedline'] / med['dummy']:.2f}  (target >= 0.9)")
+    print(f"feedline / feed  = {med['feedline'] / med['feed']:.2f}  (target >= 1.8)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": results, "median": med}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
