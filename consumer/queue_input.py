@@ -134,11 +134,11 @@ class QueueInput:
                 raise
         else:
             flat = self.queue.dequeue()
-            if self.shapes is not None:
-                for t, s in zip(flat, self.shapes, strict=True):
-                    t.set_shape(s)
         if not isinstance(flat, (list, tuple)):
             flat = [flat]  # a one-component queue dequeues a bare tensor
+        if self.shapes is not None and not tf.executing_eagerly():
+            for t, s in zip(flat, self.shapes, strict=True):
+                t.set_shape(s)
         return tf.nest.pack_sequence_as(self.structure, list(flat))
 
     def size(self) -> tf.Tensor:

@@ -164,3 +164,18 @@ def test_a_producer_error_surfaces_at_dequeue(thread_broker, endpoints):
         with pytest.raises(Exception, match="bad shard 3"):
             q.dequeue()
     t.join(10)
+
+
+def test_mirrored_strategy_takes_batches_per_replica():
+    data = [[np.full((4, 3), i, np.float32)] for i in range(30)]
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with QueueInput(data, capacity=4) as q:
+        dist = strategy.distribute_datasets_from_function(lambda ctx: as_dataset(q))
+        it = iter(dist)
+
+        @tf.function
+        def step(batch):
+            return strategy.run(lambda b: tf.reduce_sum(b[0]), args=(batch,))
+
+        sums = [float(strategy.reduce("SUM", step(next(it)), axis=None)) for _ in range(3)]
+    assert sums == [0.0, 12.0, 24.0]  # batches 0, 1, 2 in order, 12 values each
