@@ -6,7 +6,7 @@ import argparse
 
 from broker.config import BrokerConfig
 from broker.core import Broker
-from feedline import wire
+from feedline import security, wire
 from feedline.cli import HelpFormatter, parse_size, stop_on_signals
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
@@ -46,6 +46,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=9500,
                    help="serve Prometheus metrics on this port; 0 turns them off")
     p.add_argument("--metrics-addr", default=d.metrics_addr, help="address for the metrics")
+    p.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help="the broker's CURVE secret key file (feedline keys generate); "
+                   f"env {security.ENV_SECRET}")
+    p.add_argument("--curve-allowed", default=None, metavar="DIR",
+                   help="directory of the client public keys (*.key) allowed to connect; "
+                   f"env {security.ENV_ALLOWED}")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow listening on a non-loopback address without CURVE keys "
+                   "(anyone who reaches the port can inject and read data)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=run)
 
@@ -64,14 +73,41 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         io_threads=args.io_threads,
         metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr,
+        curve=_curve_from_args(args),
     )
+
+
+def _curve_from_args(args: argparse.Namespace) -> security.ServerKeys | None:
+    """Keys from flags (else environment); refuse an exposed address without them.
+
+    Raises ValueError (KeyFileError, CurveUnavailable) with a message for the operator.
+    """
+    import os
+
+    keys = security.server_keys(
+        getattr(args, "curve_secret", None) or os.environ.get(security.ENV_SECRET),
+        getattr(args, "curve_allowed", None) or os.environ.get(security.ENV_ALLOWED),
+    )
+    insecure = getattr(args, "insecure", False)
+    # tensorpack producers cannot speak CURVE: that port is plain even when keys are given.
+    exposed = security.exposed([args.tensorpack_ingress])
+    if keys is None:
+        exposed = security.exposed([args.ingress, args.egress, args.tensorpack_ingress])
+    if exposed and not insecure:
+        raise ValueError(
+            f"refusing to listen on {', '.join(exposed)} without CURVE keys: anyone who "
+            "reaches it could inject or read training data. Give --curve-secret and "
+            "--curve-allowed (see `feedline keys generate` and docs/security.md), bind "
+            "127.0.0.1 / ipc://, or pass --insecure on a network you trust"
+        )
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         config = config_from_args(args)
-    except ValueError as e:
+    except (ValueError, security.CurveUnavailable) as e:
         raise SystemExit(f"feedline broker: {e}") from None
     stop = stop_on_signals()
     broker = Broker(config)

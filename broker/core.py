@@ -114,18 +114,23 @@ class Broker:
         self._tp_seq = 0
         self._grant_rr = 0
         self._reject_log = RateLimitedLog(log, interval=5.0)
+        # The ZAP handler must run before any CURVE socket binds, or early handshakes race it.
+        self._auth = config.curve.authenticator(self.ctx) if config.curve is not None else None
         self._ingress = self._bind(zmq.ROUTER, config.ingress)
         self._egress = self._bind(zmq.ROUTER, config.egress)
         self._tp: zmq.Socket | None = None
         if config.tensorpack_ingress:
-            self._tp = self._bind(zmq.PULL, config.tensorpack_ingress, hwm=config.max_batches)
+            # tensorpack's PUSH cannot speak CURVE: this port is plain (the CLI keeps it local).
+            self._tp = self._bind(
+                zmq.PULL, config.tensorpack_ingress, hwm=config.max_batches, curve=False
+            )
         self.ingress_endpoint = self._ingress.getsockopt_string(zmq.LAST_ENDPOINT)
         self.egress_endpoint = self._egress.getsockopt_string(zmq.LAST_ENDPOINT)
         self.tensorpack_endpoint = (
             self._tp.getsockopt_string(zmq.LAST_ENDPOINT) if self._tp is not None else None
         )
 
-    def _bind(self, kind: int, addr: str, hwm: int = 10_000) -> zmq.Socket:
+    def _bind(self, kind: int, addr: str, hwm: int = 10_000, curve: bool = True) -> zmq.Socket:
         s = self.ctx.socket(kind)
         s.setsockopt(zmq.LINGER, self.cfg.linger_ms)
         s.setsockopt(zmq.RCVHWM, hwm)
@@ -134,7 +139,7 @@ class Broker:
         if kind == zmq.ROUTER:
             # Sending to a peer that is gone raises instead of dropping silently.
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if self.cfg.curve is not None:
+        if curve and self.cfg.curve is not None:
             self.cfg.curve.apply(s)
         s.bind(addr)
         return s
@@ -185,6 +190,9 @@ class Broker:
         for s in (self._ingress, self._egress, self._tp):
             if s is not None and not s.closed:
                 s.close(linger=self.cfg.linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._own_ctx:
             self.ctx.term()
 

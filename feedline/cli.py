@@ -24,6 +24,7 @@ COMMANDS = [
     "producer.lmdb_cli",
     "feedline.drain",
     "feedline.top",
+    "feedline.keys",
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

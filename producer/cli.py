@@ -38,6 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics")
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between rate lines in the log")
+    p.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help="this producer's CURVE secret key file (feedline keys generate); "
+                   "env FEEDLINE_CURVE_SECRET")
+    p.add_argument("--curve-broker-key", default=None, metavar="FILE",
+                   help="the broker's CURVE public key file; env FEEDLINE_CURVE_BROKER_KEY")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=run)
 
@@ -49,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         df = build_pipeline(cfg)
     except ConfigError as e:
         raise SystemExit(f"feedline producer: {args.config}: {e}") from None
+    curve = _curve_from_args(args)
     epochs = args.epochs if args.epochs is not None else cfg.get("epochs")
     stop = stop_on_signals()
     from prometheus_client import CollectorRegistry
@@ -56,9 +62,24 @@ def run(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
-                      heartbeat_timeout=args.heartbeat_timeout)
+                      heartbeat_timeout=args.heartbeat_timeout, curve=curve)
     stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=args.id, link=link,
                           stop=stop, registry=registry, log_interval=args.log_interval)
     log.info("sent %d batches (%.1f MB) in %.1fs", stats.batches, stats.bytes / 1e6,
              stats.seconds)
     return 0
+
+
+def _curve_from_args(args: argparse.Namespace) -> object | None:
+    """Client CURVE keys from the flags, else the environment; None when neither names any."""
+    import os
+
+    from feedline import security
+
+    try:
+        return security.client_keys(
+            args.curve_secret or os.environ.get(security.ENV_SECRET),
+            args.curve_broker_key or os.environ.get(security.ENV_BROKER_KEY),
+        )
+    except (security.KeyFileError, security.CurveUnavailable) as e:
+        raise SystemExit(f"feedline producer: {e}") from None
