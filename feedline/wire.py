@@ -112,6 +112,10 @@ class Limits:
     max_message_bytes: int = 1 << 30  # total array bytes in one message (1 GiB)
     max_depth: int = 16  # nesting of containers in a datapoint
     max_id_len: int = 256
+    # Entries of one msgpack list or map. msgpack preallocates what a list *claims*: without
+    # this, 3 bytes per level of nesting claim 64 K slots each (a 60 KB header took 80 MB).
+    # Worst case now: 1024 levels (msgpack's own stack limit) x this x 8 bytes, transient.
+    max_container_len: int = 2048
 
     @property
     def max_frames(self) -> int:
@@ -234,6 +238,7 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]
     if len(buf) > limits.max_header_bytes:
         raise DecodeError("header_too_large", f"{len(buf)} bytes")
     n = limits.max_header_bytes
+    entries = min(n, max(limits.max_container_len, limits.max_arrays))
     try:
         header = _unpackb(
             buf,
@@ -242,8 +247,8 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]
             ext_hook=_ext_hook,
             max_str_len=n,
             max_bin_len=n,
-            max_array_len=n,
-            max_map_len=n,
+            max_array_len=entries,
+            max_map_len=entries,
             max_ext_len=16,
         )
     except DecodeError:
@@ -298,8 +303,22 @@ def check_batch_header(header: Mapping[str, Any], nframes: int, limits: Limits) 
         for d in shape:
             if not _is_int(d) or not 0 <= d <= limits.max_message_bytes:
                 raise DecodeError("bad_shape", repr(d)[:32])
+        _check_extent(shape, dt, limits)
         out.append((dt, tuple(shape)))
     return out
+
+
+def _check_extent(shape: Sequence[int], dt: np.dtype, limits: Limits) -> None:
+    """Refuse shapes numpy cannot represent even when a zero makes them empty.
+
+    ``[0, 2**62, 2**62]`` describes zero bytes, but numpy's reshape still multiplies the other
+    dimensions and raises ValueError ("array is too big"): bound that product too.
+    """
+    extent = dt.itemsize
+    for d in shape:
+        extent *= max(d, 1)
+        if extent > limits.max_message_bytes:
+            raise DecodeError("bad_shape", "extent exceeds the message limit")
 
 
 def _rebuild(
@@ -427,6 +446,7 @@ def _tp_array(m: Mapping[Any, Any], limits: Limits) -> np.ndarray:
         if not isinstance(d, int) or isinstance(d, bool) or d < 0:
             raise DecodeError("bad_shape", repr(d)[:32])
         count *= d
+    _check_extent(shape, dt, limits)
     if count * dt.itemsize != len(data):
         raise DecodeError("shape_mismatch", f"{shape} {dt.str} vs {len(data)} bytes")
     return np.frombuffer(data, dtype=dt).reshape(shape)
@@ -470,8 +490,8 @@ def decode_tensorpack(frame: Any, limits: Limits = DEFAULT_LIMITS) -> Any:
             strict_map_key=False,
             max_str_len=min(n, limits.max_header_bytes),
             max_bin_len=n,
-            max_array_len=min(n, limits.max_header_bytes),
-            max_map_len=min(n, limits.max_header_bytes),
+            max_array_len=min(n, max(limits.max_container_len, limits.max_arrays)),
+            max_map_len=min(n, max(limits.max_container_len, limits.max_arrays)),
             max_ext_len=0,
         )
     except Exception as e:
