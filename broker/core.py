@@ -205,7 +205,10 @@ class Broker:
             if len(frames) < 2:
                 self._reject("bad_envelope")
                 continue
-            handler(frames[0].bytes, frames[1:])
+            try:
+                handler(frames[0].bytes, frames[1:])
+            except Exception as e:  # a peer's message must never stop the broker
+                self._reject("internal_error", f"{type(e).__name__}: {e}"[:200])
 
     # ------------------------------------------------------------------------ ingress
     def _reject(self, reason: str, detail: str = "") -> None:
@@ -280,8 +283,10 @@ class Broker:
 
     def _on_batch(self, ident: bytes, prod: _Producer, header: dict, frames: list) -> None:
         try:
-            specs = wire.check_batch_header(header, len(frames) - 1, self.cfg.limits)
-            nbytes = wire.check_frame_lengths(specs, frames[1:], self.cfg.limits)
+            # The whole decoder, structure included (array views only, no payload read): a
+            # batch every consumer would refuse must not be forwarded, or each one would cost
+            # a consumer a credit it never gets back.
+            nbytes = wire.decode_batch(frames, self.cfg.limits, header=header).nbytes
         except wire.DecodeError as e:
             self._reject(e.reason, str(e))
             return
@@ -327,6 +332,9 @@ class Broker:
                 )
             except (wire.DecodeError, wire.EncodeError) as e:
                 self._reject(getattr(e, "reason", "bad_structure"), str(e))
+                continue
+            except Exception as e:  # a decoder bug must not stop the broker either
+                self._reject("internal_error", f"{type(e).__name__}: {e}"[:200])
                 continue
             self._tp_seq += 1
             nbytes = sum(getattr(f, "nbytes", 0) for f in frames[1:])
