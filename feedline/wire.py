@@ -272,7 +272,7 @@ def _is_int(v: object) -> bool:
 
 def _int(h: Mapping[str, Any], key: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
     v = h.get(key)
-    if not _is_int(v) or not lo <= v <= hi:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise DecodeError("bad_header", f"field {key!r}")
     return v
 
