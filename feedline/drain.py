@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 from feedline.cli import HelpFormatter, stop_on_signals
@@ -40,6 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics")
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between rate lines in the log")
+    p.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help="this consumer's CURVE secret key file (feedline keys generate); "
+                   "env FEEDLINE_CURVE_SECRET")
+    p.add_argument("--curve-broker-key", default=None, metavar="FILE",
+                   help="the broker's CURVE public key file; env FEEDLINE_CURVE_BROKER_KEY")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=run)
 
@@ -48,12 +54,21 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from consumer import RemoteDataZMQ
+    from feedline import security
     from feedline.errors import ReceiveTimeout
+    from feedline.link import LinkConfig
     from feedline.metrics import serve_metrics
 
     setup_logging(args.log_level)
     if args.step_seconds < 0:
         raise SystemExit("feedline drain: --step-seconds must be >= 0")
+    try:
+        curve = security.client_keys(
+            args.curve_secret or os.environ.get(security.ENV_SECRET),
+            args.curve_broker_key or os.environ.get(security.ENV_BROKER_KEY),
+        )
+    except (security.KeyFileError, security.CurveUnavailable) as e:
+        raise SystemExit(f"feedline drain: {e}") from None
     stop = stop_on_signals()
     registry = CollectorRegistry()
     serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
@@ -62,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     count = nbytes = last_count = last_bytes = 0
     # A short receive timeout only so that SIGTERM is noticed while no batch comes.
     with RemoteDataZMQ(args.broker, window=args.window, timeout=0.5, consumer_id=args.id,
-                       return_meta=True, registry=registry) as source:
+                       return_meta=True, registry=registry,
+                       link=LinkConfig(curve=curve)) as source:
         while not stop.is_set() and (end is None or time.monotonic() < end):
             try:
                 for batch in source:

@@ -27,7 +27,7 @@ import pytest
 import yaml
 import zmq
 
-from feedline import top, wire
+from feedline import security, top, wire
 from feedline.procs import Daemon, free_port, wait_for
 from tests.ops_support import (
     COMPOSE,
@@ -83,14 +83,20 @@ class NativeCompose:
         return 1 + max((self._depth(d) for d in deps), default=0)
 
     def binds(self, service: str) -> dict[str, str]:
-        """container path -> host path, for this service's volumes (named ones: a dir)."""
+        """container path -> host path, for this service's volumes (named ones: a dir) and
+        its file secrets (bind mounts at /run/secrets/TARGET, as compose makes them)."""
         out = {}
-        for vol in self.config["services"][service].get("volumes", []):
+        svc = self.config["services"][service]
+        for vol in svc.get("volumes", []):
             src, dst = vol.split(":")[:2]
             if not src.startswith("/"):
                 src = str(self.workdir / "volumes" / src)
                 Path(src).mkdir(parents=True, exist_ok=True)
             out[dst] = src
+        for sec in svc.get("secrets", []):
+            source = sec if isinstance(sec, str) else sec["source"]
+            target = source if isinstance(sec, str) else sec.get("target", source)
+            out[f"/run/secrets/{target}"] = self.config["secrets"][source]["file"]
         return out
 
     def port(self, owner: str, port: int) -> int:
@@ -195,14 +201,26 @@ class NativeCompose:
                     r.daemon.stop(timeout=10)
 
 
+def make_compose_keys(keys: Path) -> Path:
+    """The FEEDLINE_KEYS layout docs/security.md tells an operator to make."""
+    for name in ("broker", "producer", "trainer"):
+        security.generate_keypair(keys, name)
+    (keys / "allowed").mkdir()
+    for name in ("producer", "trainer"):
+        (keys / f"{name}.key").rename(keys / "allowed" / f"{name}.key")
+    return keys
+
+
 @pytest.fixture(scope="module")
 def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NativeCompose]:
     work = tmp_path_factory.mktemp("compose")
     pipeline = work / "pipeline.yaml"
     pipeline.write_text(yaml.safe_dump(PIPELINE))
+    keys = make_compose_keys(work / "keys")
     # Small batches through the compose file's own variables (what a .env would set).
     config = compose_config(COMPOSE, profile="demo", env={
-        "FEEDLINE_PIPELINE": str(pipeline), "FEEDLINE_DEMO_STEP_SECONDS": "0.02"})
+        "FEEDLINE_PIPELINE": str(pipeline), "FEEDLINE_DEMO_STEP_SECONDS": "0.02",
+        "FEEDLINE_KEYS": str(keys)})
     system = NativeCompose(config, work)
     try:
         system.start()
@@ -267,13 +285,15 @@ def test_promtool_check_metrics_on_every_component(native: NativeCompose) -> Non
     assert roles == {"broker", "producer", "consumer"}
 
 
-def _provoke_reject_and_drop(ingress: str) -> None:
-    """A garbage message (refused) and a producer that says HELLO then BYE (dropped)."""
+def _provoke_reject_and_drop(ingress: str, curve: security.ClientKeys) -> None:
+    """A garbage message (refused) and a producer that says HELLO then BYE (dropped), both
+    with an allowed key (without one, libzmq refuses them before the broker sees a byte)."""
     ctx = zmq.Context()
     try:
         for frames in ([b"\x00garbage"], None):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 1000)
+            curve.apply(s)
             s.connect(ingress)
             if frames:
                 s.send_multipart(frames)
@@ -291,7 +311,9 @@ def test_every_dashboard_query_works_on_live_metrics(native: NativeCompose) -> N
     assert prom is not None
     prom.wait_all_up(4)
     ingress = f"tcp://127.0.0.1:{native.ports[('broker', 7878)]}"
-    _provoke_reject_and_drop(ingress)
+    keys = native.workdir / "keys"
+    _provoke_reject_and_drop(ingress, security.ClientKeys.load(keys / "producer.key_secret",
+                                                               keys / "broker.key"))
     # Scraped at least twice (a rate needs two samples of the new series).
     wait_for(lambda: prom.query("increase(feedline_broker_rejected_messages_total[2s])")
              and prom.query("increase(feedline_broker_dropped_peers_total[2s])"), 30,

@@ -139,6 +139,86 @@ def test_data_machine_compose_runs_producers_against_the_remote_broker() -> None
     assert used <= documented, used - documented
 
 
+def _mounted_from(binds: list[str], path: str) -> str:
+    """The host path a compose service's bind mounts put at container ``path``."""
+    for vol in binds:
+        src, dst = vol.split(":")[:2]
+        if path == dst or path.startswith(dst + "/"):
+            return src + path[len(dst):]
+    raise AssertionError(f"{path} is not mounted")
+
+
+@needs_compose
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE_PRODUCERS,)],
+                         ids=["training-host", "data-machine"])
+def test_compose_services_speak_curve_with_keys_from_feedline_keys(
+        files: tuple[Path, ...], tmp_path: Path) -> None:
+    """Every feedline service gets its secret key as a compose secret and public keys as
+    read-only mounts, all from FEEDLINE_KEYS; none runs --insecure. (test_ops_compose.py
+    runs these services with real keys.)"""
+    from feedline.cli import build_parser
+
+    keys = tmp_path / "keys"
+    cfg = compose_config(*files, profile="demo", env={"FEEDLINE_KEYS": str(keys)})
+    parser = build_parser()
+    checked = set()
+    for name in FEEDLINE_SERVICES:
+        svc = cfg["services"].get(name)
+        if svc is None:
+            continue
+        args = parser.parse_args(svc["command"])
+        (secret,) = svc["secrets"]
+        assert args.curve_secret == f"/run/secrets/{secret['target']}", name
+        assert cfg["secrets"][secret["source"]]["file"] == str(keys / secret["target"]), name
+        binds = svc.get("volumes", [])
+        if name == "broker":
+            assert not args.insecure
+            assert _mounted_from(binds, args.curve_allowed) == str(keys / "allowed")
+        else:
+            assert _mounted_from(binds, args.curve_broker_key) == str(keys / "broker.key")
+        assert all(v.endswith(":ro") for v in binds if v.startswith(str(keys))), name
+        checked.add(name)
+    assert checked == ({"producer"} if files == (COMPOSE_PRODUCERS,) else
+                       set(FEEDLINE_SERVICES))
+
+
+def test_k8s_pods_speak_curve_with_keys_from_secrets() -> None:
+    """The broker and producer pods: the key Secret is copied 0600 into a memory emptyDir
+    by an init container (the daemons refuse a group-readable secret), and the flags point
+    at the copy; the broker's allowed keys come from a ConfigMap."""
+    from feedline.cli import build_parser
+
+    parser = build_parser()
+    pods = [d for _, d in k8s_documents() if d["kind"] in ("Deployment", "DaemonSet")]
+    assert len(pods) == 3
+    for doc in pods:
+        spec = doc["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        (init,) = spec["initContainers"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+        args = parser.parse_args(container["args"])
+        role = container["args"][0]
+        # install -m 0600 SECRET/NAME.key_secret COPY/NAME.key_secret
+        assert init["command"][:3] == ["install", "-m", "0600"]
+        src, dst = init["command"][3:]
+        assert dst == args.curve_secret == f"/run/feedline/{role}.key_secret"
+        copy_dir, secret_dir = dst.rsplit("/", 1)[0], src.rsplit("/", 1)[0]
+        assert volumes[mounts[copy_dir]]["emptyDir"]["medium"] == "Memory"
+        assert init_mounts[mounts[copy_dir]] == copy_dir
+        secret = volumes[next(n for n, p in init_mounts.items() if p == secret_dir)]["secret"]
+        assert secret["secretName"] == f"feedline-{role}-keys"
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
+        if role == "broker":
+            assert not args.insecure
+            allowed = volumes[mounts[args.curve_allowed]]
+            assert allowed["configMap"]["name"] == "feedline-allowed-keys"
+        else:
+            key_dir = args.curve_broker_key.rsplit("/", 1)[0]
+            assert volumes[mounts[key_dir]]["secret"]["secretName"] == "feedline-producer-keys"
+
+
 # ---------------------------------------------------------------------------- Dockerfile
 def test_dockerfile_targets_entrypoint_and_healthcheck() -> None:
     DockerfileParser = pytest.importorskip(
