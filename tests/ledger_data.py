@@ -2,12 +2,15 @@
 
 Each datapoint is ``[payload uint8, meta int64 [index, crc32(payload)]]``; the payload is
 pseudo-random from (seed, index), so a consumer can check every byte without knowing the
-producer. With ``log=PATH`` the index of every datapoint handed to the sender is appended to
-that file (flushed), so a test knows what a producer had produced when it was killed.
+producer. ``rate`` paces the source at that many datapoints per second (a steady, known
+offered load, so a test can tell full throughput from a degraded one). With ``log=PATH``
+the index of every datapoint handed to the sender is appended to that file (flushed), so a
+test knows what a producer had produced when it was killed.
 """
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterator
 
@@ -28,8 +31,9 @@ def check(dp: list) -> int:
 
 class Checksummed:
     def __init__(self, count: int | None = None, nbytes: int = 4096, seed: int = 0,
-                 log: str | None = None) -> None:
+                 log: str | None = None, rate: float | None = None) -> None:
         self.count, self.nbytes, self.seed, self.log = count, nbytes, seed, log
+        self.rate = rate
 
     def reset_state(self) -> None:
         pass
@@ -38,7 +42,13 @@ class Checksummed:
         out = open(self.log, "a", buffering=1) if self.log else None  # noqa: SIM115
         try:
             i = 0
+            due = time.monotonic()
             while self.count is None or i < self.count:
+                if self.rate:
+                    # Paced against a schedule, not by a fixed sleep: time spent blocked on
+                    # credit is not made up later in a burst beyond one datapoint.
+                    due = max(due + 1 / self.rate, time.monotonic())
+                    time.sleep(max(0.0, due - time.monotonic()))
                 data = payload(self.seed, i, self.nbytes)
                 if out is not None:
                     out.write(f"{i}\n")
@@ -50,5 +60,5 @@ class Checksummed:
 
 
 def make(count: int | None = None, nbytes: int = 4096, seed: int = 0,
-         log: str | None = None) -> Checksummed:
-    return Checksummed(count, nbytes, seed, log)
+         log: str | None = None, rate: float | None = None) -> Checksummed:
+    return Checksummed(count, nbytes, seed, log, rate)
