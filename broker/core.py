@@ -493,6 +493,8 @@ class Broker:
         if p is not None:
             log.info("producer %s dropped (%s)", p.pid, reason)
             self.metrics.dropped_peers.labels("producer", reason).inc()
+            if reason != "bye":  # what it may have sent that will never arrive here
+                self.metrics.unconfirmed.labels("producer").inc(max(0, p.outstanding))
 
     def _drop_consumer(self, ident: bytes, reason: str) -> None:
         c = self._consumers.pop(ident, None)
@@ -500,6 +502,9 @@ class Broker:
             self._rr.remove(ident)
             log.info("consumer %s dropped (%s)", c.cid, reason)
             self.metrics.dropped_peers.labels("consumer", reason).inc()
+            if reason != "bye":  # delivered to it, never acknowledged as taken
+                unacked = max(0, c.delivered - c.consumed)
+                self.metrics.unconfirmed.labels("consumer").inc(unacked)
 
     def _update_gauges(self) -> None:
         m = self.metrics

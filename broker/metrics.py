@@ -25,6 +25,14 @@ class BrokerMetrics:
             "feedline_broker_lost_batches",
             "Batches missing from producer sequences (lost between producer and broker).",
             ["producer"], registry=r)
+        self.unconfirmed = Counter(
+            "feedline_broker_unconfirmed_batches",
+            "Batches in flight with a peer dropped without BYE (timeout, protocol breach): a "
+            "producer's unused credit, a consumer's delivered but unacknowledged batches. An "
+            "upper bound on what was lost with that peer.",
+            ["role"], registry=r)
+        for role in ("producer", "consumer"):
+            self.unconfirmed.labels(role)
         self.rejected = Counter(
             "feedline_broker_rejected_messages", "Messages refused, by reason.",
             ["reason"], registry=r)
