@@ -88,14 +88,36 @@ def test_keras_fit_from_a_live_broker(thread_broker, endpoints):
     assert remote.stats()["keras"].received >= 12
 
 
+class _CountingInput:
+    """A queue's dequeue(), counting the batches taken from it."""
+
+    def __init__(self, q: QueueInput) -> None:
+        self.q, self.taken = q, 0
+        self.dtypes = q.dtypes
+
+    def dequeue(self):
+        self.taken += 1
+        return self.q.dequeue()
+
+
 def test_staging_on_the_cpu_keeps_order_and_primes_ahead():
+    """StagingInput holds ``nr_stage`` batches staged ahead of the one the step uses: start()
+    takes nr_stage from its input before any step, and each get() unstages the oldest and
+    stages one more, so after k steps k + nr_stage have been taken and nr_stage are waiting."""
     data = [[np.full((3,), i, np.int32)] for i in range(20)]
+    nr_stage = 3
     with QueueInput(data, capacity=4) as q:
-        st = StagingInput(q, nr_stage=3, device="/CPU:0").start()
-        before = q.enqueued
-        assert [int(st.get()[0][0]) for _ in range(5)] == [0, 1, 2, 3, 4]
-        # nr_stage batches were taken from the queue before the first step
-        assert q.enqueued >= before
+        src = _CountingInput(q)
+        st = StagingInput(src, nr_stage=nr_stage, device="/CPU:0").start()
+
+        def staged() -> int:
+            with tf.device(st.device):
+                return int(tf.raw_ops.StageSize(dtypes=src.dtypes, shared_name=st.shared_name))
+
+        assert src.taken == nr_stage and staged() == nr_stage, "primed before the first step"
+        for k in range(1, 6):
+            assert int(st.get()[0][0]) == k - 1  # in order, the oldest staged batch first
+            assert src.taken == k + nr_stage and staged() == nr_stage, f"after step {k}"
 
 
 def test_dummy_constant_input_has_the_queue_interface():
