@@ -127,7 +127,8 @@ def load_secret(path: str | os.PathLike) -> tuple[bytes, bytes]:
     if mode & 0o077:
         raise KeyFileError(
             f"{p}: secret key file has mode {mode:04o}; it must not be readable by group or "
-            f"others (chmod 600 {p}; on Kubernetes mount the secret with defaultMode: 0400)"
+            f"others (chmod 600 {p}; on Kubernetes copy it 0600 into an emptyDir, see "
+            "docs/security.md)"
         )
     try:
         public, secret = zmq.auth.load_certificate(p)

@@ -234,6 +234,30 @@ def test_producer_refuses_a_readable_secret_key(keys, tmp_path):
     assert r.returncode != 0 and "mode 0640" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_drain_takes_keys_from_the_environment_and_refuses_a_readable_secret(keys):
+    """`feedline drain` (a consumer process) checks its keys at startup like the daemons."""
+    sec = keys.files["consumer"][1]
+    sec.chmod(0o644)
+    r = _cli("drain", "--broker", "tcp://127.0.0.1:1", "--duration", "5",
+             env={security.ENV_SECRET: str(sec),
+                  security.ENV_BROKER_KEY: str(keys.files["broker"][0])})
+    assert r.returncode != 0 and f"{sec}: secret key file has mode 0644" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _cli("drain", "--broker", "tcp://127.0.0.1:1", "--duration", "5",
+             env={security.ENV_SECRET: str(sec)})
+    assert r.returncode != 0 and "needs both" in r.stderr
+
+
+def test_keys_need_a_libzmq_with_curve(keys, monkeypatch):
+    """Startup check: a libzmq without CURVE is an error naming the cause, not plain TCP.
+    (Every pyzmq wheel has CURVE, so the check is driven through zmq.has.)"""
+    monkeypatch.setattr(zmq, "has", lambda capability: capability != "curve")
+    with pytest.raises(security.CurveUnavailable, match="built without CURVE"):
+        keys.server()
+    with pytest.raises(security.CurveUnavailable, match="built without CURVE"):
+        keys.client("producer")
+
+
 def test_address_classification():
     assert security.is_loopback("tcp://127.0.0.1:7878")
     assert security.is_loopback("tcp://[::1]:7878")
