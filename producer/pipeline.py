@@ -167,8 +167,14 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
         step_seed = seed * 1000 + i  # distinct streams per step, all from one seed
         if step in MAP_STEPS:
             component = a.get("component", 0)
-            if not isinstance(component, (int, str)) or isinstance(component, bool):
-                raise ConfigError(f"{a.field('component')}: expected an int or a key")
+            if component is None and step != "map":
+                raise ConfigError(f"{a.field('component')}: null (the whole datapoint) is "
+                                  f"only for map steps; {step} works on one image: give its "
+                                  "index or key")
+            if component is not None and (not isinstance(component, (int, str))
+                                          or isinstance(component, bool)):
+                raise ConfigError(f"{a.field('component')}: expected an int or a key"
+                                  f"{', or null' if step == 'map' else ''}, got {component!r}")
             f = MAP_STEPS[step](a, step_seed)
             funcs.append(f if component is None else ComponentFunc(f, component))
             a.done()

@@ -89,6 +89,29 @@ def add(k: int):
     return lambda x: x + k
 
 
+def swap(dp):
+    return [dp[1], dp[0]]
+
+
+def test_component_null_maps_the_whole_datapoint() -> None:
+    """docs/pipelines.md: a map step's ``component: null`` is the whole datapoint."""
+    cfg = {"source": {"list": {"items": [[i, -i] for i in range(3)]}},
+           "steps": [{"map": {"function": "tests.test_pipeline_yaml:swap", "component": None}}]}
+    assert run(cfg) == [[[0, 0], [-1, 1], [-2, 2]]]
+    cfg["parallel"] = {"mode": "thread", "workers": 2, "strict": True, "buffer_size": 2}
+    assert run(cfg) == [[[0, 0], [-1, 1], [-2, 2]]]
+
+
+def test_image_steps_refuse_component_null() -> None:
+    """An image step works on one array, never on the whole ``[image, label]`` list: null
+    there is refused when the file is read, not by a worker at the first datapoint."""
+    cfg = {"source": {"list": {"items": [1]}},
+           "steps": [{"augment": {"augmentors": [{"flip": {}}], "component": None}}]}
+    with pytest.raises(ConfigError, match=r"^steps\[0\]\.augment\.component: null .* only for "
+                       "map steps"):
+        build_pipeline(cfg)
+
+
 def even(dp) -> bool:
     return dp[0] % 2 == 0
 
