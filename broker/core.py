@@ -274,8 +274,12 @@ class Broker:
         nxt = header.get("n", 0)
         if isinstance(nxt, int) and nxt > 0 and session not in self._last_seq:
             self._last_seq[session] = nxt - 1
+        old = self._producers.get(ident)
+        if old is not None:  # a second HELLO on one connection
+            self.metrics.producer_label.release(old.label)
         self._producers[ident] = _Producer(
-            pid=pid, session=session, label=self.metrics.producer_label(pid), last_seen=now
+            pid=pid, session=session, label=self.metrics.producer_label.acquire(pid),
+            last_seen=now,
         )
         self.metrics.init_producer(self._producers[ident].label)
         log.info("producer %s joined (%d connected)", pid, len(self._producers))
@@ -491,6 +495,7 @@ class Broker:
     def _drop_producer(self, ident: bytes, reason: str) -> None:
         p = self._producers.pop(ident, None)
         if p is not None:
+            self.metrics.producer_label.release(p.label)
             log.info("producer %s dropped (%s)", p.pid, reason)
             self.metrics.dropped_peers.labels("producer", reason).inc()
             if reason != "bye":  # what it may have sent that will never arrive here

@@ -10,7 +10,7 @@ from feedline.metrics import BoundedLabel
 class BrokerMetrics:
     def __init__(self, registry: CollectorRegistry, max_producer_labels: int = 64) -> None:
         r = registry
-        self.producer_label = BoundedLabel(max_producer_labels)
+        self.producer_label = BoundedLabel(max_producer_labels, on_evict=self._forget_producer)
         self.received_batches = Counter(
             "feedline_broker_received_batches", "Batches received from producers.",
             ["producer"], registry=r)
@@ -57,8 +57,19 @@ class BrokerMetrics:
             "Batches consumers are ready to take now (demand not met by the buffer).",
             registry=r)
 
+    def _per_producer(self) -> tuple[Counter, ...]:
+        return (self.received_batches, self.received_bytes, self.lost_batches)
+
+    def _forget_producer(self, label: str) -> None:
+        """A departed producer's label was given to a new one: its series go."""
+        for counter in self._per_producer():
+            try:
+                counter.remove(label)
+            except KeyError:
+                pass
+
     def init_producer(self, label: str) -> None:
         """Expose a new producer's series at 0, so that rates and "no losses" show at once
         (a labelled series otherwise appears only when first incremented)."""
-        for counter in (self.received_batches, self.received_bytes, self.lost_batches):
+        for counter in self._per_producer():
             counter.labels(label)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -13,21 +15,45 @@ log = logging.getLogger(__name__)
 class BoundedLabel:
     """Maps unbounded values (producer ids) onto at most ``limit`` label values.
 
-    The first ``limit - 1`` distinct values keep their name; later ones share ``"other"``,
-    so a fleet of restarting producers cannot grow a time series per restart forever.
+    :meth:`acquire` gives a value its own label while fewer than ``limit - 1`` labels are in
+    use, and ``"other"`` beyond that. A label whose holders have all :meth:`release`-d it
+    stays (a producer that reconnects keeps its series) until room is needed for a new value:
+    then the least recently released one is evicted and ``on_evict(label)`` is called, so the
+    owner can remove its series. A fleet that keeps replacing producers (new pod names on
+    every rollout) thus keeps per-producer series for the ones connected now, and the number
+    of series stays bounded.
     """
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._seen: set[str] = set()
+    OTHER = "other"
 
-    def __call__(self, value: str) -> str:
-        if value in self._seen:
+    def __init__(self, limit: int, on_evict: Callable[[str], None] = lambda _: None) -> None:
+        self.limit = limit
+        self._on_evict = on_evict
+        self._holders: dict[str, int] = {}  # label -> connected holders
+        self._idle: OrderedDict[str, None] = OrderedDict()  # labels nobody holds, LRU first
+
+    def acquire(self, value: str) -> str:
+        if value == self.OTHER:
             return value
-        if len(self._seen) < self.limit - 1:
-            self._seen.add(value)
-            return value
-        return "other"
+        if value not in self._holders:
+            if len(self._holders) >= self.limit - 1:
+                if not self._idle:
+                    return self.OTHER
+                old, _ = self._idle.popitem(last=False)
+                del self._holders[old]
+                self._on_evict(old)
+            self._holders[value] = 0
+        self._holders[value] += 1
+        self._idle.pop(value, None)
+        return value
+
+    def release(self, label: str) -> None:
+        n = self._holders.get(label)
+        if n is None:  # "other", or evicted already
+            return
+        self._holders[label] = n - 1
+        if n - 1 == 0:
+            self._idle[label] = None
 
 
 def serve_metrics(

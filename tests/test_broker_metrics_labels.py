@@ -1,0 +1,65 @@
+"""Per-producer metric series stay bounded and follow the producers connected now.
+
+A fleet that replaces its producers (a Kubernetes rollout names every pod anew) must neither
+grow one series per producer ever seen nor end with every producer lumped into "other".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from broker.metrics import BrokerMetrics
+from feedline.link import LinkConfig
+from feedline.metrics import BoundedLabel
+from feedline.procs import wait_for
+from producer import Sender
+
+FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
+
+
+def test_bounded_label_reuses_the_room_of_departed_values() -> None:
+    evicted: list[str] = []
+    labels = BoundedLabel(3, on_evict=evicted.append)  # two named labels, then "other"
+    assert labels.acquire("a") == "a" and labels.acquire("b") == "b"
+    assert labels.acquire("c") == "other", "full while a and b are connected"
+    labels.release("a")
+    assert labels.acquire("b") == "b", "a second holder of b"
+    assert labels.acquire("a") == "a" and evicted == [], "a reconnecting value keeps its label"
+    labels.release("a")
+    assert labels.acquire("c") == "c" and evicted == ["a"], "a departed value makes room"
+    labels.release("b")
+    assert labels.acquire("d") == "other", "b still has a holder"
+    labels.release("b")
+    assert labels.acquire("d") == "d" and evicted == ["a", "b"]
+
+
+def test_eviction_removes_the_departed_producers_series() -> None:
+    reg = CollectorRegistry()
+    m = BrokerMetrics(reg, max_producer_labels=2)
+    a = m.producer_label.acquire("a")
+    m.init_producer(a)
+    m.received_batches.labels(a).inc(5)
+    m.producer_label.release(a)
+    b = m.producer_label.acquire("b")
+    m.init_producer(b)
+    names = {s.labels.get("producer") for fam in reg.collect() for s in fam.samples
+             if s.name == "feedline_broker_received_batches_total"}
+    assert names == {"b"}
+
+
+def test_a_broker_keeps_series_for_connected_producers_after_many_came_and_went(
+        thread_broker, endpoints) -> None:
+    tb = thread_broker(max_batches=256)  # room for every batch: no consumer here
+    limit = tb.broker.metrics.producer_label.limit
+    for i in range(limit + 10):  # more producers than labels, one after another
+        with Sender(endpoints.ingress, producer_id=f"pod-{i}", link=FAST) as s:
+            s.send([np.zeros(4, np.uint8)])
+        wait_for(lambda: not tb.broker._producers, 10, what="BYE processed")
+    with Sender(endpoints.ingress, producer_id="newest", link=FAST) as s:
+        s.send([np.zeros(4, np.uint8)])
+        wait_for(lambda: tb.broker._producers, 10, what="newest registered")
+        series = {s.labels.get("producer") for fam in tb.broker.registry.collect()
+                  for s in fam.samples if s.name == "feedline_broker_received_batches_total"}
+    assert "newest" in series, "a producer connected now has its own series"
+    assert len(series) <= limit, "series stay bounded"
