@@ -22,6 +22,7 @@ Or, for a pipeline written in Python::
 
     factory: mypackage.pipelines:imagenet_train   # a function returning a DataFlow
     args: {root: /data/train}                     # its keyword arguments
+    epochs: null                                  # the one other key it may have
 
 Errors are :class:`ConfigError` and name the field, e.g. ``source.fake.shapes[1]``.
 """
@@ -49,6 +50,7 @@ from producer.pipeline_spec import (
     STEPS,
     Args,
     ConfigError,
+    call_with_args,
     guarded,
     load_object,
     one_key,
@@ -58,6 +60,8 @@ __all__ = ["SOURCES", "ConfigError", "build_pipeline", "load_config"]
 
 TOP_LEVEL = ("source", "factory", "args", "steps", "shard", "seed", "parallel", "on_error",
              "epochs")
+# Read only by the built-in form: next to `factory:` they would be silently ignored.
+BUILT_IN_ONLY = ("source", "steps", "shard", "seed", "parallel", "on_error")
 MODES = ("none", "thread", "process", "runner")
 
 
@@ -93,11 +97,16 @@ class Chain:
         return dp
 
 
-def _factory(spec: Any, args: Any) -> DataFlow:
+def _factory(cfg: Mapping[str, Any]) -> DataFlow:
+    for k in BUILT_IN_ONLY:
+        if k in cfg:
+            raise ConfigError(f"{k}: not used with factory (only the built-in source/steps "
+                              "pipeline reads it; the factory builds the whole pipeline: pass "
+                              "what it needs in args)")
+    spec = cfg["factory"]
     fn = load_object(spec, "factory")
-    if args is not None and not isinstance(args, dict):
-        raise ConfigError("args: expected a map")
-    return fn(**(args or {}))  # type: ignore[no-any-return]
+    args = cfg.get("args")
+    return call_with_args(fn, {} if args is None else args, "args", spec)  # type: ignore[no-any-return]
 
 
 def _parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -134,7 +143,10 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
         if k not in TOP_LEVEL:
             raise ConfigError(f"{k}: unknown key (known: {list(TOP_LEVEL)})")
     if "factory" in cfg:
-        return _factory(cfg["factory"], cfg.get("args"))
+        return _factory(cfg)
+    if "args" in cfg:
+        raise ConfigError("args: only used with factory (the built-in pipeline takes its "
+                          "arguments in source and steps)")
     top = Args(cfg, "pipeline")
     seed = top.integer("seed", 0)
     on_error = top.text("on_error", "raise", choices=("raise", "skip"))

@@ -7,6 +7,7 @@ with the path of the offending field (``steps[2].batch.batch_size: expected an i
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -116,12 +117,26 @@ def function(a: Args) -> Callable[[Any], Any]:
     fargs = a.get("args")
     if fargs is None:
         return fn  # type: ignore[no-any-return]
+    return call_with_args(fn, fargs, a.field("args"), a.m["function"])  # type: ignore[no-any-return]
+
+
+def call_with_args(fn: Callable[..., Any], fargs: Any, where: str, spec: str) -> Any:
+    """``fn(**fargs)``, where ``fargs`` is the map at ``where`` and ``fn`` was loaded from
+    ``spec``. Arguments that do not fit ``fn``'s signature (unknown, missing, not strings)
+    are a ConfigError at ``where`` naming ``spec``; checked before the call, so that an
+    exception raised inside ``fn`` is ``fn``'s own and keeps its traceback."""
     if not isinstance(fargs, Mapping):
-        raise ConfigError(f"{a.field('args')}: expected a map")
+        raise ConfigError(f"{where}: expected a map, got {fargs!r}")
     try:
-        return fn(**fargs)  # type: ignore[no-any-return]
-    except TypeError as e:
-        raise ConfigError(f"{a.field('args')}: {e}") from None
+        sig: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (some builtins): just call
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(**fargs)
+        except TypeError as e:
+            raise ConfigError(f"{where}: do not fit the parameters of {spec}: {e}") from None
+    return fn(**fargs)
 
 
 def guarded(where: str, build: Callable[[], Any]) -> Any:

@@ -12,7 +12,7 @@ import yaml
 
 from consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
-from producer.dataflow import MapData, MultiProcessMapData
+from producer.dataflow import BatchData, DataFromList, MapData, MultiProcessMapData
 from producer.image import ImageNetVal
 from producer.pipeline import ConfigError, build_pipeline, load_config
 from tests.jpeg_data import make_folder
@@ -112,6 +112,57 @@ def test_image_steps_refuse_component_null() -> None:
         build_pipeline(cfg)
 
 
+def make_list(n: int, offset: int = 0):
+    return DataFromList([[i + offset] for i in range(n)])
+
+
+def broken_factory(n: int):
+    raise TypeError("a bug inside the factory")
+
+
+def test_a_factory_builds_the_pipeline_from_its_args() -> None:
+    assert run({"factory": "tests.test_pipeline_yaml:make_list", "args": {"n": 2, "offset": 5},
+                "epochs": 1}) == [[[5], [6]]]
+
+
+@pytest.mark.parametrize("args, why", [
+    ({"n": 2, "nope": 1}, "unexpected keyword argument 'nope'"),
+    ({"offset": 1}, "missing a required argument: 'n'"),
+    ({1: 2}, ""),
+    ([1, 2], "expected a map"),
+])
+def test_factory_args_that_do_not_fit_are_a_config_error(args, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_pipeline({"factory": "tests.test_pipeline_yaml:make_list", "args": args})
+    msg = str(info.value)
+    assert msg.startswith("args:") and why in msg, msg
+    if why != "expected a map":
+        assert "tests.test_pipeline_yaml:make_list" in msg, msg
+
+
+def test_an_error_inside_a_factory_is_its_own() -> None:
+    """Arguments are checked against the signature, so a factory's own TypeError is a bug
+    in it with its traceback, not blamed on the file."""
+    with pytest.raises(TypeError, match="a bug inside the factory"):
+        build_pipeline({"factory": "tests.test_pipeline_yaml:broken_factory", "args": {"n": 1}})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("source", {"list": {"items": [1]}}), ("steps", [{"batch": {"batch_size": 2}}]),
+    ("shard", {"index": 0, "count": 2}), ("seed", 3), ("parallel", {"mode": "thread"}),
+    ("on_error", "skip"),
+])
+def test_built_in_keys_next_to_a_factory_are_refused(key: str, value) -> None:
+    cfg = {"factory": "tests.test_pipeline_yaml:make_list", "args": {"n": 2}, key: value}
+    with pytest.raises(ConfigError, match=f"^{key}: not used with factory"):
+        build_pipeline(cfg)
+
+
+def test_args_without_a_factory_are_refused() -> None:
+    with pytest.raises(ConfigError, match="^args: only used with factory"):
+        build_pipeline({"source": {"list": {"items": [1]}}, "args": {"n": 2}})
+
+
 def even(dp) -> bool:
     return dp[0] % 2 == 0
 
@@ -159,6 +210,7 @@ def test_a_corrupt_jpeg_is_skipped_and_counted_not_fatal(images: Path) -> None:
         with df:
             df.reset_state()
             assert len(list(df)) == 15
+            assert isinstance(df, BatchData)
             stage = df.ds
             assert isinstance(stage, (MapData, MultiProcessMapData)) and stage.skipped == 1
     cfg["on_error"] = "raise"
