@@ -15,20 +15,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from consumer.metrics import QueueMetrics
+from feedline.verdict import verdict
 
 log = logging.getLogger(__name__)
-
-MODEL_BOUND = 0.5  # average occupancy above this: the model is the bottleneck
-INPUT_BOUND = 0.1  # below this: the input is
-
-
-def verdict(ratio: float) -> str:
-    """'model-bound', 'input-bound' or 'balanced' for an average occupancy ratio."""
-    if ratio >= MODEL_BOUND:
-        return "model-bound"
-    if ratio <= INPUT_BOUND:
-        return "input-bound"
-    return "balanced"
 
 
 class OccupancyMonitor:

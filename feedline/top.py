@@ -26,11 +26,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from feedline.cli import HelpFormatter, stop_on_signals
-
-# Thresholds of the verdict; the Grafana dashboard's "Verdict" panel uses the same ones.
-INPUT_BOUND_BELOW = 0.25  # mean consumer queue occupancy below this: the model starves
-MODEL_BOUND_ABOVE = 0.75  # above this: batches queue up in front of the model
-WAIT_SHARE_INPUT_BOUND = 0.10  # the model waits for data this share of its time or more
+from feedline.verdict import verdict as _verdict  # the dashboard's thresholds too
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -117,12 +113,12 @@ def verdict(occupancy: float | None, wait_share: float | None) -> str:
     """
     if occupancy is None:
         return "unknown (no consumer metrics)"
-    if occupancy < INPUT_BOUND_BELOW or (wait_share or 0.0) >= WAIT_SHARE_INPUT_BOUND:
-        return ("INPUT-BOUND: the model waits for data; add producers or make the pipeline "
-                "faster")
-    if occupancy > MODEL_BOUND_ABOVE:
-        return "MODEL-BOUND: batches wait for the model; the input keeps up"
-    return "balanced: the input just keeps up with the model"
+    return {
+        "input-bound": "INPUT-BOUND: the model waits for data; add producers or make the "
+                       "pipeline faster",
+        "model-bound": "MODEL-BOUND: batches wait for the model; the input keeps up",
+        "balanced": "balanced: the input just keeps up with the model",
+    }[_verdict(occupancy, wait_share)]
 
 
 def _mb(x: float) -> str:

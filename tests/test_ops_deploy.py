@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from feedline import top
+from feedline import verdict
 from producer.pipeline import build_pipeline, load_config
 from tests.ops_support import (
     COMPOSE,
@@ -310,10 +310,11 @@ def test_dashboard_is_generated_and_uses_the_provisioned_datasource() -> None:
     build = _build_dashboard_module()
     committed = (DEPLOY / "grafana/dashboards/feedline.json").read_text()
     assert committed == build.render(), "run python3 deploy/grafana/build_dashboard.py"
-    # The verdict thresholds are feedline top's.
-    assert build.INPUT_BOUND_BELOW == top.INPUT_BOUND_BELOW
-    assert build.MODEL_BOUND_ABOVE == top.MODEL_BOUND_ABOVE
-    assert build.WAIT_SHARE_INPUT_BOUND == top.WAIT_SHARE_INPUT_BOUND
+    # The panels' verdict thresholds are feedline.verdict's (what top and the trainer use).
+    steps = {st["value"] for p in dashboard_json()["panels"]
+             for st in p.get("fieldConfig", {}).get("defaults", {})
+             .get("thresholds", {}).get("steps", [])}
+    assert {verdict.INPUT_BOUND_BELOW, verdict.MODEL_BOUND_ABOVE} <= steps
 
     ds = yaml.safe_load(
         (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())

@@ -16,14 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# The thresholds of every verdict (feedline top, OccupancyMonitor): one definition.
+from feedline.verdict import INPUT_BOUND_BELOW, MODEL_BOUND_ABOVE, WAIT_SHARE_INPUT_BOUND
+
 DATASOURCE = {"type": "prometheus", "uid": "feedline-prometheus"}
 OUT = Path(__file__).resolve().parent / "dashboards" / "feedline.json"
-
-# The same thresholds as feedline.top (INPUT_BOUND_BELOW, MODEL_BOUND_ABOVE,
-# WAIT_SHARE_INPUT_BOUND); the deploy test checks they agree.
-INPUT_BOUND_BELOW = 0.25
-MODEL_BOUND_ABOVE = 0.75
-WAIT_SHARE_INPUT_BOUND = 0.10
 
 RI = "$__rate_interval"
 
