@@ -40,7 +40,22 @@ def parse_size(text: str) -> int:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every flag's default, keeps description paragraphs as written."""
+    """Shows each option's default once, keeps description paragraphs as written.
+
+    ``(default: VALUE)`` is appended to an option's help unless the option is required (it
+    has none), is a flag that takes no value and is off unless given, has ``None`` for
+    default (nothing to show: its help says in words what happens without it), or its help
+    already writes its own ``(default: ...)`` (a default that is computed, like
+    hostname-pid, or is a behaviour rather than a value).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.required or action.default is None
+                or (action.nargs == 0 and action.default is False)
+                or "(default:" in text):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def stop_on_signals() -> threading.Event:

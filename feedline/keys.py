@@ -19,13 +19,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     ks = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
     g = ks.add_parser("generate", help="write DIR/NAME.key and DIR/NAME.key_secret (0600)",
-                      formatter_class=HelpFormatter)
+                      formatter_class=HelpFormatter,
+                      description="Create a CURVE key pair: DIR/NAME.key (the public key, to "
+                      "share) and DIR/NAME.key_secret\n(mode 0600, to keep on this machine).")
     g.add_argument("dir", metavar="DIR", help="directory to write into (created if missing)")
     g.add_argument("--name", default="feedline",
                    help="file name stem, e.g. broker or producer-1")
     g.set_defaults(func=_generate)
     s = ks.add_parser("show", help="print the public key of a key file",
-                      formatter_class=HelpFormatter)
+                      formatter_class=HelpFormatter,
+                      description="Print the Z85 public key of FILE (a public or a secret key "
+                      "file), e.g. to compare it\nwith what a peer was given.")
     s.add_argument("file", metavar="FILE", help="a NAME.key or NAME.key_secret file")
     s.set_defaults(func=_show)
 

@@ -35,7 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=build)
     i = cmds.add_parser("info", help="count and size of an LMDB file",
-                        formatter_class=HelpFormatter)
+                        formatter_class=HelpFormatter,
+                        description="Print the path, the number of datapoints, the number of "
+                        "LMDB entries and the file's size\nof an LMDB file written by "
+                        "`feedline lmdb build` (or LMDBSerializer.save).")
     i.add_argument("path", metavar="FILE.lmdb")
     i.set_defaults(func=info)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

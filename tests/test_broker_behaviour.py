@@ -3,6 +3,7 @@ hostile peers, the tensorpack ingress, and the CLI's help."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import itertools
 import os
@@ -167,18 +168,69 @@ def test_tensorpack_send_dataflow_zmq_is_served_safely(thread_broker, endpoints,
         assert label == f"label-{i}"
 
 
-def test_help_documents_every_flag_with_its_default():
-    for cmd in ("broker", "producer", "demo"):
-        out = subprocess.run([sys.executable, "-m", "feedline.cli", cmd, "--help"],
-                             capture_output=True, text=True, check=True).stdout
-        options = out[out.index("options:"):]
-        # one entry per flag: from its "  --flag" line to the next flag's line
-        entries = ["--" + e for e in options.split("\n  --")[1:]]
-        assert len(entries) >= 3, out
-        for entry in entries:
-            if entry.startswith("--config"):  # required: there is no default to show
-                continue
-            assert "(default:" in entry, f"{cmd}: {entry.split()[0]} shows no default"
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(path, parser) for ``parser`` and every subcommand under it, depth first."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*path, name))
+
+
+def _help_entries(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's entry in the rendered help, keyed by its first option string: from its
+    "  --flag" line up to the next option's (the terminal is made wide enough that an entry
+    only spans two lines when its flag column is full)."""
+    out = parser.format_help()
+    options = out[out.index("options:"):].splitlines()[1:]
+    entries: dict[str, str] = {}
+    for line in options:
+        if line.startswith("  -"):
+            key = line.split()[0].rstrip(",")
+            entries[key] = line
+        elif line.startswith("   ") and entries:
+            entries[key] += " " + line.strip()
+        else:
+            break
+    return entries
+
+
+def test_help_documents_every_flag_with_its_default(monkeypatch):
+    """Every subcommand's --help (all of them: ``feedline --help`` and its subcommands, down
+    to ``lmdb info`` and ``keys show``) has a description, and shows each option's default
+    exactly once, by this rule:
+
+    - an option that takes a value shows exactly one "(default: ...)";
+    - except a required option (e.g. producer's --config), which shows none: it has none;
+    - and an option whose default is None, which shows at most one, and only one its help
+      writes out ("(default: hostname-pid)", "(default: until SIGTERM)"): the formatter has
+      no value to show, and "(default: None)" means nothing to a user;
+    - a flag that takes no value (store_true) shows none: it is off unless given.
+    """
+    from feedline.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    commands = dict(_commands(build_parser()))
+    names = {" ".join(path) for path in commands}
+    assert {"broker", "producer", "demo", "lmdb", "lmdb build", "lmdb info", "drain", "top",
+            "keys", "keys generate", "keys show"} <= names, names
+    for path, parser in commands.items():
+        cmd = " ".join(("feedline", *path))
+        assert "(default: None)" not in parser.format_help(), cmd
+        if path:
+            assert parser.description and parser.description.strip(), f"{cmd}: no description"
+        entries = _help_entries(parser)
+        for action in parser._actions:
+            if not action.option_strings or action.default == argparse.SUPPRESS:
+                continue  # positionals, --help, --version
+            flag = action.option_strings[0]
+            shown = entries[flag].count("(default:")
+            if action.required or action.nargs == 0:
+                assert shown == 0, f"{cmd} {flag}: required or a flag, but shows a default"
+            elif action.default is None:
+                assert shown <= 1, f"{cmd} {flag}: {shown} defaults"
+            else:
+                assert shown == 1, f"{cmd} {flag}: {shown} defaults"
 
 
 def test_a_silent_producer_is_dropped_and_its_credit_returns(thread_broker, endpoints):
