@@ -1,0 +1,113 @@
+"""Run the fault scenarios and write their measurements: a table and a throughput plot.
+
+    sudo python benchmarks/reliability.py --rounds 3 --json docs/reliability.json \\
+        --plot docs/reliability.png
+
+Runs ``tests/test_faults_netns.py`` (root: network namespaces) ``--rounds`` times with
+``FEEDLINE_RELIABILITY_OUT`` set, so every scenario appends its measurements; then prints a
+markdown table (median recovery time per scenario, and every round's) and, with ``--plot``,
+draws each scenario's throughput over time with the fault shaded (needs matplotlib:
+``pip install '.[bench]'``). Progress: pytest's own line per scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(rounds: int, out: Path) -> None:
+    for r in range(rounds):
+        print(f"round {r + 1}/{rounds}", flush=True)
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_faults_netns.py"], cwd=ROOT, check=True,
+                       env={**os.environ, "FEEDLINE_RELIABILITY_OUT": str(out)})
+
+
+def table(results: list[dict]) -> str:
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in results:
+        by[r["scenario"]].append(r)
+    lines = ["| scenario | recovery (median) | each round | during the fault | lost (counted) |",
+             "|---|---|---|---|---|"]
+    for name, rs in by.items():
+        rec = [r["recovery_s"] for r in rs]
+        during = statistics.median(r["rate_during_fault"] for r in rs)
+        who = rs[0]["affected"] or "all"
+        lost = " / ".join(f"{sum(r['lost'].values())} ({sum(r['counted'].values())})"
+                          for r in rs)
+        lines.append(f"| {name} | {statistics.median(rec):.2f} s | "
+                     f"{' / '.join(f'{x:.2f}' for x in rec)} | "
+                     f"{during:.0f} batches/s ({who}; offered {rs[0]['offered_per_s']:.0f}) | "
+                     f"{lost} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first: dict[str, dict] = {}
+    for r in results:
+        first.setdefault(r["scenario"], r)
+    n = len(first)
+    cols = 2
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(12, 2.4 * ((n + 1) // 2)),
+                             squeeze=False)
+    for ax, (name, r) in zip(axes.flat, first.items(), strict=False):
+        t, total = zip(*r["total"], strict=True) if r["total"] else ((), ())
+        ax.plot(t, total, color="black", lw=1.2, label="total")
+        for p, series in r["per_producer"].items():
+            if series:
+                pt, pv = zip(*series, strict=True)
+                ax.plot(pt, pv, lw=0.8, label=p, alpha=0.8)
+        ax.axvspan(r["fault_at"], r["healed_at"], color="red", alpha=0.12, lw=0)
+        ax.axvline(r["healed_at"] + r["recovery_s"], color="green", ls="--", lw=0.8)
+        ax.set_title(f"{name}: recovery {r['recovery_s']:.1f} s", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("batches/s", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, loc="lower left")
+    fig.supxlabel("seconds (red: fault; green: full throughput again)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of the whole scenario file")
+    ap.add_argument("--json", type=Path, help="write all measurements here")
+    ap.add_argument("--plot", type=Path, help="write the throughput plot here (PNG)")
+    ap.add_argument("--from-json", type=Path,
+                    help="do not run: redo the table and plot from an earlier --json")
+    a = ap.parse_args()
+    if a.from_json:
+        results = json.loads(a.from_json.read_text())
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            out = Path(d) / "results.jsonl"
+            run(a.rounds, out)
+            results = [json.loads(line) for line in out.read_text().splitlines()]
+    if a.json:
+        a.json.write_text(json.dumps(results))
+    print(table(results))
+    if a.plot:
+        plot(results, a.plot)
+
+
+if __name__ == "__main__":
+    main()
