@@ -29,6 +29,7 @@ from consumer.metrics import ConsumerMetrics
 from feedline import wire
 from feedline.errors import ProducerError, ReceiveTimeout
 from feedline.link import BrokerLink, LinkConfig
+from feedline.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 _REG = 4  # bytes of a registration number in a consumption signal
@@ -61,7 +62,9 @@ class RemoteDataZMQ:
     ``timeout``: seconds to wait for a batch before raising :class:`ReceiveTimeout`
     (``None``: wait forever). ``on_error``: ``"raise"`` a producer's failure here as
     :class:`ProducerError`, or ``"log"`` it and go on. Iterate from one thread at a time;
-    :meth:`close` (or leaving a ``with`` block) stops the I/O thread.
+    :meth:`close` (or leaving a ``with`` block) stops the I/O thread. ``curve``: this
+    process's keys when the broker has CURVE keys (it then requires them on ``ipc://`` too),
+    e.g. ``feedline.security.ClientKeys.load("trainer.key_secret", "broker.key")``.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class RemoteDataZMQ:
         on_error: str = "raise",
         link: LinkConfig | None = None,
         registry: CollectorRegistry | None = None,
+        curve: Any = None,
     ) -> None:
         if not 0 < window <= 4096:
             raise ValueError("window must be in 1..4096")
@@ -84,6 +88,10 @@ class RemoteDataZMQ:
         self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.return_meta, self.on_error = return_meta, on_error
         self.link_config = link or LinkConfig()
+        if curve is not None:
+            self.link_config = replace(self.link_config, curve=curve)
+        self._answered = False  # the broker has ever answered our HELLO
+        self._reject_log = RateLimitedLog(log)
         self.metrics = ConsumerMetrics(registry if registry is not None else CollectorRegistry())
         self._stats: dict[str, ProducerStats] = {}
         self._stats_lock = threading.Lock()
@@ -176,6 +184,13 @@ class RemoteDataZMQ:
             if deadline is not None and time.monotonic() >= deadline:
                 with self._stats_lock:
                     producers = sorted(self._stats)
+                if not self._answered:
+                    raise ReceiveTimeout(
+                        f"the broker at {self.addr} did not answer within {self.timeout:.1f}s. "
+                        "Is it running at that address? If it has CURVE keys, it needs ours "
+                        "(curve=ClientKeys.load(secret, broker_key), with our public key in its "
+                        "--curve-allowed directory), on ipc:// too."
+                    )
                 raise ReceiveTimeout(
                     f"no batch from the broker at {self.addr} within {self.timeout:.1f}s "
                     f"(producers seen so far: {producers or 'none'}). Is the broker running, "
@@ -244,7 +259,9 @@ class RemoteDataZMQ:
                     limits: wire.Limits) -> None:
         try:
             header = wire.decode_header(frames[0], limits)
-            if link.handle(header):
+            handled = link.handle(header)
+            self._answered = self._answered or link.welcomed
+            if handled:
                 return
             kind = header["k"]
             if kind == wire.Kind.DELIVER:
@@ -262,7 +279,7 @@ class RemoteDataZMQ:
                     log.error("%s", err)
         except wire.DecodeError as e:
             self.metrics.rejected.labels(e.reason).inc()
-            log.warning("rejected a message from the broker: %s", e)
+            self._reject_log.warning("rejected a message from the broker: %s", e)
 
     def _deliver(self, state: _IOState, batch: wire.Batch, gap: int) -> None:
         with self._stats_lock:

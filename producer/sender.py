@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from feedline import wire
 from feedline.errors import Stopped
 from feedline.link import BrokerLink, LinkConfig
+from feedline.logs import RateLimitedLog
 from producer.metrics import ProducerMetrics
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Sender:
         self.seq = 0
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
         self.credit_wait_seconds = 0.0
+        self._reject_log = RateLimitedLog(log)
         self._granted = 0  # absolute credit of this registration ("t" of the last CREDIT)
         self._sent = 0  # batches sent in this registration
         self._own_ctx = ctx is None
@@ -109,6 +111,7 @@ class Sender:
                     header = wire.decode_header(frame)
                 except wire.DecodeError as e:
                     self.metrics.rejected.labels(e.reason).inc()
+                    self._reject_log.warning("rejected a message from the broker: %s", e)
                     continue
                 if self.link.handle(header):
                     continue

@@ -71,9 +71,13 @@ def test_a_pipeline_error_reaches_the_consumer_with_its_traceback(thread_broker,
     assert "corrupt-record-17" in str(err.value) and "in broken" in err.value.remote_traceback
 
 
-def test_receive_timeout_says_what_is_missing(tmp_path):
+def test_receive_timeout_says_what_is_missing(tmp_path, thread_broker, endpoints):
     with RemoteDataZMQ(f"ipc://{tmp_path}/nobody.sock", timeout=0.5, link=FAST) as src:
-        with pytest.raises(ReceiveTimeout, match="Is the broker running"):
+        with pytest.raises(ReceiveTimeout, match="did not answer.*Is it running"):
+            next(iter(src))
+    thread_broker()  # a broker that answers, and no producer behind it
+    with RemoteDataZMQ(endpoints.egress, timeout=1.0, link=FAST) as src:
+        with pytest.raises(ReceiveTimeout, match="producers seen so far: none"):
             next(iter(src))
 
 

@@ -159,6 +159,22 @@ def test_consumer_with_unknown_key_gets_nothing_out(thread_broker, endpoints, ke
     sender.join(10)
 
 
+def test_a_consumer_without_keys_is_told_why_and_curve_kwarg_lets_it_in(thread_broker,
+                                                                       endpoints, keys):
+    """CURVE guards the ipc:// egress too: a training process without keys hears nothing, and
+    its timeout must say that keys may be the reason, not only "no producers"."""
+    thread_broker(curve=keys.server())
+    sender = send(endpoints.ingress, 5, 3, keys.client("producer"))
+    with RemoteDataZMQ(endpoints.egress, timeout=2, link=FAST) as src, \
+            pytest.raises(ReceiveTimeout, match="CURVE"):
+        next(iter(src))
+    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST,
+                       curve=keys.client("consumer")) as src:
+        got = list(itertools.islice(src, 5))
+    sender.join(10)
+    assert [int(dp[1][0]) for dp in got] == list(range(5))
+
+
 # ------------------------------------------------------------------------- keys on disk
 
 
