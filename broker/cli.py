@@ -7,7 +7,7 @@ import argparse
 from broker.config import BrokerConfig
 from broker.core import Broker
 from feedline import security, wire
-from feedline.cli import HelpFormatter, parse_size, stop_on_signals
+from feedline.cli import HelpFormatter, add_metrics_flags, parse_size, stop_on_signals
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
 
@@ -43,9 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--io-threads", type=int, default=d.io_threads,
                    help="libzmq I/O threads (they do the socket copies); more can help on "
                    "hosts with many cores and several GB/s")
-    p.add_argument("--metrics-port", type=int, default=9500,
-                   help="serve Prometheus metrics on this port; 0 turns them off")
-    p.add_argument("--metrics-addr", default=d.metrics_addr, help="address for the metrics")
+    add_metrics_flags(p, 9500, d.metrics_addr)
     p.add_argument("--curve-secret", default=None, metavar="FILE",
                    help="the broker's CURVE secret key file (feedline keys generate); "
                    f"env {security.ENV_SECRET}")

@@ -1,6 +1,7 @@
 """Train from a feedline broker with Keras ``fit``, through a tf.data adapter.
 
-    feedline broker &  feedline producer --config examples/imagenet_train.yaml &
+    feedline broker --ingress tcp://127.0.0.1:7878 &    # one host: loopback needs no keys
+    feedline producer --config examples/imagenet_train.yaml &
     python examples/train_keras.py --egress ipc:///tmp/feedline.sock --steps 200
 
 The dataset dequeues from a QueueInput inside tf.data (no Python generator per batch); an

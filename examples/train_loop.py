@@ -1,6 +1,7 @@
 """Train from a feedline broker with a custom step: QueueInput + StagingInput + tf.function.
 
-    feedline broker &  feedline producer --config examples/imagenet_train.yaml &
+    feedline broker --ingress tcp://127.0.0.1:7878 &    # one host: loopback needs no keys
+    feedline producer --config examples/imagenet_train.yaml &
     python examples/train_loop.py --egress ipc:///tmp/feedline.sock --steps 200
 
 Expects batches of [uint8 images NHWC, int labels] (the ImageNet-style example pipelines).

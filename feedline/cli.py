@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import signal
 import sys
@@ -28,6 +29,25 @@ COMMANDS = [
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+METRICS_PORT_ENV = "FEEDLINE_METRICS_PORT"
+
+
+def add_metrics_flags(p: argparse.ArgumentParser, port: int, addr: str = "0.0.0.0") -> None:
+    """``--metrics-port`` (its default from $FEEDLINE_METRICS_PORT when set, so a container
+    image can say once which port its healthcheck probes) and ``--metrics-addr``."""
+    env = os.environ.get(METRICS_PORT_ENV)
+    if env:
+        try:
+            port = int(env)
+        except ValueError:
+            raise SystemExit(f"feedline: {METRICS_PORT_ENV}={env!r} is not a port number") \
+                from None
+    p.add_argument("--metrics-port", type=int, default=port,
+                   help=f"serve Prometheus metrics on this port; 0 turns them off; env "
+                   f"{METRICS_PORT_ENV}")
+    p.add_argument("--metrics-addr", default=addr, help="address for the metrics")
 
 
 def parse_size(text: str) -> int:

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 
-from feedline.cli import HelpFormatter, stop_on_signals
+from feedline.cli import HelpFormatter, add_metrics_flags, stop_on_signals
 from feedline.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -36,9 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=None,
                    help="seconds to run, then exit (default: until SIGTERM)")
     p.add_argument("--id", default=None, help="consumer id (default: hostname-pid)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics on this port; 0 turns them off")
-    p.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics")
+    add_metrics_flags(p, 0)
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between rate lines in the log")
     p.add_argument("--curve-secret", default=None, metavar="FILE",

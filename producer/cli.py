@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from feedline.cli import HelpFormatter, stop_on_signals
+from feedline.cli import HelpFormatter, add_metrics_flags, stop_on_signals
 from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
@@ -33,9 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of broker silence before reconnecting")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics on this port; 0 turns them off")
-    p.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics")
+    add_metrics_flags(p, 0)
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between rate lines in the log")
     p.add_argument("--curve-secret", default=None, metavar="FILE",

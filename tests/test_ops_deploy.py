@@ -261,6 +261,33 @@ def test_dockerfile_targets_entrypoint_and_healthcheck() -> None:
     assert values("trainer", "USER")[-1] == "10001:10001"
 
 
+def test_image_healthcheck_passes_against_a_producer_started_as_the_image_does(
+        tmp_path: Path) -> None:
+    """The image's HEALTHCHECK probes $FEEDLINE_METRICS_PORT; a producer started with the
+    image's environment and no --metrics-port must serve exactly there (its own default is
+    off), or every `docker run ... producer` container would be reported unhealthy."""
+    import os
+
+    from feedline.procs import Daemon, free_port, wait_for
+
+    health = (DEPLOY / "Dockerfile").read_text().split("HEALTHCHECK", 1)[1]
+    probe = json.loads(health.split("CMD", 1)[1].split("\n")[0])[2]
+    port = free_port()
+    env = {"FEEDLINE_METRICS_PORT": str(port), "PYTHONPATH": str(ROOT)}
+    producer = Daemon("producer", ["--config", str(ROOT / "examples/fake.yaml"), "--broker",
+                                   f"tcp://127.0.0.1:{free_port()}"], tmp_path / "p.log", env)
+    try:
+        def healthy() -> bool:
+            return subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env},
+                                  capture_output=True, timeout=10).returncode == 0
+
+        wait_for(lambda: healthy() or not producer.alive(), 30, interval=0.3,
+                 what="the image's healthcheck to pass")
+        assert producer.alive(), producer.log_text()
+    finally:
+        producer.stop()
+
+
 def load_toml(path: Path) -> dict[str, Any]:
     import tomllib
 
