@@ -6,6 +6,7 @@ with an optional ``__len__`` and ``reset_state()`` (see :mod:`producer.dataflow.
 
 from producer.dataflow.base import DataFlow, ProxyDataFlow
 from producer.dataflow.batch_data import BatchData
+from producer.dataflow.count_data import CountData
 from producer.dataflow.data_from_generator import DataFromGenerator
 from producer.dataflow.data_from_list import DataFromList
 from producer.dataflow.errors import SampleError, WorkerError
@@ -24,6 +25,7 @@ from producer.dataflow.worker import WorkerInfo, get_worker, make_rng
 
 __all__ = [
     "BatchData",
+    "CountData",
     "DataFlow",
     "DataFromGenerator",
     "DataFromList",

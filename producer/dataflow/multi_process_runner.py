@@ -16,12 +16,47 @@ from producer.dataflow.shard import compose, source_of
 from producer.dataflow.worker import WorkerInfo, set_worker
 
 DATA, END, ERR = "data", "end", "err"
+# Int attributes of the stages under a runner that count what happened (CountData.count, the
+# map stages' skipped). The copies count in their processes; each message carries what they
+# counted since the last one, and the runner adds it to its own stages (see _Counters).
+COUNTERS = ("count", "skipped")
+
+
+class _Counters:
+    """The counters of the stages in ``ds``'s chain (following ``.ds``), in chain order: the
+    same list in the parent and in a forked copy, so deltas line up by position. Deltas
+    start from the values at construction (a copy forked after earlier counts sends only its
+    own)."""
+
+    def __init__(self, ds: Any) -> None:
+        self.slots: list[tuple[Any, str]] = []
+        while ds is not None:
+            attrs = getattr(ds, "__dict__", {})
+            self.slots += [(ds, a) for a in COUNTERS if isinstance(attrs.get(a), int)]
+            ds = getattr(ds, "ds", None)
+        self.last = [getattr(s, a) for s, a in self.slots]
+
+    def deltas(self) -> tuple[int, ...] | None:
+        """What was counted since the previous call (None: nothing)."""
+        now = [getattr(s, a) for s, a in self.slots]
+        if now == self.last:
+            return None
+        d = tuple(n - o for n, o in zip(now, self.last, strict=True))
+        self.last = now
+        return d
+
+    def add(self, deltas: tuple[int, ...] | None) -> None:
+        if deltas:
+            for (s, a), d in zip(self.slots, deltas, strict=True):
+                if d:
+                    setattr(s, a, getattr(s, a) + d)
 
 
 def _runner(k: int, n: int, ds: DataFlow, strict: bool, ctl_ep: str, out_ep: str, hwm: int,
             parent_pid: int) -> None:
     """Worker ``k``: strict: one pass over shard k of n per ``go``; else passes forever."""
     set_worker(WorkerInfo(k, n))
+    counters = _Counters(ds)
     ctx = zmq.Context()
     ctl = ipc.socket(ctx, zmq.PULL, 4)
     out = ipc.socket(ctx, zmq.PUSH, hwm)
@@ -34,7 +69,7 @@ def _runner(k: int, n: int, ds: DataFlow, strict: bool, ctl_ep: str, out_ep: str
                 return False
             if ctl.poll(0) and ipc.recv(ctl)[0] == "stop":
                 return False
-        ipc.send(out, msg)
+        ipc.send(out, (*msg, counters.deltas()))
         return True
 
     try:
@@ -79,6 +114,10 @@ class MultiProcessRunner(ProxyDataFlow):
 
     Queues are bounded by ``queue_size`` (ZeroMQ high-water marks). A worker's exception is
     raised here as :class:`~producer.dataflow.errors.WorkerError` with its traceback.
+    What the copies count in the stages of ``ds`` (their ``skipped``, a
+    :class:`~producer.dataflow.CountData`'s ``count``) travels with their results and is
+    added to those stages here: ``ds``'s counters read the sum over the workers of what
+    has arrived.
     """
 
     def __init__(self, ds: DataFlow, num_proc: int, queue_size: int = 32,
@@ -94,6 +133,7 @@ class MultiProcessRunner(ProxyDataFlow):
         self._started = False
         self._gen = 0
         self._pid = os.getpid()
+        self._counters = _Counters(ds)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -129,7 +169,8 @@ class MultiProcessRunner(ProxyDataFlow):
             dead = ipc.dead_worker(self._procs)
             if dead:
                 raise WorkerError(f"runner worker died: {dead}")
-        kind, gen, k, payload = ipc.recv(self._out)
+        kind, gen, k, payload, deltas = ipc.recv(self._out)
+        self._counters.add(deltas)
         if kind == ERR:
             raise WorkerError(f"runner worker {k} failed", payload)
         return kind, gen, k, payload
