@@ -9,7 +9,8 @@ from feedline.cli import HelpFormatter, add_metrics_flags, stop_on_signals
 from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
-from producer.pipeline import ConfigError, build_pipeline, load_config
+from producer.metrics import StageMetrics
+from producer.pipeline import ConfigError, build_pipeline, load_config, pipeline_stages
 from producer.sender import send_dataflow
 
 log = logging.getLogger(__name__)
@@ -52,17 +53,20 @@ def run(args: argparse.Namespace) -> int:
         df = build_pipeline(cfg)
     except ConfigError as e:
         raise SystemExit(f"feedline producer: {args.config}: {e}") from None
+    stages = pipeline_stages(df)
     curve = _curve_from_args(args)
     epochs = args.epochs if args.epochs is not None else cfg.get("epochs")
     stop = stop_on_signals()
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
+    StageMetrics(registry, stages)
     serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout, curve=curve)
     stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=args.id, link=link,
-                          stop=stop, registry=registry, log_interval=args.log_interval)
+                          stop=stop, registry=registry, log_interval=args.log_interval,
+                          skipped=lambda: sum(s.skipped for s in stages))
     log.info("sent %d batches (%.1f MB) in %.1fs", stats.batches, stats.bytes / 1e6,
              stats.seconds)
     return 0

@@ -25,6 +25,14 @@ Or, for a pipeline written in Python::
     epochs: null                                  # the one other key it may have
 
 Errors are :class:`ConfigError` and name the field, e.g. ``source.fake.shapes[1]``.
+
+Every stage's output is counted (:class:`~producer.dataflow.CountData`, one increment per
+datapoint, in this process) under a label taken from the file, never from the data:
+``source:image_folder``, ``0:imagenet_train``, ``0-1:decode+augment`` (map steps fused into
+one stage), ``2:batch``; a factory's pipeline is one stage, ``factory``. Map stages also
+report what their skip policy dropped. :func:`pipeline_stages` lists them, source first, for
+the producer's metrics. In ``runner`` mode the stages before the first ``batch`` count in
+the worker processes and the runner adds their counts to this process's stages.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 import yaml
 
 from producer.dataflow import (
+    CountData,
     DataFlow,
     MapData,
     MultiProcessMapData,
@@ -56,7 +65,7 @@ from producer.pipeline_spec import (
     one_key,
 )
 
-__all__ = ["SOURCES", "ConfigError", "build_pipeline", "load_config"]
+__all__ = ["SOURCES", "ConfigError", "build_pipeline", "load_config", "pipeline_stages"]
 
 TOP_LEVEL = ("source", "factory", "args", "steps", "shard", "seed", "parallel", "on_error",
              "epochs")
@@ -106,7 +115,25 @@ def _factory(cfg: Mapping[str, Any]) -> DataFlow:
     spec = cfg["factory"]
     fn = load_object(spec, "factory")
     args = cfg.get("args")
-    return call_with_args(fn, {} if args is None else args, "args", spec)  # type: ignore[no-any-return]
+    df = call_with_args(fn, {} if args is None else args, "args", spec)
+    # Not introspectable: its output is one stage, and its skips are those of every stage
+    # of its chain that counts any.
+    return CountData(df, "factory", skips=[s for s in _chain(df)
+                                           if isinstance(getattr(s, "skipped", None), int)])
+
+
+def _chain(ds: Any) -> list[Any]:
+    """``ds`` and the stages under it (following ``.ds``), output first."""
+    out = []
+    while ds is not None:
+        out.append(ds)
+        ds = getattr(ds, "ds", None)
+    return out
+
+
+def pipeline_stages(df: Any) -> list[CountData]:
+    """The counted stages of a pipeline :func:`build_pipeline` built, source first."""
+    return [s for s in reversed(_chain(df)) if isinstance(s, CountData)]
 
 
 def _parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -119,15 +146,22 @@ def _parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return p
 
 
-def _wrap_map(ds: DataFlow, funcs: list, par: dict[str, Any], on_error: str) -> DataFlow:
+def _wrap_map(ds: DataFlow, funcs: list, par: dict[str, Any], on_error: str,
+              steps: list[tuple[int, str]]) -> DataFlow:
+    """One stage running ``funcs`` (map ``steps``, fused), counted under their label."""
     func = funcs[0] if len(funcs) == 1 else Chain(funcs)
+    m: DataFlow
     if par["mode"] == "thread":
-        return MultiThreadMapData(ds, par["workers"], func, par["buffer_size"], par["strict"],
-                                  on_error)
-    if par["mode"] == "process":
-        return MultiProcessMapData(ds, par["workers"], func, par["buffer_size"], par["strict"],
-                                   on_error)
-    return MapData(ds, func, on_error)
+        m = MultiThreadMapData(ds, par["workers"], func, par["buffer_size"], par["strict"],
+                               on_error)
+    elif par["mode"] == "process":
+        m = MultiProcessMapData(ds, par["workers"], func, par["buffer_size"], par["strict"],
+                                on_error)
+    else:
+        m = MapData(ds, func, on_error)
+    (first, _), (last, _) = steps[0], steps[-1]
+    index = str(first) if first == last else f"{first}-{last}"
+    return CountData(m, f"{index}:{'+'.join(kind for _, kind in steps)}", skips=[m])
 
 
 def _runner(ds: DataFlow, par: dict[str, Any]) -> DataFlow:
@@ -165,12 +199,14 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
             raise ConfigError(f"shard: source '{name}' cannot be sharded")
         guarded("shard", lambda: check_shard(index, count))
         ds.set_shard(index, count)
+    ds = CountData(ds, f"source:{name}")
 
     steps = cfg.get("steps") or []
     if not isinstance(steps, list):
         raise ConfigError("steps: expected a list")
     known = {**MAP_STEPS, **STEPS}
     funcs: list[Any] = []
+    fused: list[tuple[int, str]] = []  # the map steps in funcs: (index, kind)
     runner_done = par["mode"] != "runner"
     for i, item in enumerate(steps):
         where = f"steps[{i}]"
@@ -189,23 +225,24 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
                                   f"{', or null' if step == 'map' else ''}, got {component!r}")
             f = MAP_STEPS[step](a, step_seed)
             funcs.append(f if component is None else ComponentFunc(f, component))
+            fused.append((i, step))
             a.done()
             continue
         if funcs:
-            ds = _wrap_map(ds, funcs, par, on_error)
-            funcs = []
+            ds = _wrap_map(ds, funcs, par, on_error, fused)
+            funcs, fused = [], []
         if step == "batch" and not runner_done:
             ds = _runner(ds, par)
             runner_done = True
         try:
-            ds = STEPS[step](ds, a, step_seed)
+            ds = CountData(STEPS[step](ds, a, step_seed), f"{i}:{step}")
         except (ValueError, TypeError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"{where}: {e}") from None
         a.done()
     if funcs:
-        ds = _wrap_map(ds, funcs, par, on_error)
+        ds = _wrap_map(ds, funcs, par, on_error, fused)
     if not runner_done:
         ds = _runner(ds, par)
     return ds

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,12 +204,14 @@ def send_dataflow(
     stop: threading.Event | None = None,
     registry: CollectorRegistry | None = None,
     log_interval: float = 10.0,
+    skipped: Callable[[], int] | None = None,
 ) -> SendStats:
     """Send every datapoint of ``df`` to the broker at ``addr``, ``epochs`` times.
 
     ``epochs=None`` sends forever (the training default, as tensorpack's
     ``send_dataflow_zmq``). Calls ``df.reset_state()`` first if it has one. Logs a rate line
-    every ``log_interval`` seconds. A pipeline exception is sent to the consumers (with its
+    every ``log_interval`` seconds (with ``skipped()``, the datapoints the pipeline skipped so
+    far, when given). A pipeline exception is sent to the consumers (with its
     traceback) and re-raised. Returns when done, or when ``stop`` is set.
     """
     reset = getattr(df, "reset_state", None)
@@ -232,10 +234,11 @@ def send_dataflow(
                     if now - last_log >= log_interval:
                         dt = now - last_log
                         log.info(
-                            "%s: %d batches, %.1f batches/s, %.1f MB/s",
+                            "%s: %d batches, %.1f batches/s, %.1f MB/s%s",
                             sender.producer_id, stats.batches,
                             (stats.batches - last_batches) / dt,
                             (stats.bytes - last_bytes) / dt / 1e6,
+                            "" if skipped is None else f", {skipped()} skipped",
                         )
                         last_log, last_batches, last_bytes = now, stats.batches, stats.bytes
                     if stop is not None and stop.is_set():
