@@ -45,8 +45,11 @@ from tests.ops_support import (
 pytestmark = [needs_compose, needs_prometheus]
 
 DEPLOY = ROOT / "deploy"
+# A map step (the identity on the images) under the skip policy, so that the producers
+# export skipped-sample series (one per map stage) for the dashboard's panel to query.
 PIPELINE = {"source": {"fake": {"shapes": [[8, 16, 16, 3], [8]], "dtypes": ["uint8", "int32"],
-                                "random": False, "size": 50}}}
+                                "random": False, "size": 50}},
+            "on_error": "skip", "steps": [{"map": {"function": "numpy:asarray"}}]}
 _TCP = re.compile(r"tcp://([^:/]+):(\d+)")
 _URL = re.compile(r"http://127\.0\.0\.1:(\d+)/")
 

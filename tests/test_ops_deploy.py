@@ -443,11 +443,11 @@ def test_docs_describe_every_metric() -> None:
 
     from broker.metrics import BrokerMetrics
     from consumer.metrics import ConsumerMetrics, QueueMetrics
-    from producer.metrics import ProducerMetrics
+    from producer.metrics import ProducerMetrics, StageMetrics
 
     registry = CollectorRegistry()
     BrokerMetrics(registry), ProducerMetrics(registry), ConsumerMetrics(registry)
-    QueueMetrics(registry)
+    QueueMetrics(registry), StageMetrics(registry)
     names = {m.name for m in registry.collect()}
     doc = (ROOT / "docs/operations.md").read_text()
     missing = sorted(n for n in names if n not in doc)

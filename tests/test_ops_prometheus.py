@@ -98,6 +98,10 @@ def test_prometheus_rates_and_queue_agree_with_the_consumer(
                     f"rate(feedline_broker_forwarded_batches_total[{span}s])", at=t1),
                 "producers": prom.value(
                     f"sum(rate(feedline_producer_sent_batches_total[{span}s]))", at=t1),
+                # The pipeline is its source (one datapoint is one batch): its stage rate.
+                "pipeline stage": prom.value(
+                    "sum(rate(feedline_producer_stage_datapoints_total"
+                    f'{{stage="source:fake"}}[{span}s]))', at=t1),
             }
             for who, rate in rates.items():
                 # Prometheus extrapolates to the window's edges: agreement within a third.

@@ -175,6 +175,23 @@ def dashboard() -> dict[str, Any]:
               [("feedline_broker_peers", "{{role}}"),
                ('count(up{job=~"producer|producer-remote"} == 1)', "producer endpoints up")],
               decimals=0),
+        panel(15, "timeseries", "Pipeline stage rates",
+              "Datapoints per second out of each stage of the producers' pipelines, all "
+              "producers together (stage: step index and kind from the pipeline file). A "
+              "filter far below its input drops much; source / batch is the batch size.",
+              (0, 36, 12, 8),
+              [("sum by (stage) "
+                f"(rate(feedline_producer_stage_datapoints_total[{RI}]))", "{{stage}}")],
+              unit="ops"),
+        panel(16, "timeseries", "Skipped samples",
+              "Samples dropped by on_error: skip (corrupt images), per producer and stage, "
+              "per scrape interval; the total is in each producer's rate line. Map stages "
+              "export it (0 included); a pipeline without one has nothing to skip.",
+              (12, 36, 12, 8),
+              [("sum by (instance, stage) "
+                f"(increase(feedline_producer_skipped_datapoints_total[{RI}]))",
+                "{{stage}} {{instance}}")],
+              decimals=0),
     ]
     return {
         "uid": "feedline",
