@@ -178,12 +178,12 @@ def test_skip_policy_counts_corrupt_datapoints(stage) -> None:
 def test_a_runner_adds_what_its_copies_counted_to_its_own_stages() -> None:
     """Skips (and CountData counts) happen in the runner's worker processes; they travel
     with the results, so the stages under the runner read the workers' sum, per pass."""
-    inner = MapData(CountData(DataFromList(list(range(20)), shuffle=False), "source"),
-                    corrupt_on_7, on_error="skip")
+    source = CountData(DataFromList(list(range(20)), shuffle=False), "source")
+    inner = MapData(source, corrupt_on_7, on_error="skip")
     df = MultiProcessRunner(inner, 2, strict=True)
     epochs = run(df)
     assert sorted(epochs[0]) == sorted(epochs[1]) == [i for i in range(20) if i != 7]
-    assert inner.skipped == 2 and inner.ds.count == 40
+    assert inner.skipped == 2 and source.count == 40
 
 
 def test_a_killed_worker_is_reported_not_waited_for() -> None:
