@@ -25,12 +25,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(rounds: int, out: Path) -> None:
+def run(rounds: int, out: Path, keep: Path) -> int:
+    """Run the scenario file ``rounds`` times; returns how many rounds had a failure (their
+    logs stay under ``keep``)."""
+    failed = 0
     for r in range(rounds):
         print(f"round {r + 1}/{rounds}", flush=True)
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/test_faults_netns.py"], cwd=ROOT, check=True,
-                       env={**os.environ, "FEEDLINE_RELIABILITY_OUT": str(out)})
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            f"--basetemp={keep / f'round-{r + 1}'}",
+                            "tests/test_faults_netns.py"], cwd=ROOT,
+                           env={**os.environ, "FEEDLINE_RELIABILITY_OUT": str(out)})
+        failed += p.returncode != 0
+    return failed
 
 
 def table(results: list[dict]) -> str:
@@ -98,10 +104,12 @@ def main() -> None:
     if a.from_json:
         results = json.loads(a.from_json.read_text())
     else:
-        with tempfile.TemporaryDirectory() as d:
-            out = Path(d) / "results.jsonl"
-            run(a.rounds, out)
-            results = [json.loads(line) for line in out.read_text().splitlines()]
+        keep = Path(tempfile.mkdtemp(prefix="feedline-reliability-"))
+        out = keep / "results.jsonl"
+        failed = run(a.rounds, out, keep)
+        results = [json.loads(line) for line in out.read_text().splitlines()]
+        if failed:
+            print(f"{failed} round(s) had failures; their logs are under {keep}")
     if a.json:
         a.json.write_text(json.dumps(results))
     print(table(results))

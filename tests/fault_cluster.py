@@ -160,8 +160,20 @@ class Cluster:
 
     def wait_count(self, n: int, producer: str | None = None, since: float = 0.0,
                    timeout: float = 60.0) -> None:
-        wait_for(lambda: self.count(producer, since) >= n, timeout,
-                 interval=0.2, what=f"{n} batches from {producer or 'all producers'}")
+        try:
+            wait_for(lambda: self.count(producer, since) >= n, timeout,
+                     interval=0.2, what=f"{n} batches from {producer or 'all producers'}")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{self.diagnosis()}") from None
+
+    def diagnosis(self, lines: int = 12) -> str:
+        """What each process said last, and what the consumers took: for a failure report."""
+        out = [f"taken per producer: "
+               f"{ {p: self.count(p) for p in self.producers} }"]
+        for log in sorted(self.tmp.glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {log.name}\n" + "\n".join(tail))
+        return "\n".join(out)
 
     def broker_metrics(self) -> str:
         return self.broker_host.http_get(f"http://{self.broker_host.addr}:9500/metrics")

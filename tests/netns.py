@@ -15,12 +15,14 @@ Faults, each undone by its ``heal``/``clear`` counterpart:
   ``netem``).
 
 Everything runs as root; :func:`unavailable` says why when namespaces cannot be made here.
-Namespaces are named ``fl<pid>-<host>``: :meth:`Network.close` deletes its own, and
-:func:`sweep` deletes those of test runs that died without cleaning up.
+Namespaces are named ``fl<pid>-<n>-<host>`` (``n`` counts networks, so a new network never
+reuses a name whose namespace may still be dying): :meth:`Network.close` deletes its own,
+and :func:`sweep` deletes those of test runs that died without cleaning up.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -31,6 +33,7 @@ from pathlib import Path
 from feedline.procs import Child
 
 _PREFIX = "fl"
+_count = itertools.count()
 _NETNS_DIR = Path("/var/run/netns")
 
 
@@ -66,7 +69,7 @@ def sweep() -> None:
     if not _NETNS_DIR.is_dir():
         return
     for entry in _NETNS_DIR.iterdir():
-        m = re.fullmatch(rf"{_PREFIX}(\d+)-\w+", entry.name)
+        m = re.fullmatch(rf"{_PREFIX}(\d+)-(\d+-)?\w+", entry.name)
         if m and not Path(f"/proc/{m.group(1)}").exists():
             _kill_inside(entry.name)
             _run("ip", "netns", "del", entry.name, check=False)
@@ -142,7 +145,7 @@ class Network:
     """A bridge and the named hosts on it. ``close()`` removes all of it."""
 
     def __init__(self, names: Sequence[str], subnet: int = 0) -> None:
-        self.prefix = f"{_PREFIX}{os.getpid()}"
+        self.prefix = f"{_PREFIX}{os.getpid()}-{next(_count)}"
         self.subnet = subnet
         self.switch = f"{self.prefix}-sw"
         self.hosts: dict[str, Host] = {}

@@ -93,8 +93,11 @@ def scenario(c: Cluster, name: str, fault: Callable[[], object], heal: Callable[
         entries = [e for e in c.entries() if affected is None or e.producer == affected]
         return recovery_seconds(entries, t_heal, offered)
 
-    wait_for(lambda: recovered() is not None, OBSERVE, interval=0.25,
-             what=f"{name}: full throughput after the heal")
+    try:
+        wait_for(lambda: recovered() is not None, OBSERVE, interval=0.25,
+                 what=f"{name}: full throughput after the heal")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{c.diagnosis()}") from None
     time.sleep(1.0)
     broker_lost, unconfirmed = None, None
     if c.broker is not None and c.broker.alive():
