@@ -61,7 +61,8 @@ class PidSource(DataFlow):
     """Yields (i, pid of the process that called reset_state, pid iterating)."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.reset_pid, self.shard = n, None, (0, 1)
+        self.n, self.shard = n, (0, 1)
+        self.reset_pid: int | None = None
 
     def set_shard(self, index: int, count: int) -> None:
         self.shard = (index, count)
@@ -228,7 +229,7 @@ def test_abandoned_pass_is_drained_and_the_next_pass_is_complete() -> None:
         df.reset_state()
         it = iter(df)
         assert [next(it) for _ in range(3)] == [0, 2, 4]
-        it.close()
+        it.close()  # type: ignore[attr-defined]  # a generator: close() abandons the pass
         assert list(df) == [2 * i for i in range(N)]
 
 
