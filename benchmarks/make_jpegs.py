@@ -29,7 +29,13 @@ def main() -> None:
     args = ap.parse_args()
     build(args.out, count=args.count, seed=args.seed)
     files = sorted(args.out.rglob("*.jpg"))
-    hw = np.array([cv2.imread(str(f)).shape[:2] for f in files[:512]])
+    shapes = []
+    for f in files[:512]:
+        img = cv2.imread(str(f))
+        if img is None:
+            raise SystemExit(f"{f}: not a readable JPEG")
+        shapes.append(img.shape[:2])
+    hw = np.array(shapes)
     size = sum(f.stat().st_size for f in files) / len(files)
     print(f"{len(files)} JPEGs in {args.out}: mean {hw[:, 1].mean():.0f}x{hw[:, 0].mean():.0f} "
           f"(WxH), {size / 1e3:.0f} kB each")

@@ -144,9 +144,9 @@ def test_test_data_speed_returns_the_rate() -> None:
 
 
 def test_serialize_round_trip_refuses_objects() -> None:
-    dp = [np.arange(12, dtype=np.float16).reshape(3, 4), 7, b"\xff\xd8", "s", {"k": [1.5]},
+    dp: list = [np.arange(12, dtype=np.float16).reshape(3, 4), 7, b"\xff\xd8", "s", {"k": [1.5]},
           np.int64(3), np.zeros((0, 2), bool)]
-    out = loads(dumps(dp))
+    out: list = loads(dumps(dp))
     assert np.array_equal(out[0], dp[0]) and out[0].dtype == np.float16
     assert out[1:5] == [7, b"\xff\xd8", "s", {"k": [1.5]}]
     assert out[5] == 3 and out[5].shape == () and out[6].shape == (0, 2)

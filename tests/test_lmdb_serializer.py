@@ -112,7 +112,8 @@ def test_lmdb_build_and_info_commands(tmp_path: Path) -> None:
     df.reset_state()
     stored = [(bytes(dp[0]), dp[1]) for dp in df]
     folder = ImageFolder(tmp_path / "imgs", shuffle=False)
-    assert stored == [(bytes(d), lab) for d, lab in (folder.reset_state() or folder)]
+    folder.reset_state()
+    assert stored == [(bytes(d), lab) for d, lab in folder]
     assert stored[0][0] == paths[0].read_bytes() and [s[1] for s in stored] == [0] * 3 + [1] * 3 \
         + [2] * 3
     r = feedline("lmdb", "build", str(tmp_path / "imgs"), str(out))

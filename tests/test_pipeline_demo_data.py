@@ -16,7 +16,9 @@ def test_demo_dataset_is_made_once_from_bundled_photos(tmp_path: Path) -> None:
     out = build(tmp_path / "demo", count=60, progress=False)
     files = sorted(out.rglob("*.jpg"))
     assert len(files) == 60
-    shapes = [cv2.imread(str(f)).shape for f in files]
+    images = [cv2.imread(str(f)) for f in files]
+    assert all(i is not None for i in images), "every file decodes"
+    shapes = [i.shape for i in images if i is not None]
     h, w = np.mean([s[0] for s in shapes]), np.mean([s[1] for s in shapes])
     assert 300 <= h <= 420 and 350 <= w <= 450, (h, w)  # about 400x350, like ImageNet
     assert len({s[:2] for s in shapes}) > 30, "varied sizes"

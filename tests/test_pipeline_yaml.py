@@ -210,8 +210,9 @@ def test_a_corrupt_jpeg_is_skipped_and_counted_not_fatal(images: Path) -> None:
         with df:
             df.reset_state()
             assert len(list(df)) == 15
-            assert isinstance(df.ds, BatchData)  # under the counting stage of the batch step
-            stage = df.ds.ds.ds  # batch <- count "0:imagenet_train" <- the map stage
+            batch = df.ds  # type: ignore[attr-defined]  # the batch step's counting stage
+            assert isinstance(batch, BatchData)
+            stage = batch.ds.ds  # type: ignore[attr-defined]  # batch <- count <- the map
             assert isinstance(stage, (MapData, MultiProcessMapData)) and stage.skipped == 1
     cfg["on_error"] = "raise"
     cfg["parallel"] = {"mode": "none"}

@@ -67,7 +67,7 @@ def keys(tmp_path: Path) -> Keys:
 
 def handshake(addr: str, curve: security.ClientKeys | None) -> str:
     """Connect a DEALER and return how its first handshake ended (from the socket monitor)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     mon = sock.get_monitor_socket()
