@@ -47,13 +47,15 @@ def table(results: list[dict]) -> str:
              "|---|---|---|---|---|"]
     for name, rs in by.items():
         rec = [r["recovery_s"] for r in rs]
-        during = statistics.median(r["rate_during_fault"] for r in rs)
+        rates = [r["rate_during_fault"] for r in rs if r["rate_during_fault"] is not None]
         who = rs[0]["affected"] or "all"
+        during = (f"{statistics.median(rates):.0f} batches/s ({who}; offered "
+                  f"{rs[0]['offered_per_s']:.0f})" if rates else "-")
         lost = " / ".join(f"{sum(r['lost'].values())} ({sum(r['counted'].values())})"
                           for r in rs)
         lines.append(f"| {name} | {statistics.median(rec):.2f} s | "
                      f"{' / '.join(f'{x:.2f}' for x in rec)} | "
-                     f"{during:.0f} batches/s ({who}; offered {rs[0]['offered_per_s']:.0f}) | "
+                     f"{during} | "
                      f"{lost} |")
     return "\n".join(lines)
 

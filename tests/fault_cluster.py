@@ -260,16 +260,19 @@ def rate_series(entries: list[Entry], t0: float, t1: float, step: float = 0.25,
 
 def recovery_seconds(entries: list[Entry], healed: float, offered: float,
                      fraction: float = 0.9, span: float = 1.0) -> float | None:
-    """Seconds from ``healed`` until ``span`` seconds of arrivals carry ``fraction`` of the
-    ``offered`` rate; None if that never happens in ``entries``."""
+    """Seconds from ``healed`` to the first arrival that starts ``span`` seconds carrying
+    ``fraction`` of the ``offered`` rate (full throughput again); None if that never happens
+    in ``entries``. Its resolution is the spacing of arrivals, not ``span``."""
     times = sorted(e.t for e in entries if e.t >= healed)
     need = fraction * offered * span
-    lo = 0
-    for hi, t in enumerate(times):
-        while times[lo] <= t - span:
-            lo += 1
-        if hi - lo + 1 >= need:
-            return max(0.0, t - span - healed)
+    hi = 0
+    for lo, t in enumerate(times):
+        while hi < len(times) and times[hi] < t + span:
+            hi += 1
+        if hi - lo >= need:
+            return t - healed
+        if hi == len(times):
+            return None  # this window and all later ones are not over yet
     return None
 
 
