@@ -433,10 +433,14 @@ class Broker:
         cons.last_seen = now
         if kind == wire.Kind.CREDIT:
             t = header.get("t")
-            if not isinstance(t, int) or t > cons.delivered or t < 0:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 self._reject("bad_credit")
                 return
-            cons.consumed = max(cons.consumed, t)
+            # Never more than was delivered: a consumer that counts a batch of an earlier
+            # registration (or of a broker before a restart) as taken is ahead of us. Refusing
+            # its CREDIT would leave it waiting for batches and us waiting for credit forever;
+            # clamping keeps its room within its window all the same.
+            cons.consumed = max(cons.consumed, min(t, cons.delivered))
         elif kind == wire.Kind.BYE:
             self._drop_consumer(ident, "bye")
         elif kind != wire.Kind.HEARTBEAT:

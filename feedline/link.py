@@ -5,7 +5,8 @@ zguide's Paranoid Pirate pattern: it says HELLO, sends a HEARTBEAT whenever it h
 for one interval, treats a broker that has been silent for ``heartbeat_timeout`` as dead and
 then closes the socket and reconnects with exponential backoff and jitter. A RESET from the
 broker, or a message from a broker with another instance id, means the broker restarted and
-forgot us: the link says HELLO again and tells its owner through ``on_register``.
+forgot us: the link says HELLO again and tells its owner through ``on_register``. RESETs that
+arrive while that HELLO is unanswered answer messages sent before it, and are ignored.
 
 Create it in the thread that uses it; it is not thread-safe.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +82,7 @@ class BrokerLink:
         self._backoff = Backoff(config.reconnect_min, config.reconnect_max)
         self.socket: zmq.Socket | None = None
         self.broker_id: int | None = None
+        self._previous: deque[int] = deque(maxlen=8)  # instance ids of restarted brokers
         self.welcomed = False  # a broker has answered since our last HELLO
         self.reconnects = 0
         self._last_recv = self._last_send = self._hello_at = 0.0
@@ -150,14 +153,25 @@ class BrokerLink:
         self._last_recv = time.monotonic()
         bid = header.get("b")
         kind = header["k"]
+        if bid is not None and bid in self._previous:
+            # A message of a broker instance that has since restarted (still in the pipe of
+            # its dead connection): not a reason to register with it again.
+            return kind in (wire.Kind.RESET, wire.Kind.HEARTBEAT)
         if bid is not None and self.broker_id is not None and bid != self.broker_id:
             log.info("broker %s restarted (new instance); registering again", self.addr)
+            self._previous.append(self.broker_id)
             self.broker_id = bid
             self._register(self._last_recv)
             return kind in (wire.Kind.RESET, wire.Kind.HEARTBEAT)
         if bid is not None:
             self.broker_id = bid
         if kind == wire.Kind.RESET:
+            if not self.welcomed and self._hello_at > 0.0:
+                # Our HELLO is on its way, so this RESET answers something we sent before
+                # it (the broker never answers a HELLO with RESET). Registering again would
+                # make the broker start our credit from zero once more while batches and
+                # credit of the registration it is about to accept are in flight.
+                return True
             log.info("broker %s does not know us; registering again", self.addr)
             self._register(self._last_recv)
             return True

@@ -81,6 +81,46 @@ def test_receive_timeout_says_what_is_missing(tmp_path, thread_broker, endpoints
             next(iter(src))
 
 
+def test_a_consumer_whose_credit_runs_ahead_is_clamped_not_stalled(thread_broker, endpoints):
+    """A consumer that counts a batch of an earlier registration as taken reports more than
+    the broker delivered. Refusing that CREDIT stalled both sides forever (found by the
+    consumer SIGSTOP fault scenario); the broker clamps it to what it delivered instead, and
+    the consumer's room never exceeds its window."""
+    thread_broker()
+    with Sender(endpoints.ingress, producer_id="p", link=FAST) as s:
+        for i in range(12):
+            wait_for(lambda: (s.pump(20), s.credit)[1] > 0, 10, what="credit")
+            s.send([np.full(4, i, np.int32)])
+        ctx = zmq.Context()
+        c = ctx.socket(zmq.DEALER)
+        c.linger = 0
+        c.connect(endpoints.egress)
+        try:
+            c.send(wire.encode_control(wire.Kind.HELLO, r="consumer", p="hand", c=2))
+
+            def deliveries(n: int, seconds: float = 0.5) -> list[int]:
+                """Batches delivered within ``seconds``, up to ``n``. Short: this hand-made
+                consumer sends no heartbeats, and the broker drops it after 1.5 s."""
+                got: list[int] = []
+                end = time.monotonic() + seconds
+                while (len(got) < n and time.monotonic() < end
+                       and c.poll(max(1, int((end - time.monotonic()) * 1000)))):
+                    frames = c.recv_multipart(copy=False)
+                    h = wire.decode_header(frames[0])
+                    if h["k"] == wire.Kind.DELIVER:
+                        got.append(int(wire.decode_batch(frames[1:]).datapoint[0][0]))
+                return got
+
+            assert deliveries(3) == [0, 1], "window 2: two batches, then nothing"
+            c.send(wire.encode_control(wire.Kind.CREDIT, t=5))  # ahead of the 2 delivered
+            assert deliveries(3) == [2, 3], "room again, and still only the window"
+            c.send(wire.encode_control(wire.Kind.CREDIT, t=6))
+            assert deliveries(3) == [4, 5]
+        finally:
+            c.close()
+            ctx.term()
+
+
 def test_credit_bounds_what_a_producer_can_push(thread_broker, endpoints):
     tb = thread_broker(max_batches=6, producer_window=4)
     with Sender(endpoints.ingress, producer_id="eager", link=FAST) as s:
