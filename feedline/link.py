@@ -86,6 +86,7 @@ class BrokerLink:
         self.welcomed = False  # a broker has answered since our last HELLO
         self.reconnects = 0
         self._last_recv = self._last_send = self._hello_at = 0.0
+        self._last_tick = time.monotonic()
         self._retry_at = 0.0
         self._connect()
 
@@ -99,8 +100,16 @@ class BrokerLink:
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sock.setsockopt(zmq.SNDHWM, self._sndhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
-        sock.setsockopt(zmq.RECONNECT_IVL, int(self.cfg.reconnect_min * 1000))
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.cfg.reconnect_max * 1000))
+        # libzmq retries a lost TCP connection by itself, doubling the interval. Capped at
+        # one heartbeat interval (not reconnect_max): a restarted broker or a healed link is
+        # then found within about a second (measured in docs/reliability.md). A SYN lost in a
+        # partition would otherwise wait for the kernel's own retransmission (1, 3, 7, 15 s
+        # ...): the connect attempt is abandoned and retried after a few heartbeats instead.
+        # The link's own backoff, with jitter, still paces whole re-registrations.
+        retry_ms = int(min(self.cfg.reconnect_max, self.cfg.heartbeat_interval) * 1000)
+        sock.setsockopt(zmq.RECONNECT_IVL, min(int(self.cfg.reconnect_min * 1000), retry_ms))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, retry_ms)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1000, 2 * retry_ms))
         if self.cfg.curve is not None:
             self.cfg.curve.apply(sock)
         sock.connect(self.addr)
@@ -181,12 +190,21 @@ class BrokerLink:
         return kind == wire.Kind.HEARTBEAT
 
     def tick(self) -> None:
-        """Heartbeat, hello retry and dead-broker detection; call at least every interval/2."""
+        """Heartbeat, hello retry and dead-broker detection; call at least every interval/2
+        (a gap of more than half the timeout between calls is taken as our own absence)."""
         now = time.monotonic()
         if self.socket is None:
             if now >= self._retry_at:
                 self._connect()
             return
+        away = now - self._last_tick
+        self._last_tick = now
+        if away > self.cfg.heartbeat_timeout / 2:
+            # We were not running (SIGSTOP, a long pause of the process or of our owner): that
+            # is our silence, not the broker's. Restart its clock instead of reconnecting,
+            # which would throw away the batches the broker delivered meanwhile; messages
+            # waiting for us (or the answer to our next heartbeat) show whether it is alive.
+            self._last_recv = max(self._last_recv, now)
         if now - self._last_recv > self.cfg.heartbeat_timeout:
             log.warning(
                 "broker %s silent for %.1fs; reconnecting", self.addr, now - self._last_recv

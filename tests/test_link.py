@@ -56,8 +56,9 @@ def drive(link: BrokerLink, seconds: float) -> None:
     """Let the link handle what arrives, and do its liveness work, for ``seconds``."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        assert link.socket is not None
-        if link.socket.poll(20):
+        if link.socket is None:  # between a reconnect and its retry
+            time.sleep(0.02)
+        elif link.socket.poll(20):
             link.handle(wire.decode_header(link.socket.recv()))
         link.tick()
 
@@ -131,6 +132,39 @@ def test_a_late_message_of_a_restarted_broker_does_not_register_again() -> None:
         drive(link, 0.2)
         assert len(registrations) == 2 and link.broker_id == new
         assert wire.Kind.HELLO not in kinds(broker.received())
+    finally:
+        link.close()
+        ctx.term()
+        broker.close()
+
+
+def test_a_peer_that_was_away_does_not_blame_the_broker() -> None:
+    """A process paused past the heartbeat timeout (SIGSTOP, a long GC or swap stall) must
+    not take its own absence for the broker's silence: reconnecting drops the batches the
+    broker delivered meanwhile (seen in the consumer SIGSTOP scenario, where libzmq had not
+    yet moved them from the kernel into the socket when the woken loop checked). It asks
+    instead, and gives up on a broker that is really gone one timeout later."""
+    broker = HandBroker()
+    ctx = zmq.Context()
+    cfg = LinkConfig(heartbeat_interval=0.1, heartbeat_timeout=0.5)
+    link = BrokerLink(ctx, broker.addr, hello=lambda: {"r": "consumer", "c": 4}, config=cfg)
+    try:
+        def said_hello() -> bool:
+            drive(link, 0.05)
+            return wire.Kind.HELLO in kinds(broker.received())
+
+        wait_for(said_hello, 10, what="the first HELLO")
+        broker.send(wire.Kind.CREDIT, t=0)
+        drive(link, 0.1)
+        time.sleep(1.0)  # the scenario itself: this peer does not run for two timeouts
+        link.tick()  # the first thing a resumed loop may do, before anything arrived
+        assert link.reconnects == 0 and link.socket is not None
+        assert wire.Kind.HEARTBEAT in kinds(broker.received()), "it asks the broker"
+        broker.send(wire.Kind.HEARTBEAT)
+        drive(link, 0.3)
+        assert link.reconnects == 0, "the broker answered: nothing to reconnect for"
+        drive(link, 1.0)  # now the broker is silent for two timeouts while we run
+        assert link.reconnects >= 1, "a broker silent while we run is still given up on"
     finally:
         link.close()
         ctx.term()
