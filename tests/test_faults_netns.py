@@ -213,8 +213,10 @@ def test_consumer_sigstop_beyond_heartbeat_timeout(cluster: Cluster) -> None:
     c1 = cluster.consumers["c1"]
     res = scenario(cluster, "consumer SIGSTOP 8 s, SIGCONT", lambda: c1.signal(signal.SIGSTOP),
                    lambda: c1.signal(signal.SIGCONT), 8.0, affected=None,
-                   guarantee="dropped by the broker, rejoins; producers wait meanwhile")
-    check(cluster.audit(), res, gap_bound=dict.fromkeys(PRODUCERS, WINDOW), counted=False)
+                   guarantee="dropped by the broker, rejoins; nothing lost")
+    # What the broker had delivered to it waits in its socket; woken, it takes those first
+    # (it does not take its own absence for the broker's silence), then registers again.
+    check(cluster.audit(), res)
 
 
 def test_broker_restart_while_consumer_stalled(cluster: Cluster) -> None:
