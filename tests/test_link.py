@@ -165,3 +165,10 @@ def test_a_peer_that_was_away_does_not_blame_the_broker(quick_linked: Linked) ->
     assert link.reconnects == 0, "the broker answered: nothing to reconnect for"
     drive(link, 1.0)  # now the broker is silent for two timeouts while we run
     assert link.reconnects >= 1, "a broker silent while we run is still given up on"
+
+
+def test_the_client_socket_refuses_oversized_messages(linked: Linked) -> None:
+    """Producers and consumers receive through this socket: libzmq drops a peer whose message
+    exceeds the limit before any of it is buffered (ZMQ_MAXMSGSIZE), as on the broker."""
+    assert linked.link.socket is not None
+    assert linked.link.socket.getsockopt(zmq.MAXMSGSIZE) == FAST.limits.max_message_bytes
