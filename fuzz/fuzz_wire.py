@@ -93,6 +93,23 @@ def _structure(fdp: atheris.FuzzedDataProvider, narrays: int, depth: int) -> Any
             for _ in range(n)}
 
 
+def _nbytes(shape: list[Any], dt: Any) -> int | None:
+    """The byte size a shape claims, or None when it is not a list of ints. Not
+    ``np.prod(shape, dtype=object)``: with a str among huge ints that multiplies the string
+    (a 4 GB "3333..." from a 22-byte input, which libFuzzer reported as an out-of-memory of
+    the decoder; the decoder itself refused that header at once)."""
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        return None
+    try:
+        itemsize = np.dtype(dt).itemsize
+    except Exception:
+        return None
+    n = itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 def _rare(fdp: atheris.FuzzedDataProvider, n: int) -> bool:
     """True once in ``n``; False when the input is used up, so short inputs stay valid."""
     return fdp.ConsumeIntInRange(0, n - 1) == n - 1
@@ -111,9 +128,8 @@ def _batch(fdp: atheris.FuzzedDataProvider) -> list[Any]:
         dt = _scalar(fdp) if _rare(fdp, 8) else fdp.PickValueInList(_DTYPES)
         shape = [_dim(fdp) for _ in range(fdp.ConsumeIntInRange(0, 5))]
         specs.append(_scalar(fdp) if _rare(fdp, 16) else [dt, shape])
-        try:
-            nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dt).itemsize
-        except Exception:
+        nbytes = _nbytes(shape, dt)
+        if nbytes is None:
             nbytes = fdp.ConsumeIntInRange(0, 64)
         if _rare(fdp, 8):  # a frame that lies about its length
             nbytes += fdp.ConsumeIntInRange(-8, 8)
@@ -145,9 +161,8 @@ def _batch(fdp: atheris.FuzzedDataProvider) -> list[Any]:
 def _tp_array(fdp: atheris.FuzzedDataProvider) -> dict[bytes, Any]:
     dt = fdp.PickValueInList(_DTYPES)
     shape = [_dim(fdp) for _ in range(fdp.ConsumeIntInRange(0, 4))]
-    try:
-        nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dt).itemsize
-    except Exception:
+    nbytes = _nbytes(shape, dt)
+    if nbytes is None:
         nbytes = fdp.ConsumeIntInRange(0, 64)
     if _rare(fdp, 8):
         nbytes += fdp.ConsumeIntInRange(-8, 8)

@@ -49,6 +49,20 @@ def test_seeds_are_valid_messages_and_the_harness_sees_rejections() -> None:
 
 
 @pytest.mark.slow
+def test_a_shape_with_a_string_among_huge_dims_costs_the_harness_nothing() -> None:
+    """A 22-byte input the CI run reported as an out-of-memory: the harness itself computed
+    the claimed size with ``np.prod(shape, dtype=object)``, and 4294967297 * "3" is a 4 GB
+    string. The decoder refused the header at once; the harness must not allocate either."""
+    import resource
+
+    fw = _harness()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    oom = bytes.fromhex("03221822226a6a6a6a6a6a6a9c9515956a6a6a010222")
+    assert fw.one_input(oom) == "rejected:bad_shape"
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 512, grown_mb
+
+
 def test_time_boxed_fuzz_run_finds_nothing(tmp_path: Path) -> None:
     corpus, artifacts = tmp_path / "corpus", tmp_path / "artifacts"
     artifacts.mkdir()
