@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -216,37 +216,35 @@ def join_frames(frames: list[Any]) -> bytes:
 # ------------------------------------------------------------------------------ the target
 
 
+def _arrays(node: Any) -> Iterator[np.ndarray]:
+    """Every array in a decoded datapoint, depth first."""
+    if isinstance(node, np.ndarray):
+        yield node
+    elif isinstance(node, (list, tuple)):
+        for x in node:
+            yield from _arrays(x)
+    elif isinstance(node, dict):
+        for x in node.values():
+            yield from _arrays(x)
+
+
+def _check_numeric(arrays: list[np.ndarray]) -> None:
+    for a in arrays:
+        assert a.dtype.kind in "biufc" and not a.dtype.hasobject, a.dtype
+
+
 def _check_batch(batch: wire.Batch, frames: list[Any]) -> None:
     """What a successful decode promises: numeric/bool views of exactly the frames' bytes."""
-    found: list[np.ndarray] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, np.ndarray):
-            found.append(node)
-        elif isinstance(node, (list, tuple)):
-            for x in node:
-                walk(x)
-        elif isinstance(node, dict):
-            for x in node.values():
-                walk(x)
-
-    walk(batch.datapoint)
+    found = list(_arrays(batch.datapoint))
     assert len(found) == len(frames) - 1, "arrays and frames differ in number"
     assert batch.nbytes == sum(a.nbytes for a in found)
+    _check_numeric(found)
     for a in found:
-        assert a.dtype.kind in "biufc" and not a.dtype.hasobject, a.dtype
         assert a.base is not None, "a decoded array must be a view on its frame"
 
 
 def _check_tensorpack(node: Any) -> None:
-    if isinstance(node, np.ndarray):
-        assert node.dtype.kind in "biufc" and not node.dtype.hasobject, node.dtype
-    elif isinstance(node, (list, tuple)):
-        for x in node:
-            _check_tensorpack(x)
-    elif isinstance(node, dict):
-        for x in node.values():
-            _check_tensorpack(x)
+    _check_numeric(list(_arrays(node)))
 
 
 def one_input(data: bytes) -> str:
