@@ -183,16 +183,14 @@ class Cluster:
         """Stop producers cleanly, let consumers take what is left, stop everything."""
         for incs in self.producers.values():
             incs[-1].child.stop(timeout=15)
-        seen = [-1]
+        last = {"count": -1, "at": time.monotonic()}  # the ledger's size, and when it last grew
 
         def settled() -> bool:
             n = self.count()
-            if n != seen[0]:
-                seen[0] = n
-                settled.since = time.monotonic()  # type: ignore[attr-defined]
-            return time.monotonic() - settled.since >= quiet  # type: ignore[attr-defined]
+            if n != last["count"]:
+                last.update(count=n, at=time.monotonic())
+            return time.monotonic() - last["at"] >= quiet
 
-        settled.since = time.monotonic()  # type: ignore[attr-defined]
         wait_for(settled, timeout, interval=0.1, what="consumers to drain")
         self.close()
 
