@@ -1,5 +1,6 @@
 import sys
 
-from feedline.cli import main
+from broker.cli import add_parser
+from feedline.flags import standalone
 
-sys.exit(main(["broker", *sys.argv[1:]]))
+sys.exit(standalone(add_parser, "broker", sys.argv[1:]))

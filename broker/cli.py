@@ -7,7 +7,16 @@ import argparse
 from broker.config import BrokerConfig
 from broker.core import Broker
 from feedline import security, wire
-from feedline.cli import HelpFormatter, add_metrics_flags, parse_size, stop_on_signals
+from feedline.flags import (
+    HelpFormatter,
+    add_liveness_flags,
+    add_log_flags,
+    add_metrics_flags,
+    add_server_curve_flags,
+    parse_size,
+    server_keys,
+    stop_on_signals,
+)
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
 
@@ -33,10 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="bytes buffered (plus expected bytes of granted credit), at most")
     p.add_argument("--producer-window", type=int, default=d.producer_window,
                    help="most credit one producer holds (its batches in flight)")
-    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval,
-                   help="seconds between heartbeats to idle peers")
-    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
-                   help="seconds of silence after which a peer is dropped")
+    add_liveness_flags(p, "seconds of silence after which a peer is dropped")
     p.add_argument("--max-message-bytes", type=parse_size,
                    default=wire.DEFAULT_LIMITS.max_message_bytes,
                    help="largest batch accepted (array bytes); larger ones are refused")
@@ -44,16 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="libzmq I/O threads (they do the socket copies); more can help on "
                    "hosts with many cores and several GB/s")
     add_metrics_flags(p, 9500, d.metrics_addr)
-    p.add_argument("--curve-secret", default=None, metavar="FILE",
-                   help="the broker's CURVE secret key file (feedline keys generate); "
-                   f"env {security.ENV_SECRET}")
-    p.add_argument("--curve-allowed", default=None, metavar="DIR",
-                   help="directory of the client public keys (*.key) allowed to connect; "
-                   f"env {security.ENV_ALLOWED}")
+    add_server_curve_flags(p)
     p.add_argument("--insecure", action="store_true",
                    help="allow listening on a non-loopback address without CURVE keys "
                    "(anyone who reaches the port can inject and read data)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_log_flags(p)
     p.set_defaults(func=run)
 
 
@@ -80,13 +81,8 @@ def _curve_from_args(args: argparse.Namespace) -> security.ServerKeys | None:
 
     Raises ValueError (KeyFileError, CurveUnavailable) with a message for the operator.
     """
-    import os
-
-    keys = security.server_keys(
-        getattr(args, "curve_secret", None) or os.environ.get(security.ENV_SECRET),
-        getattr(args, "curve_allowed", None) or os.environ.get(security.ENV_ALLOWED),
-    )
-    insecure = getattr(args, "insecure", False)
+    keys = server_keys(args)
+    insecure = args.insecure
     # tensorpack producers cannot speak CURVE: that port is plain even when keys are given.
     exposed = security.exposed([args.tensorpack_ingress])
     if keys is None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from feedline import wire
+from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,8 @@ class BrokerConfig:
     max_batches: int = 32  # buffered + granted-but-not-yet-received batches
     max_bytes: int = 1 << 30  # buffered bytes, plus the largest batch per outstanding credit
     producer_window: int = 4  # most credit one producer holds at once
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0  # a peer silent this long is dropped
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT  # a peer silent this long is dropped
     linger_ms: int = 100
     io_threads: int = 1  # libzmq I/O threads: the socket copies happen there
     limits: wire.Limits = field(default_factory=wire.Limits)

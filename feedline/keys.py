@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from feedline.cli import HelpFormatter
+from feedline.flags import HelpFormatter
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from feedline import wire
+from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 class LinkConfig:
     """Liveness and socket settings of a producer's or consumer's link to the broker."""
 
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     reconnect_min: float = 0.1
     reconnect_max: float = 5.0
     linger_ms: int = 0  # on reconnect: drop what was queued for the dead broker

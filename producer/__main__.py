@@ -1,5 +1,6 @@
 import sys
 
-from feedline.cli import main
+from feedline.flags import standalone
+from producer.cli import add_parser
 
-sys.exit(main(["producer", *sys.argv[1:]]))
+sys.exit(standalone(add_parser, "producer", sys.argv[1:]))

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 
-from feedline.cli import HelpFormatter, add_metrics_flags, stop_on_signals
+from feedline import security
+from feedline.flags import (
+    HelpFormatter,
+    add_client_curve_flags,
+    add_liveness_flags,
+    add_log_flags,
+    add_metrics_flags,
+    client_keys,
+    stop_on_signals,
+)
 from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
@@ -31,18 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=None,
                    help="passes over the dataset, then exit (default: forever, or the "
                    "config's 'epochs')")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                   help="seconds of broker silence before reconnecting")
+    add_liveness_flags(p, "seconds of broker silence before reconnecting")
     add_metrics_flags(p, 0)
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between rate lines in the log")
-    p.add_argument("--curve-secret", default=None, metavar="FILE",
-                   help="this producer's CURVE secret key file (feedline keys generate); "
-                   "env FEEDLINE_CURVE_SECRET")
-    p.add_argument("--curve-broker-key", default=None, metavar="FILE",
-                   help="the broker's CURVE public key file; env FEEDLINE_CURVE_BROKER_KEY")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_client_curve_flags(p, "producer")
+    add_log_flags(p)
     p.set_defaults(func=run)
 
 
@@ -54,7 +57,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise SystemExit(f"feedline producer: {args.config}: {e}") from None
     stages = pipeline_stages(df)
-    curve = _curve_from_args(args)
+    try:
+        curve = client_keys(args)
+    except (security.KeyFileError, security.CurveUnavailable) as e:
+        raise SystemExit(f"feedline producer: {e}") from None
     epochs = args.epochs if args.epochs is not None else cfg.get("epochs")
     stop = stop_on_signals()
     from prometheus_client import CollectorRegistry
@@ -71,17 +77,3 @@ def run(args: argparse.Namespace) -> int:
              stats.seconds)
     return 0
 
-
-def _curve_from_args(args: argparse.Namespace) -> object | None:
-    """Client CURVE keys from the flags, else the environment; None when neither names any."""
-    import os
-
-    from feedline import security
-
-    try:
-        return security.client_keys(
-            args.curve_secret or os.environ.get(security.ENV_SECRET),
-            args.curve_broker_key or os.environ.get(security.ENV_BROKER_KEY),
-        )
-    except (security.KeyFileError, security.CurveUnavailable) as e:
-        raise SystemExit(f"feedline producer: {e}") from None

@@ -187,10 +187,9 @@ class Network:
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """Sum of a metric's samples whose labels include ``labels``, in a Prometheus text
     exposition."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from feedline.scrape import parse
 
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and labels.items() <= s.labels.items())
+    return parse("", text, 0.0).total(name, **labels)
 
 
 __all__ = ["Host", "Network", "metric_sum", "sweep", "unavailable"]

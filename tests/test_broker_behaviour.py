@@ -251,7 +251,7 @@ def test_help_documents_every_flag_with_its_default(monkeypatch):
       no value to show, and "(default: None)" means nothing to a user;
     - a flag that takes no value (store_true) shows none: it is off unless given.
     """
-    from feedline.cli import build_parser
+    from commands.main import build_parser
 
     monkeypatch.setenv("COLUMNS", "1000")
     commands = dict(_commands(build_parser()))

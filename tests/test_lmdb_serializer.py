@@ -96,7 +96,7 @@ def test_map_size_grows_as_needed(tmp_path: Path, monkeypatch) -> None:
 
 
 def feedline(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "feedline.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "commands", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

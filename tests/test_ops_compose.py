@@ -27,8 +27,10 @@ import pytest
 import yaml
 import zmq
 
-from feedline import security, top, wire
+from commands import top
+from feedline import security, wire
 from feedline.procs import Daemon, free_port, wait_for
+from feedline.scrape import Scrape, parse
 from tests.ops_support import (
     COMPOSE,
     PROMETHEUS,
@@ -151,7 +153,7 @@ class NativeCompose:
             for i in range(count):
                 r = Replica(name, i, free_port())
                 args = self.translate(list(svc["command"]), r)
-                r.daemon = Daemon("feedline.cli", args, self.workdir / f"{name}-{i}.log",
+                r.daemon = Daemon("commands", args, self.workdir / f"{name}-{i}.log",
                                   env={"PYTHONPATH": str(ROOT)})
                 self.replicas[name].append(r)
 
@@ -366,12 +368,12 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
     urls = [r.metrics_url for r in native.all_replicas()]
     broker_url = native.replicas["broker"][0].metrics_url
 
-    def forwarded(snap: dict[str, top.Scrape]) -> float:
+    def forwarded(snap: dict[str, Scrape]) -> float:
         return snap[broker_url].total("feedline_broker_forwarded_batches_total")
 
     first = top.snapshot(urls)
     assert all(s.error is None for s in first.values()), first
-    second: dict[str, top.Scrape] = {}
+    second: dict[str, Scrape] = {}
 
     def moved_on() -> bool:
         second.update(top.snapshot(urls))
@@ -394,7 +396,7 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
 
     # The command itself, as a user runs it.
     out = subprocess.run(
-        [sys.executable, "-m", "feedline.cli", "top", "--once", "--interval", "0.5",
+        [sys.executable, "-m", "commands", "top", "--once", "--interval", "0.5",
          *(u.removeprefix("http://").removesuffix("/metrics") for u in urls)],
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -408,7 +410,7 @@ def test_feedline_top_live_in_a_terminal(native: NativeCompose, tmp_path: Path) 
     socket_name = f"feedline-top-{os.getpid()}"
     tmux = ["tmux", "-L", socket_name]
     targets = [f"127.0.0.1:{r.metrics_port}" for r in native.all_replicas()]
-    cmd = " ".join([sys.executable, "-m", "feedline.cli", "top", "--interval", "0.5",
+    cmd = " ".join([sys.executable, "-m", "commands", "top", "--interval", "0.5",
                     *targets])
     subprocess.run([*tmux, "new-session", "-d", "-x", "130", "-y", "40", "-c", str(ROOT),
                     f"PYTHONPATH={ROOT} {cmd}"], check=True, timeout=30)
@@ -446,7 +448,7 @@ def test_services_stop_cleanly_on_sigterm(native: NativeCompose) -> None:
 
     def dropped_by_bye() -> float:
         text = http_get(broker.metrics_url)
-        scrape = top.parse(broker.metrics_url, text, 0.0)
+        scrape = parse(broker.metrics_url, text, 0.0)
         return scrape.get("feedline_broker_dropped_peers_total", role="producer",
                           reason="bye") or 0.0
 

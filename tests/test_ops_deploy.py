@@ -156,7 +156,7 @@ def test_compose_services_speak_curve_with_keys_from_feedline_keys(
     """Every feedline service gets its secret key as a compose secret and public keys as
     read-only mounts, all from FEEDLINE_KEYS; none runs --insecure. (test_ops_compose.py
     runs these services with real keys.)"""
-    from feedline.cli import build_parser
+    from commands.main import build_parser
 
     keys = tmp_path / "keys"
     cfg = compose_config(*files, profile="demo", env={"FEEDLINE_KEYS": str(keys)})
@@ -186,7 +186,7 @@ def test_k8s_pods_speak_curve_with_keys_from_secrets() -> None:
     """The broker and producer pods: the key Secret is copied 0600 into a memory emptyDir
     by an init container (the daemons refuse a group-readable secret), and the flags point
     at the copy; the broker's allowed keys come from a ConfigMap."""
-    from feedline.cli import build_parser
+    from commands.main import build_parser
 
     parser = build_parser()
     pods = [d for _, d in k8s_documents() if d["kind"] in ("Deployment", "DaemonSet")]

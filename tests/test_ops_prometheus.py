@@ -12,8 +12,8 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
+from commands import top
 from consumer import RemoteDataZMQ
-from feedline import top
 from feedline.metrics import serve_metrics
 from feedline.procs import free_port, wait_for
 from tests.ops_support import Prometheus, needs_prometheus, scrape_config

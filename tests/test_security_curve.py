@@ -179,7 +179,7 @@ def test_a_consumer_without_keys_is_told_why_and_curve_kwarg_lets_it_in(thread_b
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "feedline.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "commands", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 

@@ -14,19 +14,18 @@ import os
 import pickle
 import socket
 import threading
-import urllib.request
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 from zmq.utils.monitor import recv_monitor_message
 
 from consumer import RemoteDataZMQ
 from feedline import wire
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
+from feedline.scrape import scrape
 from producer import send_dataflow
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
@@ -41,10 +40,10 @@ class Scraper:
         self.url = f"http://127.0.0.1:{port}/metrics"
 
     def samples(self) -> dict[tuple, float]:
-        with urllib.request.urlopen(self.url, timeout=5) as r:
-            text = r.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+        got = scrape(self.url, timeout=5)
+        if got.error:
+            raise OSError(got.error)
+        return got.samples
 
     def rejected(self) -> dict[str, int]:
         return {dict(labels)["reason"]: int(v) for (name, labels), v in self.samples().items()
@@ -365,7 +364,7 @@ def test_tensorpack_ingress_refuses_exposed_address_even_with_keys(tmp_path, end
     allowed = tmp_path / "allowed"
     security.generate_keypair(allowed, "producer")
     r = subprocess.run(
-        [sys.executable, "-m", "feedline.cli", "broker", "--ingress", endpoints.ingress,
+        [sys.executable, "-m", "commands", "broker", "--ingress", endpoints.ingress,
          "--egress", endpoints.egress, "--metrics-port", "0", "--curve-secret", str(sec),
          "--curve-allowed", str(allowed), "--tensorpack-ingress", "tcp://0.0.0.0:1"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,

@@ -4,14 +4,13 @@ each stage's output, in every parallel mode, and served by a producer daemon."""
 
 from __future__ import annotations
 
-import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from feedline.procs import free_port, wait_for
+from feedline.scrape import scrape as metrics_scrape
 from producer.dataflow import BatchData, CountData, ImageFolder, MapDataComponent
 from producer.image import ImageNetVal
 from producer.metrics import StageMetrics
@@ -132,14 +131,10 @@ def test_a_factory_pipeline_is_one_stage_with_its_skips(corrupt_images: Path) ->
 
 def scrape(port: int) -> dict[str, dict[str, float]]:
     """family sample name -> {stage: value} for the two stage families."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, dict[str, float]] = {STAGES: {}, SKIPPED: {}}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in out:
-                out[s.name][s.labels["stage"]] = s.value
-    return out
+    got = metrics_scrape(port, timeout=5)
+    if got.error:
+        raise OSError(got.error)
+    return {name: got.by_label(name, "stage") for name in (STAGES, SKIPPED)}
 
 
 def test_a_producer_daemon_serves_stage_series_and_logs_skips(

@@ -25,7 +25,7 @@ OUT = Path(__file__).resolve().parent / "dashboards" / "feedline.json"
 RI = "$__rate_interval"
 
 # Occupancy forced to 0 ("input-bound") when the loop waits for data >= 10% of its time:
-# the rule of feedline.top.verdict, in PromQL.
+# the rule of commands.top verdict (feedline.verdict), in PromQL.
 VERDICT = (
     "avg(avg_over_time(feedline_consumer_local_queue_batches[1m])"
     " / avg_over_time(feedline_consumer_window_batches[1m]))"

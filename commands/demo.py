@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from feedline.cli import HelpFormatter
+from feedline.flags import HelpFormatter
 from feedline.procs import Daemon, free_port, wait_for
 
 
@@ -92,7 +92,7 @@ def _has_tensorflow() -> bool:
 
 
 def _train(egress: str, duration: float, batch_size: int) -> None:
-    from feedline.demo_train import train
+    from commands.demo_train import train
 
     print("training a small classifier: RemoteDataZMQ -> QueueInput -> StagingInput -> step")
     r = train(egress, duration)

@@ -19,75 +19,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from feedline.cli import HelpFormatter, stop_on_signals
+from feedline.flags import HelpFormatter, stop_on_signals
+from feedline.scrape import Labels, Scrape, normalize_url, scrape
 from feedline.verdict import verdict as _verdict  # the dashboard's thresholds too
 
-Labels = tuple[tuple[str, str], ...]
-
-
-@dataclass
-class Scrape:
-    """One scrape of one endpoint: sample name and sorted labels -> value, at ``time``."""
-
-    url: str
-    time: float
-    samples: dict[tuple[str, Labels], float] = field(default_factory=dict)
-    error: str | None = None
-
-    def get(self, name: str, **labels: str) -> float | None:
-        return self.samples.get((name, tuple(sorted(labels.items()))))
-
-    def series(self, name: str) -> dict[Labels, float]:
-        return {lab: v for (n, lab), v in self.samples.items() if n == name}
-
-    def total(self, name: str) -> float:
-        return sum(self.series(name).values())
-
-    @property
-    def role(self) -> str:
-        """'broker', 'producer', 'consumer' or 'unknown', from the metric names served."""
-        names = {n for n, _ in self.samples}
-        for role in ("broker", "producer", "consumer"):
-            if any(n.startswith(f"feedline_{role}_") for n in names):
-                return role
-        return "unknown"
-
-
 Snapshot = Mapping[str, Scrape]  # url -> scrape
-
-
-def normalize_url(target: str) -> str:
-    """'host:9500' -> 'http://host:9500/metrics'; full URLs are kept."""
-    url = target if "://" in target else f"http://{target}"
-    if url.rstrip("/").count("/") < 3:  # no path given
-        url = url.rstrip("/") + "/metrics"
-    return url
-
-
-def parse(url: str, text: str, at: float) -> Scrape:
-    """Parse Prometheus text exposition into a :class:`Scrape`."""
-    s = Scrape(url, at)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            s.samples[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
-    return s
-
-
-def scrape(url: str, timeout: float = 2.0) -> Scrape:
-    """Fetch and parse one endpoint; an unreachable one gives a Scrape with ``error`` set."""
-    at = time.monotonic()
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http only)
-            text = resp.read(16 << 20).decode("utf-8", "replace")
-    except OSError as e:
-        return Scrape(url, at, error=str(getattr(e, "reason", e)))
-    return parse(url, text, at)
 
 
 def snapshot(urls: Iterable[str], timeout: float = 2.0) -> dict[str, Scrape]:

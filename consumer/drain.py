@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 
-from feedline.cli import HelpFormatter, add_metrics_flags, stop_on_signals
+from feedline import security
+from feedline.flags import (
+    HelpFormatter,
+    add_client_curve_flags,
+    add_log_flags,
+    add_metrics_flags,
+    client_keys,
+    stop_on_signals,
+)
 from feedline.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -39,12 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_metrics_flags(p, 0)
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between rate lines in the log")
-    p.add_argument("--curve-secret", default=None, metavar="FILE",
-                   help="this consumer's CURVE secret key file (feedline keys generate); "
-                   "env FEEDLINE_CURVE_SECRET")
-    p.add_argument("--curve-broker-key", default=None, metavar="FILE",
-                   help="the broker's CURVE public key file; env FEEDLINE_CURVE_BROKER_KEY")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_client_curve_flags(p, "consumer")
+    add_log_flags(p)
     p.set_defaults(func=run)
 
 
@@ -52,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from consumer import RemoteDataZMQ
-    from feedline import security
     from feedline.errors import ReceiveTimeout
     from feedline.link import LinkConfig
     from feedline.metrics import serve_metrics
@@ -61,10 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.step_seconds < 0:
         raise SystemExit("feedline drain: --step-seconds must be >= 0")
     try:
-        curve = security.client_keys(
-            args.curve_secret or os.environ.get(security.ENV_SECRET),
-            args.curve_broker_key or os.environ.get(security.ENV_BROKER_KEY),
-        )
+        curve = client_keys(args)
     except (security.KeyFileError, security.CurveUnavailable) as e:
         raise SystemExit(f"feedline drain: {e}") from None
     stop = stop_on_signals()

@@ -1,0 +1,5 @@
+import sys
+
+from commands.main import main
+
+sys.exit(main())

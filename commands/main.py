@@ -1,0 +1,52 @@
+"""``feedline``: one entry point, a subcommand per module.
+
+Each module in the table has ``add_parser(subparsers)``, which adds its subcommand and sets
+``func`` (taking the parsed arguments, returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from broker import cli as broker_cli
+from commands import demo, top
+from consumer import drain
+from feedline import __version__, keys
+from feedline.flags import HelpFormatter
+from producer import cli as producer_cli
+from producer import lmdb_cli
+
+COMMANDS = [broker_cli, producer_cli, demo, lmdb_cli, drain, top, keys]
+
+
+def version_text() -> str:
+    """The version line, and which JPEG decoder this install runs."""
+    return f"feedline {__version__}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="feedline",
+        description="Serve preprocessed training batches from data machines to trainers.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=version_text())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
