@@ -1,15 +1,78 @@
-"""Starting and stopping feedline daemons as child processes (for the demo and the tests)."""
+"""Starting and stopping feedline daemons as child processes (for the demo and the tests).
+
+A child never outlives its parent: :class:`Child` asks the kernel (Linux ``prctl
+PR_SET_PDEATHSIG``) to send it SIGTERM when the parent dies, even by ``kill -9``, and a
+forked worker calls :func:`die_with_parent`, which watches its parent from a thread.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig(sig: int) -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get ``sig`` when the thread that forked it ends (the
+    parent's death, if that thread is its main thread); None where prctl does not exist.
+
+    Everything is looked up before the fork: between fork and exec the child only calls the
+    C function and compares two pids (the parent may have died already: then it exits)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def die_with_parent(parent_pid: int | None = None, interval: float = 0.5,
+                    grace: float = 10.0) -> threading.Thread:
+    """Make this process end when its parent does (call it first thing in a forked worker).
+
+    A daemon thread checks every ``interval`` seconds whether ``parent_pid`` (default: the
+    process that forked us, from multiprocessing, else the parent now) is still our parent.
+    When it is not, it sends this process SIGTERM (a worker dies, a daemon stops cleanly),
+    and if the process is still alive ``grace`` seconds later, ends it with ``os._exit(1)``.
+    A thread, not ``PR_SET_PDEATHSIG``: the kernel sends that when the *thread* that forked us
+    exits, which for a pipeline iterated in a worker thread is long before its process does.
+    """
+    if parent_pid is None:
+        import multiprocessing
+
+        parent = multiprocessing.parent_process()
+        parent_pid = parent.pid if parent is not None and parent.pid else os.getppid()
+    pid = parent_pid
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os._exit(1)
+
+    t = threading.Thread(target=watch, name="die-with-parent", daemon=True)
+    t.start()
+    return t
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,15 +83,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Child:
-    """A child process running ``argv``, its output going to ``log_path`` (or nowhere)."""
+    """A child process running ``argv``, its output going to ``log_path`` (or nowhere).
+
+    On Linux the child gets SIGTERM when this process dies (``PR_SET_PDEATHSIG``), so a
+    parent killed by ``kill -9`` or an abort leaves no orphans. The kernel ties that to the
+    thread that started the child, so it is set only when the main thread starts it (a child
+    started from another thread is stopped by :meth:`stop` only).
+    """
 
     def __init__(self, argv: Sequence[str], log_path: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.argv = list(argv)
         self.log_path = log_path
+        preexec: Any = None
+        if threading.current_thread() is threading.main_thread():
+            preexec = _pdeathsig(signal.SIGTERM)
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             self.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            preexec_fn=preexec,
         )
         if log_path:
             out.close()  # type: ignore[union-attr]

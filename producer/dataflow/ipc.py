@@ -20,6 +20,8 @@ from typing import Any
 
 import zmq
 
+from feedline.procs import die_with_parent
+
 LINGER_MS = 200
 POLL_MS = 200
 
@@ -69,6 +71,7 @@ def _child_entry(target: Callable[..., None], args: tuple) -> None:
     # dies on SIGTERM and leaves Ctrl-C to its parent.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()  # a worker busy in a long map call still ends when its parent dies
     target(*args)
 
 
