@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
+
+import zmq
 
 from broker.config import BrokerConfig
 from broker.core import Broker
-from feedline import security, wire
+from feedline import endpoints, security, wire
 from feedline.flags import (
     HelpFormatter,
     add_liveness_flags,
@@ -19,6 +22,8 @@ from feedline.flags import (
 )
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -94,17 +99,74 @@ def _curve_from_args(args: argparse.Namespace) -> security.ServerKeys | None:
             "--curve-allowed (see `feedline keys generate` and docs/security.md), bind "
             "127.0.0.1 / ipc://, or pass --insecure on a network you trust"
         )
+    for addr in exposed:
+        log.warning("--insecure: %s has no CURVE keys: %s can send batches into training and "
+                    "read them; give --curve-secret and --curve-allowed (docs/security.md) "
+                    "unless that network is trusted", addr, endpoints.reach(addr))
     return keys
 
 
+def check_addresses(args: argparse.Namespace) -> None:
+    """Every address the broker will bind, checked before it binds any (a second broker
+    started with the same ipc:// egress would otherwise take it over from the first), and
+    against each other. Raises :class:`feedline.endpoints.AddressError` (one line)."""
+    seen: list[tuple[str, endpoints.Endpoint]] = []
+    for flag, addr in (("--ingress", args.ingress), ("--egress", args.egress),
+                       ("--tensorpack-ingress", args.tensorpack_ingress)):
+        if addr is None:
+            continue
+        ep = endpoints.check_bind(addr, flag)
+        for other_flag, other in seen:
+            if _overlap(ep, other):
+                raise endpoints.AddressError(
+                    f"{flag} {addr}: {other_flag} {other.addr} binds the same "
+                    f"{'path' if ep.path else 'port'}; give each address its own")
+        seen.append((flag, ep))
+    if args.metrics_port:
+        mine = endpoints.Endpoint(f"tcp://{args.metrics_addr}:{args.metrics_port}", "tcp",
+                                  args.metrics_addr, args.metrics_port)
+        for other_flag, other in seen:
+            if _overlap(mine, other):
+                raise endpoints.AddressError(
+                    f"--metrics-port {args.metrics_port}: {other_flag} {other.addr} binds the "
+                    "same port; give the metrics another port")
+        endpoints.check_port(args.metrics_port, args.metrics_addr)
+
+
+def _overlap(a: endpoints.Endpoint, b: endpoints.Endpoint) -> bool:
+    if a.scheme != b.scheme:
+        return False
+    if a.scheme == "ipc":
+        return a.path == b.path
+    return (a.port is not None and a.port == b.port
+            and (a.host == b.host or a.wildcard or b.wildcard))
+
+
 def run(args: argparse.Namespace) -> int:
+    """Check every address, then the keys; serve metrics, bind, run until SIGTERM/SIGINT.
+    Any failure to start is one line on stderr and exit status 1, with nothing bound."""
     setup_logging(args.log_level)
     try:
+        check_addresses(args)
         config = config_from_args(args)
     except (ValueError, security.CurveUnavailable) as e:
         raise SystemExit(f"feedline broker: {e}") from None
     stop = stop_on_signals()
-    broker = Broker(config)
-    serve_metrics(broker.registry, config.metrics_port, config.metrics_addr)
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    try:
+        # Metrics first: an HTTP server that fails to start leaves no ZeroMQ socket bound.
+        server = serve_metrics(registry, config.metrics_port, config.metrics_addr)
+    except endpoints.AddressError as e:
+        raise SystemExit(f"feedline broker: {e}") from None
+    try:
+        broker = Broker(config, registry=registry)
+    except zmq.ZMQError as e:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        raise SystemExit(f"feedline broker: cannot bind {config.ingress} / {config.egress}: "
+                         f"{e.strerror}; check the addresses") from None
     broker.run(stop)
     return 0

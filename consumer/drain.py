@@ -12,7 +12,7 @@ import argparse
 import logging
 import time
 
-from feedline import security
+from feedline import endpoints, security
 from feedline.flags import (
     HelpFormatter,
     add_client_curve_flags,
@@ -56,26 +56,26 @@ def run(args: argparse.Namespace) -> int:
 
     from consumer import RemoteDataZMQ
     from feedline.errors import ReceiveTimeout
-    from feedline.link import LinkConfig
     from feedline.metrics import serve_metrics
 
     setup_logging(args.log_level)
     if args.step_seconds < 0:
         raise SystemExit("feedline drain: --step-seconds must be >= 0")
     try:
+        endpoints.check_connect(args.broker, "--broker")
         curve = client_keys(args)
-    except (security.KeyFileError, security.CurveUnavailable) as e:
+        registry = CollectorRegistry()
+        serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
+    except (endpoints.AddressError, security.KeyFileError, security.CurveUnavailable) as e:
         raise SystemExit(f"feedline drain: {e}") from None
     stop = stop_on_signals()
-    registry = CollectorRegistry()
-    serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
     t0 = last = time.monotonic()
     end = None if args.duration is None else t0 + args.duration
     count = nbytes = last_count = last_bytes = 0
     # A short receive timeout only so that SIGTERM is noticed while no batch comes.
     with RemoteDataZMQ(args.broker, window=args.window, timeout=0.5, consumer_id=args.id,
                        return_meta=True, registry=registry,
-                       link=LinkConfig(curve=curve)) as source:
+                       curve=curve) as source:
         while not stop.is_set() and (end is None or time.monotonic() < end):
             try:
                 for batch in source:

@@ -9,6 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from feedline.endpoints import AddressError, check_port
+
 log = logging.getLogger(__name__)
 
 
@@ -57,16 +59,26 @@ class BoundedLabel:
 
 
 def serve_metrics(
-    registry: CollectorRegistry, port: int | None, addr: str = "0.0.0.0"
+    registry: CollectorRegistry, port: int | None, addr: str = "0.0.0.0",
+    flag: str = "--metrics-port",
 ) -> Any | None:
     """Serve ``registry`` on http://addr:port/metrics from a daemon thread (None: don't).
 
     Returns the HTTP server (call ``.shutdown()`` and ``.server_close()`` to stop it), or
     None. A training process serves its consumer metrics this way: pass the same registry to
     ``RemoteDataZMQ(registry=...)`` and ``serve_metrics(registry, 9400)``.
+
+    A port that cannot be bound (in use, privileged, an address not of this host) raises
+    :class:`feedline.endpoints.AddressError` with a one-line message naming ``flag``, the
+    port and what to do, instead of the HTTP server's ``OSError``.
     """
     if port is None:
         return None
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError:
+        check_port(port, addr, flag)  # says why, in one line
+        raise AddressError(f"{flag} {port}: cannot serve metrics on {addr}:{port}; give "
+                           f"{flag} another port, or {flag} 0 to serve none") from None
     log.info("metrics on http://%s:%d/metrics", addr, port)
     return server

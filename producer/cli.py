@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 
-from feedline import security
+from feedline import __version__, endpoints, security
 from feedline.flags import (
     HelpFormatter,
     add_client_curve_flags,
@@ -18,6 +20,7 @@ from feedline.flags import (
 from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
+from producer.dataflow.base import DataFlow
 from producer.metrics import StageMetrics
 from producer.pipeline import ConfigError, build_pipeline, load_config, pipeline_stages
 from producer.sender import send_dataflow
@@ -49,13 +52,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def decoder_info() -> str:
+    """Which JPEG decoder the image steps run, in words (the start-up line, --version)."""
+    try:
+        from producer import image
+
+        info = getattr(image, "decoder_info", None)
+        if info is None:
+            from producer.image import turbo
+
+            info = turbo.decoder_info
+        return str(info())
+    except Exception:  # an optional extension that does not load: the presets use OpenCV
+        try:
+            import cv2
+
+            return f"OpenCV {cv2.__version__}"
+        except ImportError:
+            return "OpenCV"
+
+
 def run(args: argparse.Namespace) -> int:
+    """Check the flags, build the pipeline, send until done or SIGTERM/SIGINT. A failure to
+    start is one line on stderr and exit status 1; the pipeline's workers and their
+    temporary directories are gone when this returns, whatever ended it."""
     setup_logging(args.log_level)
+    try:
+        endpoints.check_connect(args.broker, "--broker")
+        if args.metrics_port:
+            endpoints.check_port(args.metrics_port, args.metrics_addr)
+    except endpoints.AddressError as e:
+        raise SystemExit(f"feedline producer: {e}") from None
     try:
         cfg = load_config(args.config)
         df = build_pipeline(cfg)
     except ConfigError as e:
         raise SystemExit(f"feedline producer: {args.config}: {e}") from None
+    try:
+        return _run(args, cfg, df)
+    finally:
+        close = getattr(df, "close", None)
+        if close is not None:
+            close()  # stops worker processes, removes their ipc directory
+
+
+def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
     stages = pipeline_stages(df)
     try:
         curve = client_keys(args)
@@ -67,10 +108,20 @@ def run(args: argparse.Namespace) -> int:
 
     registry = CollectorRegistry()
     StageMetrics(registry, stages)
-    serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
+    try:
+        serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
+    except endpoints.AddressError as e:
+        raise SystemExit(f"feedline producer: {e}") from None
+    producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+    # The start-up line: what this process is and where it sends (off with --log-level
+    # WARNING).
+    log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream default, "
+             "%s", __version__, producer_id, args.broker, args.config, decoder_info(),
+             "epochs forever" if epochs is None else f"{epochs} epoch(s)")
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
-                      heartbeat_timeout=args.heartbeat_timeout, curve=curve)
-    stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=args.id, link=link,
+                      heartbeat_timeout=args.heartbeat_timeout)
+    stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=producer_id, link=link,
+                          curve=curve,
                           stop=stop, registry=registry, log_interval=args.log_interval,
                           skipped=lambda: sum(s.skipped for s in stages))
     log.info("sent %d batches (%.1f MB) in %.1fs", stats.batches, stats.bytes / 1e6,
