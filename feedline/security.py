@@ -19,9 +19,10 @@ Nothing here reads the environment except :func:`ClientKeys.from_env` /
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
+
+from feedline.logs import RateLimitedLog
+
+log = logging.getLogger(__name__)
 
 # Environment variables, read by entry points (flags win over them).
 ENV_SECRET = "FEEDLINE_CURVE_SECRET"  # path of this peer's NAME.key_secret
@@ -227,9 +232,11 @@ class ServerKeys:
         sock.zap_domain = _ZAP_DOMAIN.encode()
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
-    def authenticator(self, ctx: zmq.Context) -> Authenticator:
-        """Start the ZAP handler on ``ctx`` (before any socket binds); stop it on close."""
-        return Authenticator(ctx, self.allowed)
+    def authenticator(self, ctx: zmq.Context,
+                      on_denied: Callable[[str, str], None] | None = None) -> Authenticator:
+        """Start the ZAP handler on ``ctx`` (before any socket binds); stop it on close.
+        ``on_denied(address, key_fingerprint)``: see :class:`Authenticator`."""
+        return Authenticator(ctx, self.allowed, on_denied=on_denied)
 
 
 def server_keys(secret_file: str | None, allowed_dir: str | None) -> ServerKeys | None:
@@ -244,11 +251,30 @@ def server_keys(secret_file: str | None, allowed_dir: str | None) -> ServerKeys 
     return ServerKeys.load(secret_file, allowed_dir)
 
 
-class Authenticator:
-    """pyzmq's ThreadAuthenticator on the broker's context, allowing exactly ``allowed``."""
+def fingerprint(public_z85: bytes | str) -> str:
+    """A short, printable name of a public key: its first 12 Z85 characters (the start of
+    what ``feedline keys show NAME.key`` prints)."""
+    text = public_z85.decode("ascii", "replace") if isinstance(public_z85, bytes) \
+        else public_z85
+    return text[:12]
 
-    def __init__(self, ctx: zmq.Context, allowed: frozenset[bytes]) -> None:
-        self._auth = ThreadAuthenticator(ctx)
+
+class Authenticator:
+    """pyzmq's ThreadAuthenticator on the broker's context, allowing exactly ``allowed``.
+
+    Each client refused (its public key is not allowed) is logged as one WARNING naming its
+    address and key fingerprint and what to do, at most one line per ``log_interval`` seconds
+    (the next line counts those suppressed: a stranger retrying cannot fill the log), and is
+    passed to ``on_denied(address, key_fingerprint)`` (a metric) from the ZAP thread: the
+    callback must be quick and must not raise. ``address`` is the client's IP address, or
+    ``"local pid PID (uid UID)"`` for an ``ipc://`` client; the fingerprint is
+    :func:`fingerprint`.
+    """
+
+    def __init__(self, ctx: zmq.Context, allowed: frozenset[bytes],
+                 on_denied: Callable[[str, str], None] | None = None,
+                 log_interval: float = 5.0) -> None:
+        self._auth = _ZapHandler(ctx, on_denied, RateLimitedLog(log, log_interval))
         self._auth.start()
         # The key set is given in memory (the files were checked at load): the handler then
         # does not re-read a directory someone else may be writing to.
@@ -256,6 +282,51 @@ class Authenticator:
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+class _ZapHandler(ThreadAuthenticator):
+    """ThreadAuthenticator that reports each refusal (pyzmq logs it at DEBUG only)."""
+
+    def __init__(self, ctx: zmq.Context, on_denied: Callable[[str, str], None] | None,
+                 warn: RateLimitedLog) -> None:
+        super().__init__(ctx)
+        self._on_denied = on_denied
+        self._warn = warn
+        self._request: tuple[str, bytes] = ("", b"")  # the client's address and key
+
+    def handle_zap_message(self, msg: list[bytes]) -> Any:
+        # Requests are answered one at a time in the ZAP thread: remember whose this is, for
+        # the reply below. (pyzmq >= 25 returns a coroutine here; it is passed on as is.)
+        address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""
+        key = msg[6] if len(msg) > 6 else b""
+        self._request = (address, key)
+        return super().handle_zap_message(msg)
+
+    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
+                        user_id: str = "anonymous") -> None:
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
+        if status_code == b"200":
+            return
+        address, key = _peer(self._request[0]), self._request[1]
+        fp = fingerprint(zmq.utils.z85.encode(key)) if len(key) == 32 else "(none)"
+        self._warn.warning(
+            "CURVE: refused a client at %s (key %s): its public key is not in --curve-allowed; "
+            "if it should connect, copy its .key file into that directory and restart the "
+            "broker", address, fp)
+        if self._on_denied is not None:
+            try:
+                self._on_denied(address, fp)
+            except Exception:  # a metric that fails must not stop authentication
+                log.exception("on_denied callback failed")
+
+
+def _peer(address: str) -> str:
+    """The ZAP request's address in words: an IP address, or a local (ipc://) process, which
+    libzmq gives as ``localhost:UID:GID:PID``."""
+    parts = address.split(":")
+    if len(parts) == 4 and parts[0] == "localhost" and all(p.isdigit() for p in parts[1:]):
+        return f"local pid {parts[3]} (uid {parts[1]})"
+    return address or "local"
 
 
 class _Allowed:
@@ -295,6 +366,6 @@ def exposed(addrs: list[str | None]) -> list[str]:
 
 __all__: list[Any] = [
     "Authenticator", "ClientKeys", "CurveUnavailable", "KeyFileError", "ServerKeys",
-    "client_keys", "exposed", "generate_keypair", "is_loopback", "load_allowed",
+    "client_keys", "exposed", "fingerprint", "generate_keypair", "is_loopback", "load_allowed",
     "load_public", "load_secret", "require_curve", "server_keys",
 ]
