@@ -1,0 +1,204 @@
+"""Credit always comes back (issue 16): a refused batch returns it, an unused grant expires, and
+a late grant of a replaced broker is worth nothing.
+
+Brokers are ``python -m broker`` processes (or a ROUTER played by the test, for what only a
+fake broker can send); the peers that break the rules are DEALERs speaking the protocol by
+hand (tests/flow_support.py), next to real producer processes and a real consumer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import zmq
+
+from feedline import wire
+from feedline.errors import Stopped
+from producer import Sender
+from tests.flow_support import (
+    ARRAY,
+    BATCH,
+    FAST,
+    HELLO,
+    CountingConsumer,
+    FakeBroker,
+    RawPeer,
+    batch_header,
+    broker_credit,
+    broker_heartbeat,
+    fake_yaml,
+    start_broker,
+    start_producer,
+)
+
+OVER_LIMIT = [0] * 3000  # a list longer than Limits.max_container_len (2048)
+WINDOW = 4  # the broker's default producer window
+PRODUCERS = 8  # 8 x WINDOW = the default max_batches: together they can hold all the credit
+CREDIT_GAUGE = "feedline_broker_credit_outstanding_batches"
+
+
+def heartbeat_until(peers: list[RawPeer], done: Callable[[], bool], seconds: float) -> bool:
+    """Keep hand-played producers alive (and read their credit) until ``done()``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for p in peers:
+            p.read()
+            p.heartbeat()
+        if done():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def registered_raw_producers(ctx: zmq.Context, addr: str, name: str) -> list[RawPeer]:
+    """PRODUCERS hand-played producers, each holding the credit the broker gave it."""
+    peers = [RawPeer(ctx, addr) for _ in range(PRODUCERS)]
+    for i, p in enumerate(peers):
+        p.hello_producer(f"{name}{i}", 1000 + i)
+    assert heartbeat_until(peers, lambda: all(p.granted == WINDOW for p in peers), 15), \
+        [p.granted for p in peers]
+    return peers
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: encode_batch does not apply the decoder's "
+                   "Limits (max_container_len)")
+def test_encode_batch_names_the_limit_it_breaks():
+    """Claim: ``wire.encode_batch`` of a datapoint that is a list of 3000 scalars (over
+    ``Limits.max_container_len`` = 2048) raises ``wire.EncodeError`` whose message names
+    ``max_container_len``: the encoder applies the decoder's limits.
+
+    Today: it returns a 6 KB header without complaint; the broker then refuses the batch."""
+    with pytest.raises(wire.EncodeError, match="max_container_len"):
+        wire.encode_batch(OVER_LIMIT, producer="p", session=1, seq=0)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: Sender.send sends a batch the broker must "
+                   "refuse (the encoder ignores the decoder's Limits)")
+def test_sender_send_raises_for_a_batch_over_the_limits(thread_broker, endpoints):
+    """Claim: ``Sender.send`` of that datapoint raises ``EncodeError`` naming
+    ``max_container_len`` and sends nothing (the broker refuses nothing).
+
+    Today: it sends it; the broker counts it as rejected (bad_msgpack)."""
+    tb = thread_broker()
+    with Sender(endpoints.ingress, producer_id="toolong", link=FAST) as s:
+        with pytest.raises(wire.EncodeError, match="max_container_len"):
+            s.send(OVER_LIMIT)
+    assert not tb.broker.stats.rejected
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: a refused batch keeps its credit: the broker "
+                   "counts it outstanding forever")
+def test_a_refused_batch_returns_its_credit(broker_proc, daemons, endpoints, tmp_path):
+    """Claim: eight producers (hand-played) hold all the credit and spend it on batches the
+    broker refuses (a datapoint of 3000 scalars). The credit comes back: the outstanding-credit
+    gauge does not grow past what it was, a healthy producer next to them delivers its 20
+    batches within 10 s, and a refused producer is granted credit again and its next, valid,
+    batch is delivered.
+
+    Today: the refused batches' credit stays outstanding while their senders heartbeat:
+    0 of the healthy producer's 20 batches in 10 s, and no new credit for the refused ones."""
+    _, metrics = start_broker(broker_proc)
+    ctx = zmq.Context()
+    peers = registered_raw_producers(ctx, endpoints.ingress, "refused")
+    consumer = CountingConsumer(endpoints.egress)
+    try:
+        baseline = metrics.value(CREDIT_GAUGE)
+        for i, p in enumerate(peers):
+            for seq in range(WINDOW):
+                p.send([batch_header(f"refused{i}", 1000 + i, seq, [ARRAY(0), *OVER_LIMIT],
+                                     [("<f4", [4])]), np.zeros(4, np.float32)])
+        cfg = fake_yaml(tmp_path, "healthy", [[4, 4]], ["float32"], size=20, epochs=1)
+        start_producer(daemons, endpoints.ingress, cfg, "healthy")
+        heartbeat_until(peers, lambda: consumer.counts.get("healthy", 0) >= 20, 10)
+        healthy = consumer.counts.get("healthy", 0)
+        again = heartbeat_until(peers, lambda: peers[0].granted > WINDOW, 5)
+        if again:  # its next batch (sequence number WINDOW) is a valid one
+            peers[0].send([batch_header("refused0", 1000, WINDOW, [ARRAY(0)], [("<f4", [4])]),
+                           np.ones(4, np.float32)])
+            heartbeat_until(peers, lambda: consumer.counts.get("refused0", 0) >= 1, 10)
+        gauge = metrics.value(CREDIT_GAUGE)
+    finally:
+        consumer.close()
+        for p in peers:
+            p.close()
+        ctx.term()
+    assert healthy == 20, f"healthy producer: {healthy} of 20 batches in 10 s"
+    assert again, f"refused producer granted {peers[0].granted} in all, never more"
+    assert consumer.counts.get("refused0") == 1, consumer.counts
+    assert gauge <= baseline, (gauge, baseline)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: credit granted to idle producers never "
+                   "expires; a busy producer next to them starves")
+def test_idle_producers_do_not_keep_the_credit(broker_proc, daemons, endpoints, tmp_path):
+    """Claim: eight hand-played producers say HELLO, heartbeat and never send a batch; a real
+    producer next to them gets batches flowing (>= 50 delivered to a consumer within 10 s)
+    and the credit they hold unused is taken back (outstanding credit < 8 x window).
+
+    Today: the idle ones hold all 32 credits (8 x window 4 = --max-batches): 0 batches
+    delivered in 10 s, credit outstanding stays 32."""
+    _, metrics = start_broker(broker_proc)
+    ctx = zmq.Context()
+    peers = registered_raw_producers(ctx, endpoints.ingress, "idle")
+    consumer = CountingConsumer(endpoints.egress)
+    try:
+        cfg = fake_yaml(tmp_path, "busy", [[16, 16]], ["float32"])
+        start_producer(daemons, endpoints.ingress, cfg, "busy")
+        flowing = heartbeat_until(peers, lambda: consumer.counts.get("busy", 0) >= 50, 10)
+        outstanding = metrics.value(CREDIT_GAUGE)
+    finally:
+        consumer.close()
+        for p in peers:
+            p.close()
+        ctx.term()
+    assert flowing, f"busy producer: {consumer.counts.get('busy', 0)} batches in 10 s"
+    assert outstanding < PRODUCERS * WINDOW, outstanding
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: a late CREDIT of a replaced broker instance "
+                   "is taken as credit from the new one")
+def test_a_late_credit_of_a_replaced_broker_is_ignored():
+    """Claim: a Sender registered with broker instance A, then with its replacement B (which
+    grants 2), must not use a CREDIT that A sent late: it sends 2 batches to B, not more.
+
+    Today: it takes A's late grant of 10 and sends 10 batches to B."""
+    fake = FakeBroker()
+    a, b = 1111, 2222
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with Sender(fake.addr, producer_id="late", link=FAST) as s:
+                for i in range(20):
+                    s.send([np.full(4, i, np.int32)], stop=stop)
+        except Stopped:
+            pass
+        except BaseException as e:  # surfaces in the test thread
+            failure.append(e)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    try:
+        fake.wait_for_kind(HELLO, 10)
+        fake.send(broker_credit(a, 1))
+        fake.wait_for_kind(BATCH, 10)
+        fake.send(broker_heartbeat(b))  # a new instance: the Sender registers again
+        fake.wait_for_kind(HELLO, 10)
+        fake.send(broker_credit(b, 2))
+        fake.send(broker_credit(a, 10))  # late, from the replaced instance
+        batches = 0
+        for _ in range(5):  # 1 s, answering heartbeats so that the link stays up
+            batches += sum(1 for h in fake.recv(0.2) if h.get("k") == BATCH)
+            fake.send(broker_heartbeat(b))
+    finally:
+        stop.set()
+        t.join(10)
+        fake.close()
+    assert not failure, failure
+    assert batches == 2, f"{batches} batches sent to instance B, which granted 2"
+

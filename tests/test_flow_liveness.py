@@ -1,0 +1,255 @@
+"""Liveness is the link's job (issue 16): a slow pipeline never looks like a dead peer, a peer
+that was dropped has its losses counted, a peer at the wrong address is told so, and what a
+client or a broker starts is released when it goes away or fails.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import signal
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import numpy as np
+import psutil
+import pytest
+import yaml
+import zmq
+
+from broker import Broker, BrokerConfig
+from consumer import RemoteDataZMQ
+from feedline.errors import ReceiveTimeout
+from feedline.procs import wait_for
+from producer import send_dataflow
+from tests.flow_support import (
+    FAST,
+    CountingConsumer,
+    fake_yaml,
+    log_lines,
+    start_broker,
+    start_producer,
+)
+
+DROPPED = "feedline_broker_dropped_peers_total"
+
+
+def slow_pipeline(n: int, seconds: float) -> Iterator[list[np.ndarray]]:
+    """A dataflow that takes ``seconds`` per datapoint (a heavy augmentation, a slow disk)."""
+    for i in range(n):
+        time.sleep(seconds)
+        yield [np.full(4, i, np.int32)]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: a producer is silent while its pipeline "
+                   "works, is dropped, and the batches it then sends vanish uncounted")
+def test_a_slow_pipeline_is_not_a_dead_peer(thread_broker, endpoints):
+    """Claim: a dataflow taking 2.5 s per datapoint (the broker's heartbeat timeout is 1.5 s),
+    3 datapoints, epochs=1: the consumer gets all 3 and the broker drops nobody.
+
+    Today: the producer sends no heartbeat while the pipeline runs, is dropped before each
+    batch, and a batch sent then is refused as from an unknown peer: 0 or 1 of 3 delivered
+    (two runs), the producer dropped 1-2 times, 0 counted lost."""
+    tb = thread_broker()
+    t = threading.Thread(target=send_dataflow, args=(slow_pipeline(3, 2.5), endpoints.ingress),
+                         kwargs={"epochs": 1, "producer_id": "slow", "link": FAST}, daemon=True)
+    t.start()
+    got: list[int] = []
+    with RemoteDataZMQ(endpoints.egress, timeout=0.5, link=FAST) as src:
+        end = time.monotonic() + 12
+        while len(got) < 3 and time.monotonic() < end:
+            try:
+                got.extend(int(dp[0][0]) for dp in itertools.islice(src, 1))
+            except ReceiveTimeout:
+                pass
+    t.join(10)
+    dropped = tb.broker.registry.get_sample_value(DROPPED, {"role": "producer",
+                                                            "reason": "timeout"}) or 0
+    lost = tb.broker.registry.get_sample_value("feedline_broker_lost_batches_total",
+                                               {"producer": "slow"}) or 0
+    assert sorted(got) == [0, 1, 2], f"got {got}, producer dropped {dropped}x, lost {lost}"
+    assert dropped == 0
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: the broker does not say (WARNING) which "
+                   "producer's batches it lost when a dropped producer comes back")
+def test_a_dropped_producer_that_comes_back_has_its_losses_counted(broker_proc, daemons,
+                                                                   endpoints, tmp_path):
+    """Claim: a producer process SIGSTOPped past the heartbeat timeout is dropped; after
+    SIGCONT it comes back and finishes. Nothing disappears uncounted: the 120 batches it sent
+    = what the consumer got + feedline_broker_lost_batches_total, and the broker logs a
+    WARNING naming the producer.
+
+    Today: the ledger holds (the batches refused as from an unknown peer show up as a
+    sequence gap once it has registered again: 120 = 118 + 2 in the run seen), but the
+    broker only logs "producer stopped dropped (timeout)" at INFO and "rejected a message:
+    unknown_peer" without the id: no WARNING names the producer."""
+    broker, metrics = start_broker(broker_proc)
+    count = 120
+    cfg = tmp_path / "stopped.yaml"
+    cfg.write_text(yaml.safe_dump({"factory": "tests.ledger_data:make", "epochs": 1,
+                                   "args": {"count": count, "nbytes": 1024, "rate": 40}}))
+    consumer = CountingConsumer(endpoints.egress)
+    try:
+        prod = start_producer(daemons, endpoints.ingress, cfg, "stopped")
+        wait_for(lambda: consumer.counts.get("stopped", 0) >= 30, 20, what="30 batches")
+        prod.signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: metrics.value(DROPPED, role="producer") >= 1, 10,
+                     what="the broker to drop the stopped producer")
+        finally:
+            prod.signal(signal.SIGCONT)
+        assert prod.proc.wait(30) == 0, prod.log_text()[-2000:]
+        lost = lambda: metrics.value("feedline_broker_lost_batches_total",  # noqa: E731
+                                     producer="stopped")
+        try:
+            wait_for(lambda: consumer.counts.get("stopped", 0) + lost() >= count, 10,
+                     what="every batch delivered or counted lost")
+        except TimeoutError:
+            pass
+    finally:
+        consumer.close()
+    got = consumer.counts.get("stopped", 0)
+    assert got + lost() == count, f"sent {count}, got {got}, counted lost {lost()}"
+    warnings = log_lines(broker.log_text(), "WARNING", "stopped")
+    assert warnings, f"got {got}, lost {lost()}; {broker.log_text()[-3000:]}"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: a producer pointed at the egress gets RESETs "
+                   "it ignores (HELLO unanswered) and never tells the operator")
+def test_a_producer_at_the_egress_is_told_to_use_the_ingress(broker_proc, daemons,
+                                                              endpoints, tmp_path):
+    """Claim: a producer started with --broker = the broker's EGRESS address logs a WARNING
+    containing "ingress" within 10 s, and the broker's log line for what it refused names the
+    socket (egress) and the peer (the producer's id).
+
+    Today: the producer's log stays empty (the RESETs that answer its heartbeats arrive while
+    its HELLO is unanswered, and are ignored); the broker logs "rejected a message:
+    bad_hello"."""
+    broker, _ = start_broker(broker_proc)
+    cfg = fake_yaml(tmp_path, "lost", [[4]], ["float32"])
+    prod = start_producer(daemons, endpoints.egress, cfg, "wrong-door")
+    try:
+        wait_for(lambda: log_lines(prod.log_text(), "WARNING", "ingress"), 10,
+                 what="a WARNING about the ingress")
+    except TimeoutError:
+        pass
+    assert log_lines(prod.log_text(), "WARNING", "ingress"), prod.log_text()[-2000:]
+    assert log_lines(broker.log_text(), "WARNING", "egress", "wrong-door"), \
+        broker.log_text()[-2000:]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: a consumer pointed at the ingress says the "
+                   "broker 'did not answer' (it did, with RESET)")
+def test_a_consumer_at_the_ingress_is_told_to_use_the_egress(thread_broker, endpoints, caplog):
+    """Claim: ``RemoteDataZMQ`` pointed at the broker's INGRESS raises ReceiveTimeout whose
+    message mentions "egress" and does not say the broker "did not answer" (it did); the
+    broker's log line for what it refused names the socket (ingress) and the peer.
+
+    Today: "the broker at tcp://... did not answer within 2.0s. Is it running at that
+    address?"; the broker logs "rejected a message: bad_hello"."""
+    thread_broker()
+    with RemoteDataZMQ(endpoints.ingress, timeout=2.0, consumer_id="wrong-way",
+                       link=FAST) as src:
+        with pytest.raises(ReceiveTimeout) as err:
+            next(iter(src))
+    assert "egress" in str(err.value) and "did not answer" not in str(err.value), err.value
+    broker_lines = [r.getMessage() for r in caplog.records
+                    if r.name.startswith("broker") and r.levelname == "WARNING"]
+    assert any("ingress" in m and "wrong-way" in m for m in broker_lines), broker_lines
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: a RemoteDataZMQ dropped without close() "
+                   "keeps its I/O thread, context and socket forever")
+def test_a_dropped_consumer_releases_everything(broker_proc, daemons, endpoints, tmp_path):
+    """Claim: 50 RemoteDataZMQ created in a loop, one batch taken from each, dropped without
+    close(): after gc.collect() and at most 6 s, this process's threads and open fds are back
+    to where they were (+ small slack) and the broker counts no consumer. ``with
+    RemoteDataZMQ(...)`` works.
+
+    Today: the I/O thread holds the object, so it is never collected: +50 Python threads
+    (+150 OS threads with libzmq's), +450 fds, and the broker still counts 50 consumers
+    (they heartbeat)."""
+    _, metrics = start_broker(broker_proc)
+    start_producer(daemons, endpoints.ingress,
+                   fake_yaml(tmp_path, "feed", [[8]], ["float32"]), "feed")
+    me = psutil.Process()
+    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+        next(iter(src))
+    gc.collect()
+    threads, os_threads, fds = threading.active_count(), me.num_threads(), me.num_fds()
+    refs = []
+    try:
+        for _ in range(50):
+            src = RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST)
+            next(iter(src))
+            refs.append(weakref.ref(src))
+            del src
+        gc.collect()
+
+        def released() -> bool:
+            gc.collect()
+            return (threading.active_count() <= threads + 1 and me.num_threads() <= os_threads + 2
+                    and me.num_fds() <= fds + 4
+                    and metrics.value("feedline_broker_peers", role="consumer") == 0)
+
+        try:
+            wait_for(released, 6, interval=0.2, what="everything released")
+        except TimeoutError:
+            pass
+        now = (threading.active_count() - threads, me.num_threads() - os_threads,
+               me.num_fds() - fds, metrics.value("feedline_broker_peers", role="consumer"))
+    finally:
+        for r in refs:  # what leaked is closed here, so that it does not outlive the test
+            obj = r()
+            if obj is not None:
+                obj.close()
+    assert now[0] <= 1 and now[1] <= 2 and now[2] <= 4 and now[3] == 0, (
+        "after 50 dropped consumers: +{} threads, +{} OS threads, +{} fds, {} at the broker"
+        .format(*now))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: a Broker() that fails to bind leaves its ZAP "
+                   "authenticator thread (and context) running")
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_a_broker_that_fails_to_start_releases_what_it_started(tmp_path, endpoints):
+    """Claim: with CURVE keys and an ingress port already in use, ``Broker(config)`` raises and
+    ``threading.active_count()`` is back to what it was.
+
+    Today: the ZAP authenticator thread is left running (+1 thread)."""
+    from feedline import security
+
+    _, secret = security.generate_keypair(tmp_path / "broker", "broker")
+    allowed = tmp_path / "allowed"
+    security.generate_keypair(allowed, "producer")
+    keys = security.ServerKeys.load(secret, allowed)
+    gc.collect()
+    before = threading.active_count()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = BrokerConfig(ingress=f"tcp://127.0.0.1:{port}", egress=endpoints.egress,
+                           curve=keys)
+        with pytest.raises(zmq.ZMQError):
+            Broker(cfg)
+    try:
+        wait_for(lambda: threading.active_count() <= before, 3, what="threads released")
+    except TimeoutError:
+        pass
+    after, left = threading.active_count(), [t.name for t in threading.enumerate()]
+    _stop_leaked_authenticators()
+    assert after == before, f"{after - before} thread(s) left: {left}"
+
+
+def _stop_leaked_authenticators() -> None:
+    """Stop what a failed Broker() left running, so that it does not outlive the test."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    for obj in gc.get_objects():
+        if isinstance(obj, ThreadAuthenticator) and obj.thread is not None \
+                and obj.thread.is_alive():
+            obj.stop()
