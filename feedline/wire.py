@@ -6,7 +6,7 @@ error, reset) are the header alone. A batch is the header followed by one raw fr
 
 Batch header (producer -> broker, and broker -> consumer after an envelope frame)::
 
-    {"v": 1,                     # protocol version (PROTOCOL_VERSION)
+    {"v": 2,                     # protocol version (PROTOCOL_VERSION)
      "k": 2,                     # Kind.BATCH
      "p": "host-1234",           # producer id (str, <= 256 bytes)
      "q": 7014823871,            # producer session: random per producer process start
@@ -25,20 +25,20 @@ Array frame i is exactly ``prod(shape_i) * itemsize_i`` bytes, C order, no paddi
 pass the arrays themselves with ``copy=False``; receivers rebuild them with ``np.frombuffer``
 over the received frame (a read-only view, no copy).
 
-Broker -> consumer batches carry one extra frame in front, the *envelope* (a header of kind
-DELIVER with ``g``: batches of this producer session that the broker saw were lost upstream
-since its previous delivered batch, counted once across all consumers).
+Broker -> consumer batches carry one extra frame in front, the *envelope* (a
+:class:`feedline.messages.Deliver`). Control messages (hello, credit, heartbeat, ...) are
+header-only and typed: :mod:`feedline.messages`.
 
 Trust: :func:`decode_header`, :func:`decode_batch` and :func:`decode_tensorpack` accept only
-numeric and bool dtypes, check every shape against its frame's length, bound sizes and counts
-(:class:`Limits`), never unpickle, and raise :class:`DecodeError` (with a short ``reason``
-usable as a metric label) for anything else.
+the dtypes of :func:`feedline.codec.check_dtype` (bools only as bytes 0 and 1), check every
+shape against its frame's length, bound sizes and counts (:class:`Limits`), never unpickle,
+and raise :class:`DecodeError` (with a short ``reason`` usable as a metric label) for
+anything else. :func:`encode_batch` applies the same limits before anything is sent.
 """
 
 from __future__ import annotations
 
 import enum
-import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,127 +47,117 @@ from typing import Any
 import msgpack
 import numpy as np
 
-# msgpack's own implementation, bound here so that no monkeypatch can swap it: tensorpack calls
-# msgpack_numpy.patch() at import, which rebinds msgpack.unpackb to a function that unpickles
-# object arrays. A training process that imports tensorpack must not make this decoder unsafe.
-try:
-    from msgpack._cmsgpack import Packer as _Packer
-    from msgpack._cmsgpack import Unpacker as Unpacker  # re-exported: msgpack's own
-    from msgpack._cmsgpack import unpackb as _unpackb
-except ImportError:  # pure-Python msgpack build
-    from msgpack.fallback import Packer as _Packer  # type: ignore[assignment]
-    from msgpack.fallback import Unpacker as Unpacker  # type: ignore[assignment]
-    from msgpack.fallback import unpackb as _unpackb  # type: ignore[assignment]
+from feedline.codec import (
+    DEFAULT_LIMITS,
+    DecodeError,
+    EncodeError,
+    Limits,
+    Unpacker,
+    check_bools,
+    check_dtype,
+    packb,
+    sendable_dtype,
+    unpackb,
+)
+from feedline.tensorpack_wire import decode_tensorpack
 
+__all__ = [
+    "CONTAINER_BARE", "CONTAINER_DICT", "CONTAINER_LIST", "CONTAINER_TUPLE", "DEFAULT_LIMITS",
+    "PROTOCOL_VERSION", "Batch", "DecodeError", "EncodeError", "Kind", "Limits", "Unpacker",
+    "check_batch_header", "check_dtype", "check_frame_lengths", "decode_batch", "decode_header",
+    "decode_tensorpack", "encode_batch", "header_map", "packb", "unpackb",
+]
 
-def packb(obj: Any, default: Any = None) -> bytes:
-    """msgpack-encode with msgpack's own packer (immune to msgpack_numpy.patch)."""
-    return _Packer(use_bin_type=True, default=default).pack(obj)
-
-
-def unpackb(buf: Any, **kwargs: Any) -> Any:
-    """msgpack-decode with msgpack's own unpacker (never msgpack_numpy's, which unpickles).
-
-    For bytes from outside the process, pass the ``max_*_len`` limits too.
-    """
-    return _unpackb(buf, **kwargs)
-
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _ARRAY_EXT = 1
 _U32 = struct.Struct(">I")
 
 
 class Kind(enum.IntEnum):
-    """Message kinds. Values are part of the protocol: never renumber."""
+    """Message kinds. Values are part of the protocol: never renumber. The control messages'
+    classes, fields and directions are in :mod:`feedline.messages`."""
 
-    HELLO = 1  # peer -> broker: register (role, id, session, consumer window)
-    BATCH = 2  # producer -> broker: header + array frames
-    CREDIT = 3  # broker -> producer: "you may send n more"; consumer -> broker: "I can take n"
-    HEARTBEAT = 4  # both ways, when nothing else was sent for one interval
-    EOS = 5  # producer -> broker -> consumers: this producer's dataflow ended
-    ERROR = 6  # producer -> broker -> consumers: the pipeline raised, with traceback
-    RESET = 7  # broker -> peer: "I do not know you (I restarted): say hello again"
-    DELIVER = 8  # broker -> consumer: envelope frame in front of a forwarded batch
-    BYE = 9  # peer -> broker: leaving; drop my state now
+    PRODUCER_HELLO = 1
+    BATCH = 2
+    GRANT = 3
+    HEARTBEAT = 4
+    EOS = 5
+    ERROR = 6
+    RESET = 7
+    DELIVER = 8
+    BYE = 9
+    CONSUMER_HELLO = 10
+    TAKEN = 11
+    WELCOME = 12
+    REFUSED = 13
+    WANT = 14
+    REVOKE = 15
+    RETURNED = 16
 
 
 CONTAINER_LIST, CONTAINER_TUPLE, CONTAINER_DICT, CONTAINER_BARE = 0, 1, 2, 3
 
 
-class DecodeError(ValueError):
-    """A received message is malformed or exceeds a limit. ``reason`` is a metric label."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds the decoder enforces on everything it receives."""
-
-    max_header_bytes: int = 64 * 1024
-    max_arrays: int = 1024
-    max_ndim: int = 32
-    max_message_bytes: int = 1 << 30  # total array bytes in one message (1 GiB)
-    max_depth: int = 16  # nesting of containers in a datapoint
-    max_id_len: int = 256
-    # Entries of one msgpack list or map. msgpack preallocates what a list *claims*: without
-    # this, 3 bytes per level of nesting claim 64 K slots each (a 60 KB header took 80 MB).
-    # Worst case now: 1024 levels (msgpack's own stack limit) x this x 8 bytes, transient.
-    max_container_len: int = 2048
-
-    @property
-    def max_frames(self) -> int:
-        return self.max_arrays + 2  # envelope + header + arrays
-
-
-DEFAULT_LIMITS = Limits()
-
-# Byte-order char, then kind and size. No structured, object, string, void or datetime dtypes.
-_DTYPE_RE = re.compile(r"^[<>|=]?(?:b1|[iu](?:1|2|4|8)|f(?:2|4|8|16)|c(?:8|16|32))$")
-
-
-def check_dtype(s: object) -> np.dtype:
-    """Return the dtype for an allowed dtype string, else raise DecodeError."""
-    if not isinstance(s, str) or not _DTYPE_RE.match(s):
-        raise DecodeError("bad_dtype", repr(s)[:64])
-    dt = np.dtype(s)
-    if dt.kind not in "biufc" or dt.hasobject or dt.fields is not None or dt.subdtype:
-        raise DecodeError("bad_dtype", s)
-    return dt
-
-
 # ---------------------------------------------------------------------------------- encoding
 
 
-class EncodeError(TypeError):
-    """The datapoint holds something the protocol cannot carry (object arrays, sets, ...)."""
+class _Flattener:
+    """Walks a datapoint into the header's structure and the list of arrays, applying the
+    limits every receiver applies, so that a datapoint no receiver would take fails here with
+    the limit named (a refused batch would cost a credit and tell the operator less)."""
 
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.arrays: list[np.ndarray] = []
+        self.nbytes = 0
 
-def _flatten(obj: Any, arrays: list[np.ndarray], depth: int) -> Any:
-    if depth > DEFAULT_LIMITS.max_depth:
-        raise EncodeError(f"datapoint nested deeper than {DEFAULT_LIMITS.max_depth}")
-    if isinstance(obj, (np.ndarray, np.generic)):
-        arr = np.asarray(obj)
-        if arr.dtype.kind not in "biufc" or arr.dtype.fields is not None:
-            raise EncodeError(f"dtype {arr.dtype} cannot be sent (numeric and bool only)")
+    def walk(self, obj: Any, depth: int) -> Any:
+        lim = self.limits
+        if depth > lim.max_depth:
+            raise EncodeError(f"datapoint nested deeper than max_depth={lim.max_depth}")
+        if isinstance(obj, (np.ndarray, np.generic)):
+            return self._array(np.asarray(obj))
+        if isinstance(obj, (list, tuple, dict)) and len(obj) > lim.max_container_len:
+            raise EncodeError(f"a {type(obj).__name__} of {len(obj)} entries in the datapoint: "
+                              f"receivers refuse more than max_container_len="
+                              f"{lim.max_container_len} (send an array instead)")
+        if isinstance(obj, (list, tuple)):
+            return [self.walk(x, depth + 1) for x in obj]
+        if isinstance(obj, dict):
+            out = {}
+            for k, v in obj.items():
+                if not isinstance(k, str):
+                    raise EncodeError(f"dict keys must be str, got {type(k).__name__}")
+                out[k] = self.walk(v, depth + 1)
+            return out
+        if isinstance(obj, int) and not isinstance(obj, bool) and not -(2**63) <= obj < 2**64:
+            raise EncodeError(f"integer {obj} does not fit 64 bits (send an array instead)")
+        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+            return obj
+        raise EncodeError(f"cannot send a {type(obj).__name__} (arrays, scalars, str, bytes only)")
+
+    def _array(self, arr: np.ndarray) -> msgpack.ExtType:
+        lim = self.limits
+        if arr.dtype.kind not in "biufc" or not sendable_dtype(arr.dtype):
+            raise EncodeError(f"dtype {arr.dtype} ({arr.dtype.str}) cannot be sent: numeric and "
+                              "bool dtypes only, no long double (f16/c32)")
+        if arr.ndim > lim.max_ndim:
+            raise EncodeError(f"array of {arr.ndim} dims: max_ndim={lim.max_ndim}")
+        if len(self.arrays) >= lim.max_arrays:
+            raise EncodeError(f"more than max_arrays={lim.max_arrays} arrays in one datapoint")
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
-        arrays.append(arr)
-        return msgpack.ExtType(_ARRAY_EXT, _U32.pack(len(arrays) - 1))
-    if isinstance(obj, (list, tuple)):
-        return [_flatten(x, arrays, depth + 1) for x in obj]
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise EncodeError(f"dict keys must be str, got {type(k).__name__}")
-            out[k] = _flatten(v, arrays, depth + 1)
-        return out
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return obj
-    raise EncodeError(f"cannot send a {type(obj).__name__} (arrays, scalars, str, bytes only)")
+        if arr.dtype.kind == "b":
+            try:
+                check_bools(arr)
+            except DecodeError:
+                raise EncodeError("a bool array holds bytes other than 0 and 1") from None
+        self.nbytes += arr.nbytes
+        if self.nbytes > lim.max_message_bytes:
+            raise EncodeError(f"the datapoint's arrays exceed max_message_bytes="
+                              f"{lim.max_message_bytes}")
+        self.arrays.append(arr)
+        return msgpack.ExtType(_ARRAY_EXT, _U32.pack(len(self.arrays) - 1))
 
 
 def _container(dp: Any) -> int:
@@ -180,33 +170,67 @@ def _container(dp: Any) -> int:
     return CONTAINER_BARE
 
 
+_HEADER_SLACK = 64  # the map header, "v"/"k"/"p"/"q"/"s"/"e" and their largest values
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A datapoint checked against the limits and flattened, ready to be framed for any
+    producer session and sequence number (the I/O thread picks those when it sends).
+
+    ``wire_bytes`` is an upper bound of the message's size (header and arrays) whatever the
+    session and sequence numbers: what credit must cover.
+    """
+
+    tail: bytes  # the header's "c", "d" and "a" entries, packed once
+    arrays: tuple[np.ndarray, ...]
+    nbytes: int  # array bytes
+    wire_bytes: int
+
+    def frames(self, *, producer: bytes, session: int, seq: int, epoch: int) -> list[Any]:
+        """``[header, arrays...]``; ``producer`` is the packed producer id (:func:`packb`)."""
+        head = b"\x89" + _V_K + b"\xa1p" + producer + b"\xa1q" + packb(session) \
+            + b"\xa1s" + packb(seq) + b"\xa1e" + packb(epoch)
+        return [head + self.tail, *self.arrays]
+
+
+_V_K = packb("v") + packb(PROTOCOL_VERSION) + packb("k") + packb(int(Kind.BATCH))
+
+
+def prepare_batch(datapoint: Any, limits: Limits = DEFAULT_LIMITS,
+                  producer_id_len: int = 0) -> Prepared:
+    """Check and flatten ``datapoint``; raises :class:`EncodeError` naming the limit for
+    anything a receiver applying ``limits`` would refuse."""
+    flat = _Flattener(limits)
+    structure = flat.walk(datapoint, 0)
+    try:
+        tail = (packb("c") + packb(_container(datapoint)) + packb("d") + packb(structure)
+                + packb("a") + packb([[a.dtype.str, list(a.shape)] for a in flat.arrays]))
+    except (OverflowError, ValueError) as e:
+        raise EncodeError(f"cannot encode the datapoint: {e}") from None
+    header_bytes = len(tail) + _HEADER_SLACK + producer_id_len * 4
+    if header_bytes > limits.max_header_bytes:
+        raise EncodeError(f"the header (structure, scalars, strings and bytes inline) is "
+                          f"about {header_bytes} bytes: receivers refuse more than "
+                          f"max_header_bytes={limits.max_header_bytes} (send large values as "
+                          "arrays)")
+    return Prepared(tail, tuple(flat.arrays), flat.nbytes, flat.nbytes + header_bytes)
+
+
 def encode_batch(
-    datapoint: Any, *, producer: str, session: int, seq: int, epoch: int = 0
+    datapoint: Any, *, producer: str, session: int, seq: int, epoch: int = 0,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> list[Any]:
     """Frames for one datapoint: ``[header_bytes, array, array, ...]``.
 
     Arrays are returned as-is (C-contiguous ones are not copied): send them with
-    ``copy=False`` and do not mutate them afterwards.
+    ``copy=False`` and do not mutate them afterwards. Raises :class:`EncodeError`, naming the
+    limit, for anything a receiver applying ``limits`` would refuse.
     """
-    arrays: list[np.ndarray] = []
-    structure = _flatten(datapoint, arrays, 0)
-    header = {
-        "v": PROTOCOL_VERSION,
-        "k": int(Kind.BATCH),
-        "p": producer,
-        "q": session,
-        "s": seq,
-        "e": epoch,
-        "c": _container(datapoint),
-        "d": structure,
-        "a": [[a.dtype.str, list(a.shape)] for a in arrays],
-    }
-    return [packb(header), *arrays]
-
-
-def encode_control(kind: Kind, **fields: Any) -> bytes:
-    """A header-only message of ``kind`` with extra short-key fields."""
-    return packb({"v": PROTOCOL_VERSION, "k": int(kind), **fields})
+    if not 0 < len(producer) <= limits.max_id_len:
+        raise EncodeError(f"producer id must be 1..{limits.max_id_len} characters")
+    prepared = prepare_batch(datapoint, limits, len(producer))
+    return prepared.frames(producer=packb(producer), session=session, seq=seq, epoch=epoch)
 
 
 # ---------------------------------------------------------------------------------- decoding
@@ -232,15 +256,19 @@ def _buffer(frame: Any) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """Unpack and check a header frame; returns the map. Raises DecodeError."""
+def header_map(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Unpack a header frame and check its version and kind; the map, ``k`` a :class:`Kind`.
+
+    The per-kind checks are the caller's: :func:`decode_batch` for batches,
+    :func:`feedline.messages.decode` for control messages.
+    """
     buf = _buffer(frame)
     if len(buf) > limits.max_header_bytes:
         raise DecodeError("header_too_large", f"{len(buf)} bytes")
     n = limits.max_header_bytes
     entries = min(n, max(limits.max_container_len, limits.max_arrays))
     try:
-        header = _unpackb(
+        header = unpackb(
             buf,
             raw=False,
             strict_map_key=True,
@@ -264,6 +292,9 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]
         raise DecodeError("bad_kind", repr(kind)[:32])
     header["k"] = Kind(kind)
     return header
+
+
+decode_header = header_map  # the name the batch path and older callers use
 
 
 def _is_int(v: object) -> bool:
@@ -362,13 +393,23 @@ def _arrays_from_frames(
 ) -> list[np.ndarray]:
     bufs = [_buffer(f) for f in frames]
     check_frame_lengths(specs, bufs, limits)
-    pairs = zip(specs, bufs, strict=True)
-    return [np.frombuffer(b, dtype=dt).reshape(shape) for (dt, shape), b in pairs]
+    arrays = []
+    for (dt, shape), b in zip(specs, bufs, strict=True):
+        arr = np.frombuffer(b, dtype=dt).reshape(shape)
+        arr.flags.writeable = False  # a view on a received frame: never written through
+        if dt.kind == "b":
+            check_bools(arr)
+        arrays.append(arr)
+    return arrays
 
 
 @dataclass(frozen=True)
 class Batch:
-    """A decoded batch: its metadata and the datapoint (arrays are views on the frames)."""
+    """A decoded batch: its metadata and the datapoint (arrays are views on the frames).
+
+    ``nbytes`` counts the array bytes; ``wire_bytes`` everything the message holds (header
+    included), which is what a memory budget counts.
+    """
 
     producer: str
     session: int
@@ -376,6 +417,7 @@ class Batch:
     epoch: int
     datapoint: Any
     nbytes: int
+    wire_bytes: int = 0
 
 
 def decode_batch(
@@ -390,7 +432,7 @@ def decode_batch(
     if len(frames) > limits.max_frames:
         raise DecodeError("too_many_arrays", str(len(frames)))
     if header is None:
-        header = decode_header(frames[0], limits)
+        header = header_map(frames[0], limits)
     if header["k"] != Kind.BATCH:
         raise DecodeError("bad_kind", f"expected BATCH, got {header['k']!r}")
     specs = check_batch_header(header, len(frames) - 1, limits)
@@ -412,91 +454,13 @@ def decode_batch(
         raise DecodeError("bad_structure", "container")
     elif container not in (0, 1, 2, 3):
         raise DecodeError("bad_structure", "container")
+    nbytes = sum(a.nbytes for a in arrays)
     return Batch(
         producer=header["p"],
         session=header["q"],
         seq=header["s"],
         epoch=header["e"],
         datapoint=dp,
-        nbytes=sum(a.nbytes for a in arrays),
+        nbytes=nbytes,
+        wire_bytes=nbytes + len(_buffer(frames[0])),
     )
-
-
-# ------------------------------------------------------------------ tensorpack compatibility
-
-
-def _tp_array(m: Mapping[Any, Any], limits: Limits) -> np.ndarray:
-    kind = m.get(b"kind", b"")
-    if kind not in (b"", ""):
-        # b"O" would be pickle.loads, b"V" a structured dtype: refused, never interpreted.
-        raise DecodeError("bad_dtype", f"msgpack-numpy kind {kind!r}"[:64])
-    dt = check_dtype(m.get(b"type"))
-    data = m.get(b"data")
-    if not isinstance(data, bytes):
-        raise DecodeError("bad_structure", "array data")
-    if m.get(b"nd") is False:
-        if len(data) != dt.itemsize:
-            raise DecodeError("shape_mismatch", "scalar")
-        return np.frombuffer(data, dtype=dt).reshape(())
-    shape = m.get(b"shape")
-    if not isinstance(shape, list) or len(shape) > limits.max_ndim:
-        raise DecodeError("bad_shape", "shape")
-    count = 1
-    for d in shape:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            raise DecodeError("bad_shape", repr(d)[:32])
-        count *= d
-    _check_extent(shape, dt, limits)
-    if count * dt.itemsize != len(data):
-        raise DecodeError("shape_mismatch", f"{shape} {dt.str} vs {len(data)} bytes")
-    return np.frombuffer(data, dtype=dt).reshape(shape)
-
-
-def _tp_walk(node: Any, limits: Limits, depth: int, budget: list[int]) -> Any:
-    if depth > limits.max_depth:
-        raise DecodeError("too_deep")
-    if isinstance(node, dict):
-        if b"nd" in node:
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise DecodeError("too_many_arrays")
-            return _tp_array(node, limits)
-        if b"complex" in node:
-            raise DecodeError("bad_structure", "complex scalar")
-        return {
-            (k.decode("utf-8", "replace") if isinstance(k, bytes) else k): _tp_walk(
-                v, limits, depth + 1, budget
-            )
-            for k, v in node.items()
-        }
-    if isinstance(node, list):
-        return [_tp_walk(x, limits, depth + 1, budget) for x in node]
-    return node
-
-
-def decode_tensorpack(frame: Any, limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Safely decode one tensorpack ``TENSORPACK_SERIALIZE=msgpack`` datapoint.
-
-    msgpack-numpy's own ``decode`` unpickles object arrays; this never does.
-    """
-    buf = _buffer(frame)
-    if len(buf) > limits.max_message_bytes + limits.max_header_bytes:
-        raise DecodeError("message_too_large", f"{len(buf)} bytes")
-    n = len(buf)
-    try:
-        obj = _unpackb(
-            buf,
-            raw=False,
-            strict_map_key=False,
-            max_str_len=min(n, limits.max_header_bytes),
-            max_bin_len=n,
-            max_array_len=min(n, max(limits.max_container_len, limits.max_arrays)),
-            max_map_len=min(n, max(limits.max_container_len, limits.max_arrays)),
-            max_ext_len=0,
-        )
-    except Exception as e:
-        raise DecodeError("bad_msgpack", type(e).__name__) from None
-    try:
-        return _tp_walk(obj, limits, 0, [limits.max_arrays])
-    except RecursionError:
-        raise DecodeError("too_deep") from None

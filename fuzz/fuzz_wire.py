@@ -37,7 +37,7 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports(include=["feedline"]):
-    from feedline import wire
+    from feedline import messages, wire
 
 import msgpack
 import numpy as np
@@ -136,7 +136,7 @@ def _batch(fdp: atheris.FuzzedDataProvider) -> list[Any]:
         sizes.append(max(0, min(nbytes, 1 << 16)))
     refs = [msgpack.ExtType(1, struct.pack(">I", i)) for i in range(narrays)]
     header: dict[str, Any] = {
-        "v": _scalar(fdp) if _rare(fdp, 16) else 1,
+        "v": _scalar(fdp) if _rare(fdp, 16) else wire.PROTOCOL_VERSION,
         "k": fdp.ConsumeIntInRange(-1, 10) if _rare(fdp, 8) else 2,
         "p": "p" * fdp.ConsumeIntInRange(0, 300) if _rare(fdp, 4) else "prod",
         "q": _scalar(fdp) if _rare(fdp, 8) else fdp.ConsumeIntInRange(0, 2**62),
@@ -257,7 +257,9 @@ def one_input(data: bytes) -> str:
     mode, limits, payload = data[0] % MODES, LIMITS[data[1] % len(LIMITS)], data[2:]
     try:
         if mode == 0:
-            wire.decode_header(payload, limits)
+            header = wire.decode_header(payload, limits)
+            if header["k"] != wire.Kind.BATCH:  # a control message: its typed decoder
+                messages.from_map(header, limits)
         elif mode in (1, 4):
             if mode == 4:
                 fdp = atheris.FuzzedDataProvider(payload)
@@ -296,6 +298,29 @@ def _target(data: bytes) -> None:
 # ---------------------------------------------------------------------------- the corpus
 
 
+def _control_seeds() -> list[messages.Message]:
+    """One valid message of every control kind."""
+    return [
+        messages.ProducerHello(producer="seed", session=1, next_seq=3, max_batch_bytes=9,
+                               stream="val", last_broker=5, registration=2),
+        messages.ConsumerHello(consumer="c", session=1, window=4, max_bytes=1 << 20,
+                               registration=1),
+        messages.Welcome(broker=7, registration=1, max_batch_bytes=1 << 20),
+        messages.Grant(broker=7, batches=4, nbytes=4096, registration=1),
+        messages.Want(sent=3, sent_bytes=300, size=100, registration=1),
+        messages.Revoke(broker=7, registration=1),
+        messages.Returned(sent=3, sent_bytes=300, registration=1),
+        messages.Taken(taken=5, registration=1),
+        messages.Deliver(broker=7, gap=2, registration=1),
+        messages.Eos(producer="seed", seq=9, epochs=1),
+        messages.Error(producer="seed", message="boom", traceback="tb"),
+        messages.Refused(broker=7, reason="bad_dtype", seq=4, limit=1, detail="x"),
+        messages.Reset(broker=7),
+        messages.Heartbeat(broker=7),
+        messages.Bye(),
+    ]
+
+
 def seeds() -> dict[str, bytes]:
     """Valid messages from the encoders, in the input layout above (name -> bytes)."""
     import msgpack_numpy  # packing only: its unpacking (pickle) is never used
@@ -315,8 +340,8 @@ def seeds() -> dict[str, bytes]:
             out[f"batch-{i}-{lim}"] = bytes([2, lim]) + join_frames(frames)
             out[f"header-{i}-{lim}"] = bytes([0, lim]) + frames[0]
         out[f"tensorpack-{i}"] = bytes([1, 0]) + msgpack_numpy.packb(dp, use_bin_type=True)
-    for kind in wire.Kind:
-        out[f"control-{kind.name}"] = bytes([0, 0]) + wire.encode_control(kind, t=3, c=4)
+    for msg in _control_seeds():
+        out[f"control-{type(msg).__name__}"] = bytes([0, 0]) + messages.encode(msg)
     for mode in (3, 4):
         for lim in range(len(LIMITS)):
             out[f"structured-{mode}-{lim}"] = bytes([mode, lim]) + bytes(range(64)) * 4

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from feedline import wire
+from feedline import messages, wire
 
 # A known message, byte for byte. If this changes, the protocol changed: bump
 # PROTOCOL_VERSION and say so in docs/architecture.md.
 KNOWN_HEADER = bytes.fromhex(
     "89"  # map of 9
-    "a176 01"  # "v": 1
+    "a176 02"  # "v": 2
     "a16b 02"  # "k": BATCH
     "a170 a170"  # "p": "p"
     "a171 07"  # "q": 7 (session)
@@ -48,8 +48,10 @@ def test_exact_bytes_of_a_known_message():
 
 
 def test_exact_bytes_of_a_control_message():
-    assert wire.encode_control(wire.Kind.CREDIT, b=9, t=4) == bytes.fromhex(
-        "84 a176 01 a16b 03 a162 09 a174 04".replace(" ", ""))
+    grant = messages.Grant(broker=9, batches=4, nbytes=7, registration=1)
+    assert messages.encode(grant) == bytes.fromhex(
+        "86 a176 02 a16b 03 a162 09 a174 04 a179 07 a172 01".replace(" ", ""))
+    assert messages.decode(messages.encode(grant)) == grant
 
 
 def test_arrays_are_sent_and_received_without_copies():
@@ -133,7 +135,7 @@ def _header(**overrides) -> bytes:
 @pytest.mark.parametrize("frames,reason", [
     ([b"\xc1"], "bad_msgpack"),
     ([msgpack.packb([1, 2])], "bad_header"),
-    ([_header(v=2), b"\0" * 4], "bad_version"),
+    ([_header(v=1), b"\0" * 4], "bad_version"),
     ([_header(k=77), b"\0" * 4], "bad_kind"),
     ([_header(a=[["|O", [4]]]), b"\0" * 32], "bad_dtype"),
     ([_header(a=[["O", [4]]]), b"\0" * 32], "bad_dtype"),
@@ -190,7 +192,7 @@ def test_decoder_stays_safe_when_msgpack_numpy_patches_msgpack(tmp_path):
     script = f"""
 import msgpack, msgpack_numpy, numpy as np
 msgpack_numpy.patch()  # what `import tensorpack` does
-from feedline import wire
+from feedline import messages, wire
 
 class Evil:
     def __reduce__(self):

@@ -48,7 +48,7 @@ def pickle_array_payload(marker: Path) -> bytes:
 
 
 def batch_header(**over) -> dict:
-    h = {"v": 1, "k": 2, "p": "x", "q": 1, "s": 0, "e": 0, "c": 0, "d": [ARRAY],
+    h = {"v": 2, "k": 2, "p": "x", "q": 1, "s": 0, "e": 0, "c": 0, "d": [ARRAY],
          "a": [["<f4", [4]]]}
     h.update(over)
     return h
@@ -112,7 +112,7 @@ def test_object_and_structured_dtype_strings_never_reach_numpy():
         evil = {EVIL_DTYPES!r}
         ext = msgpack.ExtType(1, b"\\0\\0\\0\\0")
         for dt in evil:
-            h = {{"v": 1, "k": 2, "p": "x", "q": 1, "s": 0, "e": 0, "c": 0, "d": [ext],
+            h = {{"v": 2, "k": 2, "p": "x", "q": 1, "s": 0, "e": 0, "c": 0, "d": [ext],
                  "a": [[dt, [4]]]}}
             try:
                 wire.decode_batch([wire.packb(h), b"A" * 32])

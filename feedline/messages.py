@@ -1,0 +1,294 @@
+"""Control messages as types: one frozen dataclass per kind, one encoder, one decoder.
+
+A control message is one frame: a msgpack map ``{"v": PROTOCOL_VERSION, "k": kind, ...}``
+whose other keys are the message's fields. Each field's wire key and check live next to it
+(``field(metadata=wire_key(...))``), so call sites never spell a key: they build a message
+object and :func:`encode` it, and :func:`decode` gives them an object back or raises
+:class:`DecodeError` with reason ``bad_<kind>`` (a metric label) naming the field. Unknown keys
+are ignored (a newer peer may add fields); a missing or ill-typed field is refused.
+
+Directions and meaning (P producer, C consumer, B broker or a direct-mode trainer):
+
+============== ====== ====================================================================
+message        dir    meaning
+============== ====== ====================================================================
+ProducerHello  P->B   register: id, session, next sequence number, largest batch it
+                      expects to send (0: unknown), stream, previous broker instance,
+                      registration number (a repeated HELLO of one registration is a no-op)
+ConsumerHello  C->B   register: id, session, window (batches), byte budget, stream,
+                      registration number
+Welcome        B->P,C registration accepted (echoes its number); the largest batch the
+                      broker can ever take (its memory budget)
+Grant          B->P   credit, absolute since the HELLO: may have sent ``batches`` batches
+                      totalling ``nbytes`` bytes
+Want           P->B   "my next batch is ``size`` bytes and my credit does not cover it"
+Revoke         B->P   "stop using the credit you hold; tell me what you sent"
+Returned       P->B   answer to Revoke: totals sent; the rest of the grant is given back
+Taken          C->B   batches taken by the model since the HELLO (absolute)
+Deliver        B->C   envelope in front of a forwarded batch: sequence gap seen upstream
+Eos, Error     P->B->C end of a producer's dataflow; a pipeline failure with traceback
+Refused        B->P,C a message was refused: reason, the refused batch's sequence number,
+                      the limit it broke, a detail for the log
+Reset          B->P,C "I do not know you (I restarted, or dropped you): say hello again"
+Heartbeat      both   sent on a link idle for one interval
+Bye            P,C->B leaving: drop my state now
+============== ====== ====================================================================
+
+Every message the broker sends carries its instance id ``broker`` (a random 62-bit number
+per broker process), so a peer can tell a restarted broker, and a late message of a replaced
+one, from the one it registered with. Credit messages (Grant, Want, Revoke, Returned, Taken,
+Deliver) carry the registration number they belong to: one that arrives after its peer
+registered again is about a registration neither side counts any more, and is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits, packb
+from feedline.wire import PROTOCOL_VERSION, Kind, header_map
+
+__all__ = [
+    "BROKER_SENT", "Bye", "ConsumerHello", "Deliver", "Eos", "Error", "Grant", "Heartbeat",
+    "Message", "ProducerHello", "Refused", "Reset", "Returned", "Revoke", "Taken", "Want",
+    "Welcome", "broker_of", "decode", "encode",
+]
+
+_U63 = (1 << 63) - 1
+_STREAM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_REASON = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class _Bad(Exception):
+    """A field's value does not fit; the decoder turns it into a DecodeError."""
+
+
+Check = Callable[[Any, Limits], Any]
+
+
+def _int(lo: int, hi: int | Callable[[Limits], int]) -> Check:
+    def check(v: Any, lim: Limits) -> int:
+        top = hi(lim) if callable(hi) else hi
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= top:
+            raise _Bad
+        return v
+    return check
+
+
+def _text(limit: Callable[[Limits], int], min_len: int = 0,
+          pattern: re.Pattern[str] | None = None) -> Check:
+    def check(v: Any, lim: Limits) -> str:
+        if not isinstance(v, str) or not min_len <= len(v) <= limit(lim):
+            raise _Bad
+        if pattern is not None and not pattern.match(v):
+            raise _Bad
+        return v
+    return check
+
+
+count = _int(0, _U63)  # sessions, sequence numbers, totals, byte counts
+ident = _text(lambda lim: lim.max_id_len, 1)
+stream = _text(lambda lim: lim.max_stream_len, 1, _STREAM)
+text = _text(lambda lim: lim.max_text_len)
+traceback_text = _text(lambda lim: lim.max_traceback_len)
+reason = _text(lambda lim: 64, 1, _REASON)
+window = _int(1, lambda lim: lim.max_window)
+
+
+def wire_key(key: str, check: Check) -> dict[str, Any]:
+    """Field metadata: the field's key in the message map and the check of received values."""
+    return {"key": key, "check": check}
+
+
+M = TypeVar("M")
+_CLASSES: dict[Kind, type] = {}
+
+
+def message(kind: Kind) -> Callable[[type[M]], type[M]]:
+    """Register a message class for ``kind`` (one class per kind)."""
+    def register(cls: type[M]) -> type[M]:
+        if kind in _CLASSES:
+            raise TypeError(f"{kind!r} has a class already")
+        cls.KIND = kind  # type: ignore[attr-defined]
+        _CLASSES[kind] = cls
+        return cls
+    return register
+
+
+DEFAULT_STREAM = "default"
+
+
+@message(Kind.PRODUCER_HELLO)
+@dataclass(frozen=True)
+class ProducerHello:
+    producer: str = field(metadata=wire_key("p", ident))
+    session: int = field(metadata=wire_key("q", count))
+    next_seq: int = field(default=0, metadata=wire_key("n", count))
+    max_batch_bytes: int = field(default=0, metadata=wire_key("m", count))
+    stream: str = field(default=DEFAULT_STREAM, metadata=wire_key("st", stream))
+    last_broker: int = field(default=0, metadata=wire_key("lb", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.CONSUMER_HELLO)
+@dataclass(frozen=True)
+class ConsumerHello:
+    consumer: str = field(metadata=wire_key("p", ident))
+    session: int = field(metadata=wire_key("q", count))
+    window: int = field(metadata=wire_key("w", window))
+    max_bytes: int = field(metadata=wire_key("y", _int(1, _U63)))
+    stream: str = field(default=DEFAULT_STREAM, metadata=wire_key("st", stream))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.WELCOME)
+@dataclass(frozen=True)
+class Welcome:
+    broker: int = field(metadata=wire_key("b", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+    max_batch_bytes: int = field(default=0, metadata=wire_key("mb", count))  # 0: no limit
+
+
+@message(Kind.GRANT)
+@dataclass(frozen=True)
+class Grant:
+    broker: int = field(metadata=wire_key("b", count))
+    batches: int = field(metadata=wire_key("t", count))
+    nbytes: int = field(metadata=wire_key("y", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.WANT)
+@dataclass(frozen=True)
+class Want:
+    sent: int = field(metadata=wire_key("n", count))
+    sent_bytes: int = field(metadata=wire_key("y", count))
+    size: int = field(metadata=wire_key("z", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.REVOKE)
+@dataclass(frozen=True)
+class Revoke:
+    broker: int = field(metadata=wire_key("b", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.RETURNED)
+@dataclass(frozen=True)
+class Returned:
+    sent: int = field(metadata=wire_key("n", count))
+    sent_bytes: int = field(metadata=wire_key("y", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.TAKEN)
+@dataclass(frozen=True)
+class Taken:
+    taken: int = field(metadata=wire_key("t", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.DELIVER)
+@dataclass(frozen=True)
+class Deliver:
+    broker: int = field(metadata=wire_key("b", count))
+    gap: int = field(default=0, metadata=wire_key("g", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.EOS)
+@dataclass(frozen=True)
+class Eos:
+    producer: str = field(metadata=wire_key("p", ident))
+    seq: int = field(default=0, metadata=wire_key("s", count))
+    epochs: int = field(default=0, metadata=wire_key("e", count))
+
+
+@message(Kind.ERROR)
+@dataclass(frozen=True)
+class Error:
+    producer: str = field(metadata=wire_key("p", ident))
+    message: str = field(default="", metadata=wire_key("m", text))
+    traceback: str = field(default="", metadata=wire_key("tb", traceback_text))
+
+
+@message(Kind.REFUSED)
+@dataclass(frozen=True)
+class Refused:
+    broker: int = field(metadata=wire_key("b", count))
+    reason: str = field(metadata=wire_key("r", reason))
+    seq: int = field(default=-1, metadata=wire_key("s", _int(-1, _U63)))
+    limit: int = field(default=0, metadata=wire_key("l", count))
+    detail: str = field(default="", metadata=wire_key("d", text))
+
+
+@message(Kind.RESET)
+@dataclass(frozen=True)
+class Reset:
+    broker: int = field(metadata=wire_key("b", count))
+
+
+@message(Kind.HEARTBEAT)
+@dataclass(frozen=True)
+class Heartbeat:
+    broker: int = field(default=0, metadata=wire_key("b", count))
+
+
+@message(Kind.BYE)
+@dataclass(frozen=True)
+class Bye:
+    pass
+
+
+Message = (ProducerHello | ConsumerHello | Welcome | Grant | Want | Revoke | Returned | Taken
+           | Deliver | Eos | Error | Refused | Reset | Heartbeat | Bye)
+# What only a broker sends, each with its instance id in ``broker``.
+BROKER_SENT = (Welcome, Grant, Revoke, Deliver, Refused, Reset, Heartbeat)
+
+
+def broker_of(msg: Message) -> int | None:
+    """The sending broker's instance id, or None (a message a broker only forwards, or one
+    from a peer; a heartbeat from a peer carries 0)."""
+    if isinstance(msg, BROKER_SENT):
+        return msg.broker or None
+    return None
+
+
+def encode(msg: Message) -> bytes:
+    """The one frame of ``msg``."""
+    out: dict[str, Any] = {"v": PROTOCOL_VERSION, "k": int(msg.KIND)}  # type: ignore[union-attr]
+    for f in dataclasses.fields(msg):
+        out[f.metadata["key"]] = getattr(msg, f.name)
+    return packb(out)
+
+
+def decode(frame: Any, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """The control message in ``frame``; :class:`DecodeError` for anything else (a batch
+    header included: reason ``bad_kind``)."""
+    header = header_map(frame, limits)
+    return from_map(header, limits)
+
+
+def from_map(header: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """The control message of an already unpacked, version-checked header map."""
+    kind = header["k"]
+    cls = _CLASSES.get(kind)
+    if cls is None:
+        raise DecodeError("bad_kind", f"{kind.name} is not a control message")
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key, check = f.metadata["key"], f.metadata["check"]
+        if key not in header:
+            if f.default is dataclasses.MISSING:
+                raise DecodeError(f"bad_{kind.name.lower()}", f"missing field {key!r}")
+            continue
+        try:
+            values[f.name] = check(header[key], limits)
+        except _Bad:
+            raise DecodeError(f"bad_{kind.name.lower()}", f"field {key!r}") from None
+    return cls(**values)  # type: ignore[no-any-return]
