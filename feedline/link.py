@@ -1,14 +1,29 @@
-"""The client side of a broker connection, shared by producers and consumers.
+"""The client end of a broker connection, shared by producers and consumers.
 
-A :class:`BrokerLink` owns one DEALER socket to the broker and does the liveness work of the
-zguide's Paranoid Pirate pattern: it says HELLO, sends a HEARTBEAT whenever it has been quiet
-for one interval, treats a broker that has been silent for ``heartbeat_timeout`` as dead and
-then closes the socket and reconnects with exponential backoff and jitter. A RESET from the
-broker, or a message from a broker with another instance id, means the broker restarted and
-forgot us: the link says HELLO again and tells its owner through ``on_register``. RESETs that
-arrive while that HELLO is unanswered answer messages sent before it, and are ignored.
+A :class:`Link` owns one DEALER socket to a broker (or a direct-mode trainer) and does the
+liveness work of the zguide's Paranoid Pirate pattern: it registers with a HELLO, sends a
+HEARTBEAT whenever it has been quiet for one interval, treats a broker silent for
+``heartbeat_timeout`` as dead and then closes the socket and reconnects with exponential
+backoff and jitter. It receives frame by frame (:func:`feedline.framing.recv_message`),
+decodes control messages (:mod:`feedline.messages`), counts what it refuses, and hands its
+owner only the messages that are the owner's business (``on_message``).
 
-Create it in the thread that uses it; it is not thread-safe.
+Registration rules (each one learned from a fault scenario, docs/architecture.md):
+
+- Every HELLO carries a registration number. A HELLO that gets no WELCOME is sent again,
+  the same registration, with backoff: the broker treats a repeated HELLO of a registration
+  it knows as a no-op, so a lost HELLO never strands a peer, and a repeated one never restarts
+  its credit.
+- RESETs that arrive while the HELLO is unanswered answer messages sent before it: counted,
+  not acted on. After a few unanswered tries the link says once, at WARNING, what it sees.
+- A message from a broker instance other than the one we registered with means the broker
+  restarted: register again. A message from an instance that has since been replaced (still
+  in the pipe of its dead connection) is dropped whatever it says (a late credit included).
+- A gap of more than half the timeout between two of our own ticks is our own absence
+  (SIGSTOP, a long pause), not the broker's silence: its clock restarts.
+
+Create, use and close a Link in one thread (rule 12); :class:`feedline.client.ClientLoop`
+is that thread for producers and consumers.
 """
 
 from __future__ import annotations
@@ -22,16 +37,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from feedline import wire
+from feedline import messages as m
+from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits
+from feedline.framing import recv_message
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+from feedline.logs import RateLimitedLog
+from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)
+_WARN_AFTER_TRIES = 3  # unanswered HELLOs before the link says what it sees
+_UNREACHABLE_WARN = 10.0  # seconds without any answer before "cannot reach"
 
 
 @dataclass(frozen=True)
 class LinkConfig:
-    """Liveness and socket settings of a producer's or consumer's link to the broker."""
+    """Liveness and socket settings of a producer's or consumer's link to a broker."""
 
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
@@ -39,8 +61,7 @@ class LinkConfig:
     reconnect_max: float = 5.0
     linger_ms: int = 0  # on reconnect: drop what was queued for the dead broker
     flush_ms: int = 3000  # on a final close: let queued batches, EOS and BYE go out, bounded
-    limits: wire.Limits = wire.DEFAULT_LIMITS
-    curve: Any = None  # feedline.security.ClientKeys, or None for plain TCP
+    limits: Limits = DEFAULT_LIMITS
 
 
 class Backoff:
@@ -59,36 +80,57 @@ class Backoff:
         self.attempt = 0
 
 
-class BrokerLink:
-    """One DEALER connection to a broker with hello, heartbeats and reconnects.
+OnMessage = Callable[["Link", m.Message, list[zmq.Frame]], None]
 
-    ``hello`` returns the fields of this peer's HELLO (called at every (re)registration).
-    ``on_register`` is called when a new registration starts (connect, reconnect, reset), so
-    the owner can forget credit given by a broker that no longer knows it.
+
+class Link:
+    """One DEALER connection to a broker with registration, heartbeats and reconnects.
+
+    ``hello(registration)`` returns this peer's HELLO for a registration number;
+    ``on_register(registration)`` is called when a new registration starts (connect,
+    reconnect, broker restart, RESET), so the owner can forget credit given under the old
+    one. ``on_reject`` counts a refused message by reason (a metric). ``what`` names the peer
+    in log lines.
     """
 
     def __init__(
         self,
         ctx: zmq.Context,
         addr: str,
-        hello: Callable[[], dict[str, Any]],
-        config: LinkConfig,
-        on_register: Callable[[], None] = lambda: None,
+        hello: Callable[[int], m.ProducerHello | m.ConsumerHello],
+        config: LinkConfig | None = None,
+        *,
+        curve: ClientKeys | None = None,
+        on_register: Callable[[int], None] = lambda registration: None,
+        on_reject: Callable[[str], None] = lambda reason: None,
         rcvhwm: int = 1000,
         sndhwm: int = 1000,
+        what: str = "peer",
     ) -> None:
-        self.ctx, self.addr, self.cfg = ctx, addr, config
-        self._hello, self._on_register = hello, on_register
+        self.ctx, self.addr = ctx, addr
+        self.cfg = config or LinkConfig()
+        self.curve, self.what = curve, what
+        self._hello, self._on_register, self._on_reject = hello, on_register, on_reject
         self._rcvhwm, self._sndhwm = rcvhwm, sndhwm
-        self._backoff = Backoff(config.reconnect_min, config.reconnect_max)
+        self._backoff = Backoff(self.cfg.reconnect_min, self.cfg.reconnect_max)
+        self._log = RateLimitedLog(log, interval=30.0)
         self.socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self.broker_id: int | None = None
-        self._previous: deque[int] = deque(maxlen=8)  # instance ids of restarted brokers
-        self.welcomed = False  # a broker has answered since our last HELLO
+        self._previous: deque[int] = deque(maxlen=8)  # instance ids of replaced brokers
+        self.registration = 0
+        self.welcomed = False  # the broker accepted this registration
+        self.ever_answered = False  # some broker answered us at some point
         self.reconnects = 0
-        self._last_recv = self._last_send = self._hello_at = 0.0
-        self._last_tick = time.monotonic()
+        self.resets_unanswered = 0
+        self.refusal: m.Refused | None = None  # the last registration refusal, for errors
+        self._tries = 0
+        self._warned = False
+        now = time.monotonic()
+        self._last_recv = self._last_send = self._last_tick = self._hello_at = now
+        self._hello_retry = 0.0
         self._retry_at = 0.0
+        self._answered_at = now
         self._connect()
 
     # -- socket lifecycle ---------------------------------------------------------------
@@ -100,34 +142,49 @@ class BrokerLink:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sock.setsockopt(zmq.SNDHWM, self._sndhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes
+                        + self.cfg.limits.max_header_bytes)
         # libzmq retries a lost TCP connection by itself, doubling the interval. Capped at
-        # one heartbeat interval (not reconnect_max): a restarted broker or a healed link is
-        # then found within about a second (measured in docs/reliability.md). A SYN lost in a
-        # partition would otherwise wait for the kernel's own retransmission (1, 3, 7, 15 s
-        # ...): the connect attempt is abandoned and retried after a few heartbeats instead.
-        # The link's own backoff, with jitter, still paces whole re-registrations.
+        # one heartbeat interval: a restarted broker or a healed link is then found within
+        # about a second (docs/reliability.md). A SYN lost in a partition would otherwise wait
+        # for the kernel's retransmissions (1, 3, 7, 15 s ...): the attempt is abandoned and
+        # retried instead. The link's own backoff still paces whole re-registrations.
         retry_ms = int(min(self.cfg.reconnect_max, self.cfg.heartbeat_interval) * 1000)
         sock.setsockopt(zmq.RECONNECT_IVL, min(int(self.cfg.reconnect_min * 1000), retry_ms))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, retry_ms)
         sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1000, 2 * retry_ms))
-        if self.cfg.curve is not None:
-            self.cfg.curve.apply(sock)
+        if self.curve is not None:
+            self.curve.apply(sock)
+            # The handshake's verdict is only visible as a monitor event: it is how we can
+            # tell the operator that the broker did not accept our key.
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                    | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(self.addr)
         self.socket = sock
         now = time.monotonic()
         self._last_recv = now  # the timeout counts from the connect
-        self._register(now)
+        self.register(now)
 
-    def _register(self, now: float) -> None:
+    def register(self, now: float | None = None) -> None:
+        """Start a new registration (a new number) and say HELLO."""
+        self.registration = (self.registration + 1) % (1 << 31)
         self.welcomed = False
-        self._on_register()
-        self._hello_at = 0.0
-        self._try_hello(now)
+        self.resets_unanswered = 0
+        self._tries = 0
+        self._warned = False
+        self._on_register(self.registration)
+        self._hello_retry = max(1.0, 2 * self.cfg.heartbeat_interval)
+        self._hello_at = -self._hello_retry  # not queued yet
+        self._say_hello(time.monotonic() if now is None else now)
 
-    def _try_hello(self, now: float) -> None:
-        if self.send_control(wire.Kind.HELLO, **self._hello()):
+    def _say_hello(self, now: float) -> bool:
+        # A HELLO that could not be queued (not connected yet: IMMEDIATE) is retried at the
+        # next tick; one that was queued, after the retry delay.
+        if self.send_msg(self._hello(self.registration)):
+            self._tries += 1
             self._hello_at = now
+            return True
+        return False
 
     def reconnect(self) -> None:
         """Drop the socket (and whatever it had queued) and connect afresh after backoff."""
@@ -138,13 +195,17 @@ class BrokerLink:
     def close(self, flush: bool = False) -> None:
         """Close the socket. ``flush``: give queued messages up to ``flush_ms`` to leave
         (a final close); otherwise drop them at once (a reconnect)."""
+        if self._monitor is not None and self.socket is not None:
+            self.socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self.socket is not None:
             self.socket.close(linger=self.cfg.flush_ms if flush else self.cfg.linger_ms)
             self.socket = None
 
     # -- sending ------------------------------------------------------------------------
-    def send_control(self, kind: wire.Kind, **fields: Any) -> bool:
-        return self.send_frames([wire.encode_control(kind, **fields)])
+    def send_msg(self, msg: m.Message) -> bool:
+        return self.send_frames([m.encode(msg)])
 
     def send_frames(self, frames: list[Any], copy: bool = False) -> bool:
         """Send without blocking; False if not connected or the pipe is full."""
@@ -157,42 +218,98 @@ class BrokerLink:
         self._last_send = time.monotonic()
         return True
 
-    # -- receiving and liveness ---------------------------------------------------------
-    def handle(self, header: dict[str, Any]) -> bool:
-        """Book-keep a message from the broker. True if it was link-level (fully handled)."""
-        self._last_recv = time.monotonic()
-        bid = header.get("b")
-        kind = header["k"]
+    # -- receiving ----------------------------------------------------------------------
+    def poll_sockets(self) -> list[zmq.Socket]:
+        """The sockets the owner's poller waits on for this link."""
+        return [s for s in (self.socket, self._monitor) if s is not None]
+
+    def receive(self, on_message: OnMessage, budget: int = 1000) -> int:
+        """Handle up to ``budget`` waiting messages; the owner's get ``on_message``.
+        Returns how many messages were read."""
+        if self._monitor is not None:
+            self._read_monitor()
+        n = 0
+        while self.socket is not None and n < budget:
+            try:
+                frames = recv_message(self.socket, self.cfg.limits.max_frames)
+            except zmq.Again:
+                break
+            except DecodeError as e:
+                self._reject(e)
+                n += 1
+                continue
+            n += 1
+            try:
+                msg = m.decode(frames[0], self.cfg.limits)
+            except DecodeError as e:
+                self._reject(e)
+                continue
+            if self._handle(msg) and self.socket is not None:
+                on_message(self, msg, frames[1:])
+        return n
+
+    def _reject(self, e: DecodeError) -> None:
+        self._on_reject(e.reason)
+        self._log.warning("%s: refused a message from %s: %s", self.what, self.addr, e)
+
+    def _handle(self, msg: m.Message) -> bool:
+        """Link-level bookkeeping; True if the owner should see ``msg`` too."""
+        now = self._last_recv = time.monotonic()
+        bid = m.broker_of(msg)
         if bid is not None and bid in self._previous:
-            # A message of a broker instance that has since restarted (still in the pipe of
-            # its dead connection): not a reason to register with it again.
-            return kind in (wire.Kind.RESET, wire.Kind.HEARTBEAT)
+            return False  # a replaced broker's message still in the pipe: whatever it says
         if bid is not None and self.broker_id is not None and bid != self.broker_id:
-            log.info("broker %s restarted (new instance); registering again", self.addr)
+            log.info("%s: broker %s restarted (new instance); registering again",
+                     self.what, self.addr)
             self._previous.append(self.broker_id)
             self.broker_id = bid
-            self._register(self._last_recv)
-            return kind in (wire.Kind.RESET, wire.Kind.HEARTBEAT)
+            self.register(now)
+            return isinstance(msg, m.Refused)
         if bid is not None:
             self.broker_id = bid
-        if kind == wire.Kind.RESET:
-            if not self.welcomed and self._hello_at > 0.0:
-                # Our HELLO is on its way, so this RESET answers something we sent before
-                # it (the broker never answers a HELLO with RESET). Registering again would
-                # make the broker start our credit from zero once more while batches and
-                # credit of the registration it is about to accept are in flight.
-                return True
-            log.info("broker %s does not know us; registering again", self.addr)
-            self._register(self._last_recv)
-            return True
-        if not self.welcomed and kind != wire.Kind.HEARTBEAT:
-            self.welcomed = True
+        if isinstance(msg, m.Welcome):
+            if msg.registration != self.registration:
+                return False  # the answer to an earlier registration's HELLO
+            self.welcomed = self.ever_answered = True
+            self._answered_at = now
             self._backoff.reset()
-        return kind == wire.Kind.HEARTBEAT
+            self.refusal = None
+            return True
+        if isinstance(msg, m.Reset):
+            if not self.welcomed:
+                self.resets_unanswered += 1  # answers what we sent before our HELLO
+                return False
+            log.info("%s: broker %s does not know us; registering again", self.what, self.addr)
+            self.register(now)
+            return False
+        if isinstance(msg, m.Refused) and not self.welcomed:
+            self.ever_answered = True
+            self.refusal = msg
+            self._log.warning("%s: the broker at %s refused our registration: %s%s", self.what,
+                              self.addr, msg.reason, f" ({msg.detail})" if msg.detail else "")
+            self._warned = True
+            return True
+        if self.welcomed:
+            self._answered_at = now
+        return not isinstance(msg, m.Heartbeat)
 
+    def _read_monitor(self) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve is not None:
+                self._log.warning(
+                    "%s: the broker at %s did not accept our CURVE key (public key %s): "
+                    "add our .key file to the broker's --curve-allowed directory",
+                    self.what, self.addr, self.curve.public.decode()[:12] + "...")
+
+    # -- liveness -----------------------------------------------------------------------
     def tick(self) -> None:
-        """Heartbeat, hello retry and dead-broker detection; call at least every interval/2
-        (a gap of more than half the timeout between calls is taken as our own absence)."""
+        """Heartbeat, hello retries and dead-broker detection; call at least every
+        interval/2 (a gap of more than half the timeout is taken as our own absence)."""
         now = time.monotonic()
         if self.socket is None:
             if now >= self._retry_at:
@@ -201,24 +318,37 @@ class BrokerLink:
         away = now - self._last_tick
         self._last_tick = now
         if away > self.cfg.heartbeat_timeout / 2:
-            # We were not running (SIGSTOP, a long pause of the process or of our owner): that
-            # is our silence, not the broker's. Restart its clock instead of reconnecting,
-            # which would throw away the batches the broker delivered meanwhile; messages
-            # waiting for us (or the answer to our next heartbeat) show whether it is alive.
+            # We were not running (SIGSTOP, a long pause of the process): that is our
+            # silence, not the broker's. Restart its clock instead of reconnecting, which
+            # would throw away the batches the broker delivered meanwhile.
             self._last_recv = max(self._last_recv, now)
+            self._answered_at = max(self._answered_at, now)
         if now - self._last_recv > self.cfg.heartbeat_timeout:
-            log.warning(
-                "broker %s silent for %.1fs; reconnecting", self.addr, now - self._last_recv
-            )
+            self._log.warning("%s: broker %s silent for %.1fs; reconnecting", self.what,
+                              self.addr, now - self._last_recv)
             self.reconnect()
             return
-        if not self.welcomed and self._hello_at == 0.0:
-            # Only a HELLO that could not be queued is retried. One that was queued reaches
-            # the broker or the connection breaks; a second one could make the broker grant
-            # credit twice. No answer within the timeout means reconnect, as above.
-            self._try_hello(now)
+        if not self.welcomed:
+            # Until a WELCOME, only HELLOs: anything else would be answered with RESET.
+            queued_before = self._tries > 0
+            if now - self._hello_at >= self._hello_retry and self._say_hello(now) \
+                    and queued_before:  # the same registration again: a no-op if it arrived
+                self._hello_retry = min(2 * self._hello_retry, self.cfg.heartbeat_timeout)
+                if self._tries > _WARN_AFTER_TRIES and not self._warned:
+                    self._warned = True
+                    self._explain_silence()
         elif now - self._last_send >= self.cfg.heartbeat_interval:
-            self.send_control(wire.Kind.HEARTBEAT)
+            self.send_msg(m.Heartbeat())
+        if now - self._answered_at > _UNREACHABLE_WARN and not self.welcomed:
+            self._log.warning("%s: cannot reach a broker at %s for %.0fs (is it running, and "
+                              "is this its address?)", self.what, self.addr,
+                              now - self._answered_at)
+
+    def _explain_silence(self) -> None:
+        if self.resets_unanswered:
+            log.warning("%s: %s answers but does not accept our registration (%d RESETs to %d "
+                        "HELLOs): is it a feedline broker of the same version, and the right "
+                        "port?", self.what, self.addr, self.resets_unanswered, self._tries)
 
     def poll_timeout_ms(self) -> int:
         return max(1, int(self.cfg.heartbeat_interval * 500))

@@ -1,4 +1,4 @@
-"""Logging helpers: one format for every daemon, and rate-limited warnings."""
+"""Logging helpers: one format for every daemon, and rate-limited log lines."""
 
 from __future__ import annotations
 
@@ -15,23 +15,36 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 class RateLimitedLog:
-    """Logs at most one line per ``interval`` seconds, then says how many were suppressed.
+    """Logs at most ``burst`` lines per ``interval`` seconds; the next line that gets through
+    says how many were suppressed.
 
-    A peer sending garbage must not be able to fill the disk through our logs.
+    A peer sending garbage, or a flood of registrations, must not be able to fill the disk
+    through our logs.
     """
 
-    def __init__(self, logger: logging.Logger, interval: float = 5.0) -> None:
-        self.logger, self.interval = logger, interval
-        self._next = 0.0
+    def __init__(self, logger: logging.Logger, interval: float = 5.0, burst: int = 1) -> None:
+        self.logger, self.interval, self.burst = logger, interval, burst
+        self._window = -interval
+        self._count = 0
         self._suppressed = 0
 
-    def warning(self, msg: str, *args: Any) -> None:
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        if not self.logger.isEnabledFor(level):
+            return
         now = time.monotonic()
-        if now < self._next:
+        if now - self._window >= self.interval:
+            self._window, self._count = now, 0
+        if self._count >= self.burst:
             self._suppressed += 1
             return
+        self._count += 1
         if self._suppressed:
             msg += f" (and {self._suppressed} more since the last report)"
             self._suppressed = 0
-        self._next = now + self.interval
-        self.logger.warning(msg, *args)
+        self.logger.log(level, msg, *args)
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self.log(logging.WARNING, msg, *args)
+
+    def info(self, msg: str, *args: Any) -> None:
+        self.log(logging.INFO, msg, *args)

@@ -8,6 +8,8 @@ import os
 import socket
 
 from feedline import __version__, endpoints, security
+from feedline.codec import EncodeError
+from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
     add_client_curve_flags,
@@ -120,10 +122,15 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
              "epochs forever" if epochs is None else f"{epochs} epoch(s)")
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)
-    stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=producer_id, link=link,
-                          curve=curve,
-                          stop=stop, registry=registry, log_interval=args.log_interval,
-                          skipped=lambda: sum(s.skipped for s in stages))
+    try:
+        stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=producer_id,
+                              link=link, curve=curve, stop=stop, registry=registry,
+                              log_interval=args.log_interval,
+                              skipped=lambda: sum(s.skipped for s in stages))
+    except (FeedlineError, EncodeError) as e:
+        # What the operator must change (a batch larger than the broker's --max-bytes, a
+        # datapoint over the protocol's limits): one line, not a traceback.
+        raise SystemExit(f"feedline producer {producer_id}: {e}") from None
     log.info("sent %d batches (%.1f MB) in %.1fs", stats.batches, stats.bytes / 1e6,
              stats.seconds)
     return 0

@@ -34,6 +34,10 @@ class ProducerMetrics:
         self.rejected = Counter(
             "feedline_producer_rejected_messages", "Messages from the broker refused, by reason.",
             ["reason"], registry=r)
+        self.refused = Counter(
+            "feedline_producer_refused_messages",
+            "Messages of ours the broker refused (it said why), by reason.", ["reason"],
+            registry=r)
 
 
 class CountedStage(Protocol):

@@ -1,34 +1,41 @@
-"""Sending datapoints to a broker under its credit (the producer half of the data path).
+"""Sending datapoints to brokers under their credit (the producer half of the data path).
 
-A :class:`Sender` holds one :class:`~feedline.link.BrokerLink`. It sends a batch only when the
-broker has granted credit for it, so a slow trainer makes producers wait (that wait is
-``feedline_producer_credit_wait_seconds``) instead of filling anybody's memory. Arrays are
-sent zero-copy: the caller must not modify an array after handing it to :meth:`Sender.send`.
+A :class:`Sender` checks and flattens each datapoint in the calling thread and hands it to its
+I/O thread (:mod:`producer.channel`), which sends it when a broker has granted credit for it.
+So a slow trainer makes producers wait (that wait is
+``feedline_producer_credit_wait_seconds``) instead of filling anybody's memory, and a slow
+pipeline never looks like a dead peer: the I/O thread heartbeats while the pipeline computes.
+Arrays are sent zero-copy: the caller must not modify an array after handing it to
+:meth:`Sender.send`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
 from prometheus_client import CollectorRegistry
 
+from feedline import messages as m
 from feedline import wire
-from feedline.errors import Stopped
-from feedline.link import BrokerLink, LinkConfig
-from feedline.logs import RateLimitedLog
+from feedline.client import ClientLoop, Waker
+from feedline.errors import FeedlineError, Stopped
+from feedline.link import LinkConfig
+from feedline.security import ClientKeys
+from producer.channel import BatchItem, ControlItem, Item, Outbox, ProducerIO, SkipItem
 from producer.metrics import ProducerMetrics
 
 log = logging.getLogger(__name__)
+_POLL = 0.1  # seconds between stop/error checks while waiting for credit
 
 
 def default_producer_id() -> str:
@@ -55,137 +62,143 @@ class SendStats:
 
 
 class Sender:
-    """A producer's connection to the broker. Create and use it in one thread."""
+    """A producer's connection to one broker, or to several (``addr`` a list: each batch goes
+    to one of them, by credit). Use it from one thread; it runs its own I/O thread."""
 
     def __init__(
         self,
-        addr: str,
+        addr: str | Sequence[str],
         *,
         producer_id: str | None = None,
         link: LinkConfig | None = None,
-        ctx: zmq.Context | None = None,
         registry: CollectorRegistry | None = None,
+        curve: ClientKeys | None = None,
+        stream: str = m.DEFAULT_STREAM,
     ) -> None:
+        cfg = link or LinkConfig()
+        self.limits = cfg.limits
         self.producer_id = producer_id or default_producer_id()
-        if not 0 < len(self.producer_id) <= wire.DEFAULT_LIMITS.max_id_len:
-            raise ValueError("producer_id must be 1..256 characters")
+        if not 0 < len(self.producer_id) <= self.limits.max_id_len:
+            raise ValueError(f"producer_id must be 1..{self.limits.max_id_len} characters")
+        self.addrs = [addr] if isinstance(addr, str) else list(addr)
+        if not self.addrs:
+            raise ValueError("no broker address")
         self.session = random.getrandbits(62)
-        self.seq = 0
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
         self.credit_wait_seconds = 0.0
-        self._reject_log = RateLimitedLog(log)
-        self._granted = 0  # absolute credit of this registration ("t" of the last CREDIT)
-        self._sent = 0  # batches sent in this registration
-        self._own_ctx = ctx is None
-        self.ctx = ctx or zmq.Context()
-        self.link = BrokerLink(
-            self.ctx,
-            addr,
-            hello=lambda: {"r": "producer", "p": self.producer_id, "q": self.session,
-                           "n": self.seq},
-            config=link or LinkConfig(),
-            on_register=self._on_register,
-        )
-
-    def _on_register(self) -> None:
-        self._granted = self._sent = 0
-        self.metrics.registrations.inc()
+        self._seq = 0  # batches handed over, plus skips: the next sequence number (one broker)
+        self._closed = False
+        out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics)
+        out.waker = Waker()
+        addrs = self.addrs
+        out.loop = ClientLoop("feedline-producer-io",
+                              lambda ctx: ProducerIO(ctx, addrs, cfg, curve, out), out.waker)
+        self._link_cfg = cfg
+        out.loop.start()
 
     @property
     def credit(self) -> int:
-        return self._granted - self._sent
+        """Batches the brokers would take now (as last seen by the I/O thread)."""
+        return self._out.credit
 
-    # -------------------------------------------------------------------------- pump
-    def pump(self, timeout_ms: int = 0) -> None:
-        """Handle what the broker sent (credit, heartbeats, resets); do liveness work."""
-        sock = self.link.socket
-        if sock is None:
-            time.sleep(timeout_ms / 1000)
-        elif sock.poll(timeout_ms, zmq.POLLIN):
-            for _ in range(1000):
-                try:
-                    frame = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    header = wire.decode_header(frame)
-                except wire.DecodeError as e:
-                    self.metrics.rejected.labels(e.reason).inc()
-                    self._reject_log.warning("rejected a message from the broker: %s", e)
-                    continue
-                if self.link.handle(header):
-                    continue
-                if header["k"] == wire.Kind.CREDIT:
-                    t = header.get("t")
-                    if isinstance(t, int) and not isinstance(t, bool):
-                        self._granted = max(self._granted, t)
-        self.link.tick()
+    @property
+    def seq(self) -> int:
+        """The next batch's sequence number (with one broker). Setting it forward skips
+        numbers: to a broker, that looks like batches lost on the way (tests use it)."""
+        return self._seq
 
-    def _wait_for_credit(self, stop: threading.Event | None) -> None:
-        if self.credit > 0:
-            return
-        t0 = time.monotonic()
-        while self.credit <= 0:
-            if stop is not None and stop.is_set():
-                raise Stopped("stopped while waiting for credit")
-            self.pump(self.link.poll_timeout_ms())
-        waited = time.monotonic() - t0
-        self.credit_wait_seconds += waited
-        self.metrics.credit_wait.observe(waited)
+    @seq.setter
+    def seq(self, value: int) -> None:
+        if value < self._seq:
+            raise ValueError("sequence numbers only move forward")
+        if value > self._seq:
+            self._hand_over(SkipItem(value - self._seq), None)
+            self._seq = value
 
     # -------------------------------------------------------------------------- send
     def send(self, datapoint: Any, epoch: int = 0, stop: threading.Event | None = None) -> int:
         """Send one datapoint when credit allows; returns its array bytes.
 
-        Blocks while the broker grants no credit or is unreachable (reconnecting with
-        backoff). Raises :class:`Stopped` if ``stop`` is set meanwhile.
+        Raises :class:`feedline.wire.EncodeError` (naming the limit) for a datapoint no
+        broker would accept, :class:`producer.channel.BatchTooLarge` for one larger than
+        every broker's memory budget. Blocks while no broker grants credit or none is
+        reachable (reconnecting with backoff). Raises :class:`Stopped` if ``stop`` is set
+        meanwhile.
         """
+        prepared = wire.prepare_batch(datapoint, self.limits, len(self.producer_id))
+        if prepared.wire_bytes > self._out.largest:
+            self._out.largest = prepared.wire_bytes
+        self._hand_over(BatchItem(prepared, epoch), stop)
+        self._seq += 1
+        return prepared.nbytes
+
+    def _hand_over(self, item: Item, stop: threading.Event | None) -> None:
+        out = self._out
+        assert out.loop is not None and out.waker is not None
+        self._raise_pending()
+        try:
+            out.idle.clear()
+            out.items.put_nowait(item)
+            out.waker.wake()
+            return
+        except queue.Full:
+            pass
+        t0 = time.monotonic()
         while True:
-            self._wait_for_credit(stop)
-            frames = wire.encode_batch(
-                datapoint, producer=self.producer_id, session=self.session, seq=self.seq,
-                epoch=epoch,
-            )
-            if self.link.send_frames(frames, copy=False):
+            out.waker.wake()
+            try:
+                out.items.put(item, timeout=_POLL)
                 break
-            # Not connected (IMMEDIATE) or pipe full: keep the batch, let the link recover.
-            self.pump(self.link.poll_timeout_ms())
-        nbytes = sum(a.nbytes for a in frames[1:])
-        self.seq += 1
-        self._sent += 1
-        self.metrics.sent_batches.inc()
-        self.metrics.sent_bytes.inc(nbytes)
-        self.pump(0)
-        return nbytes
+            except queue.Full:
+                pass
+            self._raise_pending()
+            if stop is not None and stop.is_set():
+                raise Stopped("stopped while waiting for credit")
+        out.waker.wake()
+        waited = time.monotonic() - t0
+        self.credit_wait_seconds += waited
+        self.metrics.credit_wait.observe(waited)
+
+    def _raise_pending(self) -> None:
+        out = self._out
+        if out.error is not None:
+            err, out.error = out.error, None
+            raise err
+        if out.loop is not None and not out.loop.alive():
+            raise FeedlineError(f"producer I/O thread is not running: {out.loop.error!r}")
 
     def end(self, epochs: int) -> None:
-        """Tell consumers this producer's dataflow ended (EOS)."""
-        self._control_retry(wire.Kind.EOS, p=self.producer_id, s=self.seq, e=epochs)
+        """Tell consumers this producer's dataflow ended (EOS), after its batches."""
+        self._hand_over(ControlItem(m.Eos(producer=self.producer_id, seq=self._seq,
+                                          epochs=epochs)), None)
 
     def error(self, exc: BaseException) -> None:
         """Send a pipeline failure with its traceback to the consumers."""
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self._control_retry(
-            wire.Kind.ERROR, p=self.producer_id, m=f"{type(exc).__name__}: {exc}"[:4096],
-            tb=tb[-16384:],
-        )
+        text = f"{type(exc).__name__}: {exc}"
+        msg = m.Error(producer=self.producer_id, message=text[: self.limits.max_text_len],
+                      traceback=tb[-self.limits.max_traceback_len:])
+        try:
+            self._hand_over(ControlItem(msg), None)
+        except FeedlineError:
+            log.warning("could not tell the broker about the failure: %s", text)
 
-    def _control_retry(self, kind: wire.Kind, seconds: float = 2.0, **fields: Any) -> None:
-        deadline = time.monotonic() + seconds
-        while not self.link.send_control(kind, **fields):
-            if time.monotonic() > deadline:
-                log.warning("could not tell the broker %s (not connected)", kind.name)
-                return
-            self.pump(50)
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything handed over was sent (bounded); True if it was."""
+        if self._out.waker is not None:
+            self._out.waker.wake()
+        return self._out.idle.wait(timeout)
 
     def close(self) -> None:
-        """Say BYE (frees our credit at the broker at once) and close the socket, giving what
-        is still queued (last batches, EOS, BYE) up to ``flush_ms`` to leave."""
-        if self.link.socket is not None:
-            self.link.send_control(wire.Kind.BYE)
-        self.link.close(flush=True)
-        if self._own_ctx:
-            self.ctx.term()
+        """Let what was handed over leave (up to ``flush_ms``), say BYE (frees our credit at
+        the broker at once) and stop the I/O thread. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        out = self._out
+        if out.loop is not None and out.loop.alive():
+            self.flush(self._link_cfg.flush_ms / 1000)
+            out.loop.stop(timeout=self._link_cfg.flush_ms / 1000 + 5)
 
     def __enter__(self) -> Sender:
         return self
@@ -194,33 +207,61 @@ class Sender:
         self.close()
 
 
+class _RateLog:
+    """The producer's periodic rate line: batches, batches/s, MB/s, credit waits."""
+
+    def __init__(self, sender: Sender, interval: float, skipped: Callable[[], int] | None):
+        self.sender, self.interval, self.skipped = sender, interval, skipped
+        self.last = time.monotonic()
+        self.batches = self.bytes = 0
+        self.wait = 0.0
+
+    def maybe(self, stats: SendStats) -> None:
+        now = time.monotonic()
+        dt = now - self.last
+        if dt < self.interval:
+            return
+        waited = self.sender.credit_wait_seconds - self.wait
+        log.info("%s: %d batches, %.1f batches/s, %.1f MB/s, waited for credit %.0f%% of the "
+                 "time%s", self.sender.producer_id, stats.batches,
+                 (stats.batches - self.batches) / dt, (stats.bytes - self.bytes) / dt / 1e6,
+                 100 * waited / dt,
+                 "" if self.skipped is None else f", {self.skipped()} skipped")
+        self.last, self.batches, self.bytes = now, stats.batches, stats.bytes
+        self.wait = self.sender.credit_wait_seconds
+
+
 def send_dataflow(
     df: Iterable[Any],
-    addr: str,
+    addr: str | Sequence[str],
     *,
     epochs: int | None = None,
     producer_id: str | None = None,
     link: LinkConfig | None = None,
     stop: threading.Event | None = None,
     registry: CollectorRegistry | None = None,
-    log_interval: float = 10.0,
+    log_interval: float = 30.0,
     skipped: Callable[[], int] | None = None,
+    curve: ClientKeys | None = None,
+    stream: str = m.DEFAULT_STREAM,
 ) -> SendStats:
-    """Send every datapoint of ``df`` to the broker at ``addr``, ``epochs`` times.
+    """Send every datapoint of ``df`` to the broker at ``addr`` (or to several), ``epochs``
+    times.
 
     ``epochs=None`` sends forever (the training default, as tensorpack's
     ``send_dataflow_zmq``). Calls ``df.reset_state()`` first if it has one. Logs a rate line
     every ``log_interval`` seconds (with ``skipped()``, the datapoints the pipeline skipped so
-    far, when given). A pipeline exception is sent to the consumers (with its
-    traceback) and re-raised. Returns when done, or when ``stop`` is set.
+    far, when given). A pipeline exception is sent to the consumers (with its traceback) and
+    re-raised. Returns when done, or when ``stop`` is set.
     """
     reset = getattr(df, "reset_state", None)
     if reset is not None:
         reset()
     stats = SendStats()
-    with Sender(addr, producer_id=producer_id, link=link, registry=registry) as sender:
-        t0 = last_log = time.monotonic()
-        last_batches, last_bytes = 0, 0
+    with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
+                stream=stream) as sender:
+        rate = _RateLog(sender, log_interval, skipped)
+        t0 = time.monotonic()
         try:
             epoch = 0
             while epochs is None or epoch < epochs:
@@ -230,17 +271,8 @@ def send_dataflow(
                     sender.metrics.pipeline_seconds.inc(time.monotonic() - ready)
                     stats.bytes += sender.send(dp, epoch=epoch, stop=stop)
                     stats.batches += 1
-                    now = ready = time.monotonic()
-                    if now - last_log >= log_interval:
-                        dt = now - last_log
-                        log.info(
-                            "%s: %d batches, %.1f batches/s, %.1f MB/s%s",
-                            sender.producer_id, stats.batches,
-                            (stats.batches - last_batches) / dt,
-                            (stats.bytes - last_bytes) / dt / 1e6,
-                            "" if skipped is None else f", {skipped()} skipped",
-                        )
-                        last_log, last_batches, last_bytes = now, stats.batches, stats.bytes
+                    rate.maybe(stats)
+                    ready = time.monotonic()
                     if stop is not None and stop.is_set():
                         raise Stopped
                 if stats.batches == before:

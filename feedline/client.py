@@ -1,0 +1,155 @@
+"""The I/O thread of a producer or a consumer: one loop for both.
+
+A :class:`ClientLoop` runs in its own thread and owns everything ZeroMQ of its peer: the
+context, every :class:`~feedline.link.Link` and its socket, from creation to close (rule 12:
+a socket belongs to one thread for its whole life). The owner thread (a pipeline, a training
+loop) never touches a socket: it hands work over through thread-safe objects of the role and
+wakes the loop with a :class:`Waker` (a pipe, polled next to the sockets). So heartbeats go
+on while the owner computes for minutes, and :meth:`ClientLoop.stop` is safe from any thread.
+
+The loop: poll the waker and the links' sockets; hand each received control message to the
+role (``on_message``); tell the role it was woken (``on_wake``); do each link's liveness work
+(``Link.tick``) and the role's (``on_tick``); at the end let the role say its last words
+(``on_close``) before the links close with a bounded flush.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq
+
+from feedline import messages as m
+from feedline.link import Link
+
+log = logging.getLogger(__name__)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class Waker:
+    """Wakes a poll loop from any thread: a non-blocking pipe whose read end is polled.
+
+    Its file descriptors close when the last reference to it goes, never earlier, so a wake
+    can never write into a descriptor that has been reused for something else.
+    """
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        weakref.finalize(self, _close_fds, self._r, self._w)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full: the loop is going to wake anyway
+
+    def fileno(self) -> int:
+        return self._r
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+
+class Role(Protocol):
+    """What a producer or consumer plugs into the loop (all called in the loop's thread)."""
+
+    def links(self) -> list[Link]: ...
+
+    def on_message(self, link: Link, msg: m.Message, frames: list[zmq.Frame]) -> None: ...
+
+    def on_wake(self) -> None: ...
+
+    def on_tick(self) -> None: ...
+
+    def on_close(self) -> None: ...
+
+
+class ClientLoop:
+    """Start with :meth:`start`; ``make(ctx)`` builds the role (and its links) in the
+    thread. Errors of the loop end it and are kept in :attr:`error` for the owner to raise."""
+
+    def __init__(self, name: str, make: Callable[[zmq.Context], Role], waker: Waker) -> None:
+        self.name, self._make, self.waker = name, make, waker
+        self.stopping = threading.Event()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def start(self, timeout: float = 10.0) -> None:
+        self._thread.start()
+        self.ready.wait(timeout)
+        if self.error is not None:
+            raise self.error
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Ask the loop to finish; wait for it (bounded) unless called from the loop itself
+        or with ``timeout=None`` (a finalizer: signal only)."""
+        self.stopping.set()
+        self.waker.wake()
+        if timeout is not None and not self.in_loop_thread() and self._thread.ident is not None:
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        ctx = zmq.Context()
+        role: Role | None = None
+        try:
+            role = self._make(ctx)
+            self.ready.set()
+            self._loop(role)
+        except BaseException as e:  # surfaces in the owner's thread
+            self.error = e
+            self.ready.set()
+            if not isinstance(e, (zmq.ContextTerminated,)):
+                log.exception("%s failed", self.name)
+        finally:
+            try:
+                if role is not None:
+                    role.on_close()
+                    for link in role.links():
+                        link.close(flush=True)
+            finally:
+                ctx.term()
+
+    def _loop(self, role: Role) -> None:
+        while not self.stopping.is_set():
+            links = role.links()
+            poller = zmq.Poller()
+            poller.register(self.waker.fileno(), zmq.POLLIN)
+            for link in links:
+                for sock in link.poll_sockets():
+                    poller.register(sock, zmq.POLLIN)
+            timeout = min((link.poll_timeout_ms() for link in links), default=500)
+            events = dict(poller.poll(timeout))
+            if self.waker.fileno() in events:
+                self.waker.drain()
+            role.on_wake()
+            for link in links:
+                if any(s in events for s in link.poll_sockets()):
+                    link.receive(role.on_message)
+            for link in links:
+                link.tick()
+            role.on_tick()

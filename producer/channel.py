@@ -1,0 +1,252 @@
+"""The producer's side of the client loop: credit, sending, and what the broker says back.
+
+Runs in the producer's I/O thread (:class:`feedline.client.ClientLoop`), so heartbeats and
+credit bookkeeping go on however long the pipeline takes to make the next batch. The owner
+thread hands batches over through :class:`Outbox` (bounded: at most one waits there, one more
+is held here); this side sends each to a broker whose credit covers it.
+
+One :class:`Channel` per broker (a producer may serve several: each batch goes to one of
+them, by credit, so a faster training host gets more). Credit is two absolute totals since
+the registration's HELLO, batches and bytes: a batch goes out only if both cover it. A batch
+larger than its byte credit asks for more (WANT); credit the broker takes back (REVOKE) is
+answered with what was sent (RETURNED). Grants of an earlier registration or of a replaced
+broker are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from feedline import messages as m
+from feedline import wire
+from feedline.client import ClientLoop, Waker
+from feedline.errors import FeedlineError
+from feedline.link import Link, LinkConfig
+from feedline.logs import RateLimitedLog
+from feedline.security import ClientKeys
+from producer.metrics import ProducerMetrics
+
+log = logging.getLogger(__name__)
+_CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
+
+
+class BatchTooLarge(FeedlineError):
+    """A batch no broker can take: larger than every broker's memory budget or limit."""
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    prepared: wire.Prepared
+    epoch: int
+
+
+@dataclass(frozen=True)
+class ControlItem:
+    msg: m.Eos | m.Error
+
+
+@dataclass(frozen=True)
+class SkipItem:
+    """Advance every channel's sequence number (what a batch lost on the way looks like)."""
+
+    n: int
+
+
+Item = BatchItem | ControlItem | SkipItem
+
+
+@dataclass
+class Outbox:
+    """What the owner thread and the I/O thread share."""
+
+    producer_id: str
+    session: int
+    stream: str
+    metrics: ProducerMetrics
+    items: queue.Queue[Item] = field(default_factory=lambda: queue.Queue(maxsize=1))
+    idle: threading.Event = field(default_factory=threading.Event)  # nothing left to send
+    error: BaseException | None = None  # raised in the owner's next send
+    credit: int = 0  # batches the brokers would take now (for the owner's eyes only)
+    largest: int = 0  # the largest batch prepared so far (declared in HELLOs)
+    waker: Waker | None = None
+    loop: ClientLoop | None = None
+
+
+class Channel:
+    """Credit and sequence numbers towards one broker."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.seq = 0  # next sequence number (per broker: each counts its own gaps)
+        self.welcome: m.Welcome | None = None
+        self.reset_credit()
+
+    def reset_credit(self) -> None:
+        self.granted = self.granted_bytes = self.sent = self.sent_bytes = 0
+        self.asked = 0  # the size of the last WANT, until a grant answers it
+
+    @property
+    def credit(self) -> int:
+        return self.granted - self.sent if self.link.welcomed else 0
+
+    def covers(self, size: int) -> bool:
+        return self.credit > 0 and self.sent_bytes + size <= self.granted_bytes
+
+    def too_small(self, size: int) -> bool:
+        """The broker said it can never take a batch of ``size`` bytes."""
+        w = self.welcome
+        return w is not None and w.max_batch_bytes > 0 and size > w.max_batch_bytes
+
+
+class ProducerIO:
+    """The producer's role in the client loop (I/O thread only)."""
+
+    def __init__(self, ctx: zmq.Context, addrs: list[str], cfg: LinkConfig,
+                 curve: ClientKeys | None, outbox: Outbox) -> None:
+        self.out = outbox
+        self._packed_id = wire.packb(outbox.producer_id)
+        self._log = RateLimitedLog(log, interval=10.0)
+        self.channels = [self._channel(ctx, addr, cfg, curve) for addr in addrs]
+        self._head: Item | None = None
+        self._control_until = 0.0
+        self._rr = 0
+
+    def _channel(self, ctx: zmq.Context, addr: str, cfg: LinkConfig,
+                 curve: ClientKeys | None) -> Channel:
+        holder: list[Channel] = []
+
+        def hello(registration: int) -> m.ProducerHello:
+            ch = holder[0] if holder else None
+            return m.ProducerHello(
+                producer=self.out.producer_id, session=self.out.session,
+                next_seq=ch.seq if ch else 0, max_batch_bytes=self.out.largest,
+                stream=self.out.stream, registration=registration,
+                last_broker=(ch.link.broker_id or 0) if ch else 0)
+
+        def registered(_registration: int) -> None:
+            if holder:
+                holder[0].reset_credit()
+            self.out.metrics.registrations.inc()
+
+        link = Link(ctx, addr, hello, cfg, curve=curve, on_register=registered,
+                    on_reject=lambda reason: self.out.metrics.rejected.labels(reason).inc(),
+                    what=f"producer {self.out.producer_id}")
+        holder.append(Channel(link))
+        return holder[0]
+
+    # -- the loop's callbacks -----------------------------------------------------------
+    def links(self) -> list[Link]:
+        return [ch.link for ch in self.channels]
+
+    def on_message(self, link: Link, msg: m.Message, frames: list[zmq.Frame]) -> None:
+        ch = next(c for c in self.channels if c.link is link)
+        if isinstance(msg, m.Welcome):
+            ch.welcome = msg
+        elif isinstance(msg, m.Grant):
+            if msg.registration == link.registration:
+                ch.granted = max(ch.granted, msg.batches)
+                ch.granted_bytes = max(ch.granted_bytes, msg.nbytes)
+                ch.asked = 0
+        elif isinstance(msg, m.Revoke):
+            if msg.registration == link.registration:
+                ch.granted, ch.granted_bytes, ch.asked = ch.sent, ch.sent_bytes, 0
+                link.send_msg(m.Returned(sent=ch.sent, sent_bytes=ch.sent_bytes,
+                                         registration=link.registration))
+        elif isinstance(msg, m.Refused):
+            self._refused(ch, msg)
+        else:
+            self.out.metrics.rejected.labels("unexpected_kind").inc()
+        self.on_wake()
+
+    def _refused(self, ch: Channel, msg: m.Refused) -> None:
+        self.out.metrics.refused.labels(msg.reason).inc()
+        if msg.reason == "batch_too_large":
+            ch.welcome = m.Welcome(broker=msg.broker, max_batch_bytes=msg.limit,
+                                   registration=ch.link.registration)
+        self._log.warning("broker %s refused %s: %s%s", ch.link.addr,
+                          f"batch {msg.seq}" if msg.seq >= 0 else "a message", msg.reason,
+                          f" ({msg.detail})" if msg.detail else "")
+
+    def on_wake(self) -> None:
+        while True:
+            if self._head is None:
+                try:
+                    self._head = self.out.items.get_nowait()
+                except queue.Empty:
+                    break
+            if not self._send(self._head):
+                break
+            self._head = None
+        self.out.credit = sum(ch.credit for ch in self.channels)
+        if self._head is None and self.out.items.empty():
+            self.out.idle.set()
+        else:
+            self.out.idle.clear()
+
+    def on_tick(self) -> None:
+        self.on_wake()
+
+    def _send(self, item: Item) -> bool:
+        if isinstance(item, SkipItem):
+            for ch in self.channels:
+                ch.seq += item.n
+            return True
+        if isinstance(item, ControlItem):
+            return self._send_control(item.msg)
+        return self._send_batch(item)
+
+    def _send_batch(self, item: BatchItem) -> bool:
+        size = item.prepared.wire_bytes
+        ready = [ch for ch in self.channels if ch.covers(size)]
+        if not ready:
+            if self.channels and all(ch.too_small(size) for ch in self.channels):
+                limits = sorted({ch.welcome.max_batch_bytes for ch in self.channels
+                                 if ch.welcome})
+                self.out.error = BatchTooLarge(
+                    f"a batch of {size / 2**20:.1f} MiB is larger than what the broker can "
+                    f"hold (--max-bytes {', '.join(f'{x / 2**20:.1f} MiB' for x in limits)}): "
+                    "raise the broker's --max-bytes or make batches smaller")
+                return True  # dropped: the owner raises
+            for ch in self.channels:
+                if ch.link.welcomed and ch.asked != size and not ch.covers(size) \
+                        and not ch.too_small(size):
+                    if ch.link.send_msg(m.Want(sent=ch.sent, sent_bytes=ch.sent_bytes,
+                                               size=size, registration=ch.link.registration)):
+                        ch.asked = size
+            return False
+        self._rr += 1
+        ch = max(ready, key=lambda c: (c.credit, (self._rr + self.channels.index(c))
+                                       % len(self.channels)))
+        frames = item.prepared.frames(producer=self._packed_id, session=self.out.session,
+                                      seq=ch.seq, epoch=item.epoch)
+        if not ch.link.send_frames(frames, copy=False):
+            return False  # not connected or pipe full: keep it, the link recovers
+        ch.seq += 1
+        ch.sent += 1
+        ch.sent_bytes += size
+        self.out.metrics.sent_batches.inc()
+        self.out.metrics.sent_bytes.inc(item.prepared.nbytes)
+        return True
+
+    def _send_control(self, msg: m.Eos | m.Error) -> bool:
+        now = time.monotonic()
+        if self._control_until == 0.0:
+            self._control_until = now + _CONTROL_SECONDS
+        targets = [ch for ch in self.channels if ch.link.welcomed]
+        if not targets and now < self._control_until:
+            return False
+        sent = [ch.link.send_msg(msg) for ch in targets]
+        if not any(sent):
+            log.warning("could not tell any broker %s (not connected)", type(msg).__name__)
+        self._control_until = 0.0
+        return True
+
+    def on_close(self) -> None:
+        for ch in self.channels:
+            ch.link.send_msg(m.Bye())
