@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from feedline import wire
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+from feedline.messages import DEFAULT_STREAM
+from feedline.security import ServerKeys
 
 
 @dataclass(frozen=True)
@@ -16,9 +17,12 @@ class BrokerConfig:
     ingress: str = "tcp://0.0.0.0:7878"
     egress: str = "ipc:///tmp/feedline.sock"
     tensorpack_ingress: str | None = None
-    max_batches: int = 32  # buffered + granted-but-not-yet-received batches
-    max_bytes: int = 1 << 30  # buffered bytes, plus the largest batch per outstanding credit
+    tensorpack_stream: str = DEFAULT_STREAM
+    max_batches: int = 32  # buffered + in flight to consumers + granted to producers
+    max_bytes: int = 1 << 30  # the same, in bytes: the broker's memory budget
     producer_window: int = 4  # most credit one producer holds at once
+    credit_lease: float = 2.0  # credit unused this long is asked back when others wait
+    max_peers: int = 1024  # registered producers (and, separately, consumers), at most
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT  # a peer silent this long is dropped
     linger_ms: int = 100
@@ -26,7 +30,7 @@ class BrokerConfig:
     limits: wire.Limits = field(default_factory=wire.Limits)
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
-    curve: Any = None  # feedline.security.ServerKeys, or None (plain TCP)
+    curve: ServerKeys | None = None  # None: plain TCP
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
@@ -35,5 +39,7 @@ class BrokerConfig:
             raise ValueError("producer_window must be >= 1")
         if self.max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
+        if self.max_peers < 1:
+            raise ValueError("max_peers must be >= 1")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")

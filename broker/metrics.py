@@ -36,13 +36,33 @@ class BrokerMetrics:
         self.rejected = Counter(
             "feedline_broker_rejected_messages", "Messages refused, by reason.",
             ["reason"], registry=r)
+        self.refused = Counter(
+            "feedline_broker_refused_batches",
+            "Batches refused and answered with REFUSED (their credit returns), by producer "
+            "and reason.", ["producer", "reason"], registry=r)
+        self.cut_off = Counter(
+            "feedline_broker_cut_off_connections",
+            "Connections the broker closed on a peer that broke the rules, by role and reason.",
+            ["role", "reason"], registry=r)
+        self.curve_denied = Counter(
+            "feedline_broker_curve_denied",
+            "CURVE handshakes refused: the client's public key is not in --curve-allowed.",
+            registry=r)
         self.dropped_peers = Counter(
             "feedline_broker_dropped_peers", "Peers dropped, by role and reason.",
             ["role", "reason"], registry=r)
         self.buffer_batches = Gauge(
             "feedline_broker_buffer_batches", "Batches waiting in the broker.", registry=r)
         self.buffer_bytes = Gauge(
-            "feedline_broker_buffer_bytes", "Array bytes waiting in the broker.", registry=r)
+            "feedline_broker_buffer_bytes",
+            "Bytes of the batches waiting in the broker (headers included).", registry=r)
+        self.inflight_bytes = Gauge(
+            "feedline_broker_inflight_bytes",
+            "Bytes delivered to consumers and not yet reported taken (counted against "
+            "--max-bytes: they sit in the broker's socket queues or the network).", registry=r)
+        self.reserved_bytes = Gauge(
+            "feedline_broker_reserved_bytes",
+            "Bytes of credit granted to producers and not yet used.", registry=r)
         self.buffer_capacity_batches = Gauge(
             "feedline_broker_buffer_capacity_batches", "Configured batch limit.", registry=r)
         self.buffer_capacity_bytes = Gauge(

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from consumer import RemoteDataZMQ
+from feedline import messages as m
 from feedline import wire
 from feedline.errors import ProducerError, ReceiveTimeout
 from feedline.link import LinkConfig
@@ -86,17 +87,18 @@ def test_a_consumer_whose_credit_runs_ahead_is_clamped_not_stalled(thread_broker
     the broker delivered. Refusing that CREDIT stalled both sides forever (found by the
     consumer SIGSTOP fault scenario); the broker clamps it to what it delivered instead, and
     the consumer's room never exceeds its window."""
-    thread_broker()
+    tb = thread_broker()
     with Sender(endpoints.ingress, producer_id="p", link=FAST) as s:
         for i in range(12):
-            wait_for(lambda: (s.pump(20), s.credit)[1] > 0, 10, what="credit")
-            s.send([np.full(4, i, np.int32)])
+            s.send([np.full(4, i, np.int32)])  # blocks while there is no credit
+        wait_for(lambda: tb.broker.stats.received == 12, 10, what="12 batches buffered")
         ctx = zmq.Context()
         c = ctx.socket(zmq.DEALER)
         c.linger = 0
         c.connect(endpoints.egress)
         try:
-            c.send(wire.encode_control(wire.Kind.HELLO, r="consumer", p="hand", c=2))
+            c.send(m.encode(m.ConsumerHello(consumer="hand", session=1, window=2,
+                                            max_bytes=1 << 30, registration=1)))
 
             def deliveries(n: int, seconds: float = 0.5) -> list[int]:
                 """Batches delivered within ``seconds``, up to ``n``. Short: this hand-made
@@ -106,15 +108,14 @@ def test_a_consumer_whose_credit_runs_ahead_is_clamped_not_stalled(thread_broker
                 while (len(got) < n and time.monotonic() < end
                        and c.poll(max(1, int((end - time.monotonic()) * 1000)))):
                     frames = c.recv_multipart(copy=False)
-                    h = wire.decode_header(frames[0])
-                    if h["k"] == wire.Kind.DELIVER:
+                    if isinstance(m.decode(frames[0]), m.Deliver):
                         got.append(int(wire.decode_batch(frames[1:]).datapoint[0][0]))
                 return got
 
             assert deliveries(3) == [0, 1], "window 2: two batches, then nothing"
-            c.send(wire.encode_control(wire.Kind.CREDIT, t=5))  # ahead of the 2 delivered
+            c.send(m.encode(m.Taken(taken=5, registration=1)))  # ahead of the 2 delivered
             assert deliveries(3) == [2, 3], "room again, and still only the window"
-            c.send(wire.encode_control(wire.Kind.CREDIT, t=6))
+            c.send(m.encode(m.Taken(taken=6, registration=1)))
             assert deliveries(3) == [4, 5]
         finally:
             c.close()
@@ -123,17 +124,25 @@ def test_a_consumer_whose_credit_runs_ahead_is_clamped_not_stalled(thread_broker
 
 def test_credit_bounds_what_a_producer_can_push(thread_broker, endpoints):
     tb = thread_broker(max_batches=6, producer_window=4)
+    stop = threading.Event()
     with Sender(endpoints.ingress, producer_id="eager", link=FAST) as s:
-        wait_for(lambda: (s.pump(50), s.credit)[1] > 0, 10, what="first credit")
-        sent = 0
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:  # no consumer: only credit lets batches through
-            s.pump(20)
-            if s.credit > 0:
-                s.send([np.zeros(16, np.uint8)])
-                sent += 1
-    assert sent == 6, "exactly the buffer's worth, then producers wait"
-    assert tb.broker.stats.received == 6 and not tb.broker.stats.rejected
+
+        def push() -> None:  # no consumer: only credit lets batches through
+            try:
+                while True:
+                    s.send([np.zeros(16, np.uint8)], stop=stop)
+            except Exception:
+                pass
+
+        t = threading.Thread(target=push, daemon=True)
+        t.start()
+        wait_for(lambda: tb.broker.stats.received >= 6, 10, what="the buffer's worth")
+        time.sleep(1.0)  # the claim: nothing more gets through while nobody consumes
+        received = tb.broker.stats.received
+        stop.set()
+        t.join(5)
+    assert received == 6, "exactly the buffer's worth, then producers wait"
+    assert not tb.broker.stats.rejected
 
 
 def _raw_dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
@@ -150,7 +159,8 @@ def test_hostile_messages_are_refused_counted_and_the_stream_goes_on(thread_brok
     ctx = zmq.Context()
     try:
         bad = _raw_dealer(ctx, endpoints.ingress)
-        hello = wire.encode_control(wire.Kind.HELLO, r="producer", p="evil", q=1)
+        hello = m.encode(m.ProducerHello(producer="evil", session=1, max_batch_bytes=1024,
+                                         registration=1))
         bad.send(hello)
         wait_for(lambda: bad.poll(100), 10, what="credit for the hostile peer")
         header = msgpack.unpackb(wire.encode_batch([np.zeros(4, np.uint8)], producer="evil",
@@ -282,14 +292,23 @@ def test_a_silent_producer_is_dropped_and_its_credit_returns(thread_broker, endp
     ctx = zmq.Context()
     try:
         mute = _raw_dealer(ctx, endpoints.ingress)
-        mute.send(wire.encode_control(wire.Kind.HELLO, r="producer", p="mute", q=5))
-        wait_for(lambda: mute.poll(100), 10, what="credit for the mute producer")
-        credit = wire.decode_header(mute.recv())
-        assert credit["k"] == wire.Kind.CREDIT and credit["t"] == 4  # it holds all the room
+        mute.send(m.encode(m.ProducerHello(producer="mute", session=5, max_batch_bytes=64,
+                                           registration=1)))
+
+        def grant() -> m.Grant | None:
+            while mute.poll(100):
+                msg = m.decode(mute.recv())
+                if isinstance(msg, m.Grant):
+                    return msg
+            return None
+
+        credit = wait_for(grant, 10, what="credit for the mute producer")
+        assert credit.batches == 4  # it holds all the room
         with Sender(endpoints.ingress, producer_id="live", link=FAST) as live:
             # No room is left until the broker gives up on the mute peer and takes back its
             # credit; then the live producer gets it. Nothing but heartbeats moves it.
-            wait_for(lambda: (live.pump(50), live.credit)[1] > 0, 15, what="credit for live")
+            live.send([np.zeros(4, np.uint8)])  # waits in the producer for credit
+            wait_for(lambda: tb.broker.stats.received == 1, 15, what="credit for live")
         dropped = tb.broker.registry.get_sample_value(
             "feedline_broker_dropped_peers_total", {"role": "producer", "reason": "timeout"})
         assert dropped == 1

@@ -55,10 +55,10 @@ def test_a_broker_keeps_series_for_connected_producers_after_many_came_and_went(
     for i in range(limit + 10):  # more producers than labels, one after another
         with Sender(endpoints.ingress, producer_id=f"pod-{i}", link=FAST) as s:
             s.send([np.zeros(4, np.uint8)])
-        wait_for(lambda: not tb.broker._producers, 10, what="BYE processed")
+        wait_for(lambda: not len(tb.broker.ingress.producers), 10, what="BYE processed")
     with Sender(endpoints.ingress, producer_id="newest", link=FAST) as s:
         s.send([np.zeros(4, np.uint8)])
-        wait_for(lambda: tb.broker._producers, 10, what="newest registered")
+        wait_for(lambda: len(tb.broker.ingress.producers), 10, what="newest registered")
         series = {s.labels.get("producer") for fam in tb.broker.registry.collect()
                   for s in fam.samples if s.name == "feedline_broker_received_batches_total"}
     assert "newest" in series, "a producer connected now has its own series"

@@ -28,7 +28,8 @@ import yaml
 import zmq
 
 from commands import top
-from feedline import security, wire
+from feedline import messages as m
+from feedline import security
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.scrape import Scrape, parse
 from tests.ops_support import (
@@ -303,9 +304,9 @@ def _provoke_reject_and_drop(ingress: str, curve: security.ClientKeys) -> None:
             if frames:
                 s.send_multipart(frames)
             else:
-                s.send(wire.encode_control(wire.Kind.HELLO, r="producer", p="probe", q=7))
-                s.poll(5000)  # its CREDIT: registered
-                s.send(wire.encode_control(wire.Kind.BYE))
+                s.send(m.encode(m.ProducerHello(producer="probe", session=7, registration=1)))
+                s.poll(5000)  # its WELCOME: registered
+                s.send(m.encode(m.Bye()))
             s.close()
     finally:
         ctx.term()

@@ -98,8 +98,7 @@ def send(addr: str, n: int, tag: int, curve: security.ClientKeys | None,
          stop: threading.Event | None = None) -> threading.Thread:
     t = threading.Thread(target=send_dataflow, args=(data(n, tag), addr), daemon=True,
                          kwargs={"epochs": 1, "producer_id": f"p{tag}", "stop": stop,
-                                 "link": LinkConfig(heartbeat_interval=0.2,
-                                                    heartbeat_timeout=1.5, curve=curve)})
+                                 "link": FAST, "curve": curve})
     t.start()
     return t
 
@@ -109,8 +108,8 @@ def test_allowed_keys_deliver_end_to_end(thread_broker, endpoints, keys):
     assert handshake(endpoints.ingress, keys.client("producer")) == "ok"
     assert handshake(endpoints.egress, keys.client("consumer")) == "ok"
     sender = send(endpoints.ingress, 20, 7, keys.client("producer"))
-    link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5, curve=keys.client("consumer"))
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=link) as src:
+    link, curve = FAST, keys.client("consumer")
+    with RemoteDataZMQ(endpoints.egress, timeout=20, link=link, curve=curve) as src:
         got = list(itertools.islice(src, 20))
     sender.join(10)
     assert [int(dp[1][0]) for dp in got] == list(range(20))
@@ -131,8 +130,8 @@ def test_unknown_key_and_plain_client_are_refused_and_get_nothing_in(
     stranger = send(endpoints.ingress, 50, 666, keys.client("stranger"), stop)
     plain = send(endpoints.ingress, 50, 667, None, stop)
     sender = send(endpoints.ingress, 10, 1, keys.client("producer"))
-    link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5, curve=keys.client("consumer"))
-    with RemoteDataZMQ(endpoints.egress, timeout=20, window=1, link=link,
+    link, curve = FAST, keys.client("consumer")
+    with RemoteDataZMQ(endpoints.egress, timeout=20, window=1, link=link, curve=curve,
                        return_meta=True) as src:
         got = list(itertools.islice(src, 10))
         sender.join(10)
@@ -151,8 +150,8 @@ def test_consumer_with_unknown_key_gets_nothing_out(thread_broker, endpoints, ke
     sender = send(endpoints.ingress, 3, 2, keys.client("producer"))
     wait_for(lambda: tb.broker.stats.received == 3, 20, what="batches buffered")
     assert handshake(endpoints.egress, keys.client("stranger")) == "auth_refused"
-    link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5, curve=keys.client("stranger"))
-    with RemoteDataZMQ(endpoints.egress, timeout=2, link=link) as src, \
+    link, curve = FAST, keys.client("stranger")
+    with RemoteDataZMQ(endpoints.egress, timeout=2, link=link, curve=curve) as src, \
             pytest.raises(ReceiveTimeout):
         next(iter(src))
     assert tb.broker.stats.forwarded == 0
@@ -309,8 +308,8 @@ def test_processes_with_keys_from_flags_and_environment(broker_proc, daemons, en
     finally:
         for k in env_keys:
             os.environ.pop(k)
-    link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5, curve=keys.client("consumer"))
-    with RemoteDataZMQ(endpoints.egress, timeout=30, link=link) as src:
+    link, curve = FAST, keys.client("consumer")
+    with RemoteDataZMQ(endpoints.egress, timeout=30, link=link, curve=curve) as src:
         got = list(itertools.islice(src, 5))
     assert len(got) == 5 and all(np.asarray(dp[0]).shape[-1] == 3 for dp in got)
 
@@ -325,4 +324,4 @@ def test_broker_side_rejects_stay_zero_under_curve_for_plain_garbage(thread_brok
         s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + os.urandom(4096))
     assert handshake(endpoints.ingress, keys.client("producer")) == "ok"
     assert tb.broker.stats.rejected == {} and tb.broker.stats.received == 0
-    assert wire.PROTOCOL_VERSION == 1
+    assert wire.PROTOCOL_VERSION == 2

@@ -22,6 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from consumer import RemoteDataZMQ
+from feedline import messages as m
 from feedline import wire
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
@@ -98,17 +99,27 @@ class RawProducer:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.connect(addr)
+        self.granted = self.sent = 0
+
+    def _read(self, timeout_ms: int) -> None:
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            msg = m.decode(self.sock.recv())
+            if isinstance(msg, m.Grant):
+                self.granted = max(self.granted, msg.batches)
 
     def hello(self) -> int:
-        """Register and wait for the first CREDIT; returns the credit granted."""
-        self.sock.send(wire.encode_control(wire.Kind.HELLO, r="producer", p="raw", q=99))
-        while True:
-            assert self.sock.poll(20_000), "no CREDIT from the broker"
-            h = wire.decode_header(self.sock.recv())
-            if h["k"] == wire.Kind.CREDIT:
-                return h["t"]
+        """Register and wait for the first credit; returns the batches granted."""
+        self.sock.send(m.encode(m.ProducerHello(producer="raw", session=99,
+                                                max_batch_bytes=1 << 20, registration=1)))
+        wait_for(lambda: (self._read(100), self.granted)[1] > 0, 20, what="credit")
+        return self.granted
 
     def send(self, frames: list) -> None:
+        """Send within credit, as the broker requires even of a peer sending garbage (one
+        without credit is cut off: test_flow_* covers that)."""
+        wait_for(lambda: (self._read(10), self.granted > self.sent)[1], 20, what="credit")
+        self.sent += 1
         self.sock.send_multipart(frames)
 
     def close(self) -> None:
@@ -116,7 +127,7 @@ class RawProducer:
 
 
 def header(**over) -> dict:
-    h = {"v": 1, "k": 2, "p": "raw", "q": 99, "s": 0, "e": 0, "c": 0, "d": [ARRAY],
+    h = {"v": 2, "k": 2, "p": "raw", "q": 99, "s": 0, "e": 0, "c": 0, "d": [ARRAY],
          "a": [["<f4", [4]]]}
     h.update(over)
     return h
@@ -178,7 +189,7 @@ def test_garbage_flood_is_counted_and_honest_peers_are_served(broker, endpoints)
         b"",  # an empty frame
         wire.packb([1, 2, 3]),  # msgpack, not a map
         wire.packb({"v": 99, "k": 2}),  # unknown version
-        wire.packb({"v": 1, "k": 77}),  # unknown kind
+        wire.packb({"v": 2, "k": 77}),  # unknown kind
         wire.packb(header()),  # a batch from a peer that never said hello
         b"\x91" * 5000 + b"\xc0",  # deep nesting
         b"\xdd\xff\xff\xff\xff",  # a list claiming 4 G entries

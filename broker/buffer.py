@@ -1,0 +1,81 @@
+"""The broker's buffer: batches waiting for a consumer, per stream, with their bytes.
+
+A batch is held as the frames it arrived in (forwarded as they are: ``copy=False``) and its
+wire size (header included: bytes inline in a header are memory too). End-of-stream and error
+messages wait in line behind the batches their producer sent before them, and go to every
+consumer of the stream; there are at most ``control_slack`` of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Held:
+    frames: list[Any]  # [header, arrays...] as received
+    nbytes: int  # wire bytes: what the memory budget counts
+    array_bytes: int
+    session: int
+    gap: int  # batches of its session lost upstream since the previous one
+    broadcast: bool = False  # EOS / ERROR: to every consumer of the stream, in order
+
+
+class Buffer:
+    """FIFO per stream; totals across streams for the budget."""
+
+    def __init__(self, control_slack: int = 64) -> None:
+        self.control_slack = control_slack
+        self._streams: dict[str, deque[Held]] = {}
+        self.batches = 0
+        self.nbytes = 0
+        self.controls = 0
+
+    def streams(self) -> list[str]:
+        return [s for s, q in self._streams.items() if q]
+
+    def __len__(self) -> int:
+        return self.batches + self.controls
+
+    def count(self, stream: str) -> int:
+        q = self._streams.get(stream)
+        return len(q) if q is not None else 0
+
+    def push(self, stream: str, item: Held) -> bool:
+        """Queue ``item``; False (not queued) for a control message beyond the slack."""
+        if item.broadcast:
+            if self.controls >= self.control_slack:
+                return False
+            self.controls += 1
+        else:
+            self.batches += 1
+            self.nbytes += item.nbytes
+        self._streams.setdefault(stream, deque()).append(item)
+        return True
+
+    def peek(self, stream: str) -> Held | None:
+        q = self._streams.get(stream)
+        return q[0] if q else None
+
+    def pop(self, stream: str) -> Held:
+        q = self._streams[stream]
+        item = q.popleft()
+        if not q:
+            del self._streams[stream]
+        if item.broadcast:
+            self.controls -= 1
+        else:
+            self.batches -= 1
+            self.nbytes -= item.nbytes
+        return item
+
+    def requeue(self, stream: str, item: Held) -> None:
+        """Put back an item that could not be sent (in front: order is kept)."""
+        self._streams.setdefault(stream, deque()).appendleft(item)
+        if item.broadcast:
+            self.controls += 1
+        else:
+            self.batches += 1
+            self.nbytes += item.nbytes

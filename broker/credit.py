@@ -1,0 +1,202 @@
+"""The credit planner: who may send how much, so that memory stays within the budget.
+
+Pure bookkeeping (no sockets, no clock of its own): the broker tells it what happened
+(HELLO, batch, WANT, RETURNED, departure) and asks it for a plan, given what the broker holds
+already (buffered and in flight to consumers). The plan is a list of producers whose grant
+changed (their new absolute totals are in :class:`ProducerCredit`) and a list of producers
+to ask for their unused credit back.
+
+The rules, each a bound:
+
+- Credit is batches and bytes. A producer holds ``granted - received`` batches and
+  ``granted_bytes - received_bytes`` bytes of credit (received counts refused batches too:
+  a refused batch used its credit, the room it did not fill is planned anew, which is how
+  its credit comes back). ``held + Σ outstanding <= max_batches`` and
+  ``held_bytes + Σ reserved <= max_bytes`` always.
+- A credit is worth ``unit`` bytes: the largest of the size the producer declared in its
+  HELLO, the largest batch it sent, and what it asked for (WANT). A producer whose size is
+  not known yet (0) gets nothing until it asks. A batch larger than ``max_bytes`` can never
+  be granted: its WANT is refused (``batch_too_large``).
+- At most ``window`` batches outstanding per producer; fewest-outstanding first, ties
+  rotated, producers that asked first of all.
+- Credit unused for ``lease`` seconds while another producer waits for room is asked back
+  (REVOKE); the producer answers with what it sent (RETURNED) and gets credit again only
+  when it asks (WANT). One that does not answer is the broker's to cut off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ProducerCredit:
+    declared: int = 0  # largest batch it expects (HELLO), bytes
+    largest: int = 0  # largest batch received, bytes
+    granted: int = 0  # absolute totals since its HELLO
+    granted_bytes: int = 0
+    received: int = 0
+    received_bytes: int = 0
+    short_bytes: int = 0  # WANT: bytes its next batch needs beyond its byte credit
+    short_batch: bool = False  # WANT: ... and it has no batch credit either
+    revoking_since: float | None = None
+    idle: bool = False  # gave its credit back: more only when it asks
+    held_since: float = 0.0  # when it last started holding credit, or last used it
+
+    @property
+    def outstanding(self) -> int:
+        return max(0, self.granted - self.received)
+
+    @property
+    def reserved(self) -> int:
+        return max(0, self.granted_bytes - self.received_bytes)
+
+    @property
+    def unit(self) -> int:
+        return max(self.declared, self.largest)
+
+    @property
+    def wanting(self) -> bool:
+        return self.short_bytes > 0 or self.short_batch
+
+
+@dataclass(frozen=True)
+class Plan:
+    grants: list[bytes]  # producers whose totals grew: send them GRANT
+    revokes: list[bytes]  # producers to ask for unused credit: send them REVOKE
+
+
+class CreditPlanner:
+    """Credit of every registered producer, by key (the broker uses ROUTER identities)."""
+
+    def __init__(self, max_batches: int, max_bytes: int, window: int, lease: float) -> None:
+        self.max_batches, self.max_bytes = max_batches, max_bytes
+        self.window, self.lease = window, lease
+        self.producers: dict[bytes, ProducerCredit] = {}
+        self._rr = 0
+
+    # -- what happened ------------------------------------------------------------------
+    def join(self, key: bytes, declared: int) -> ProducerCredit:
+        p = self.producers[key] = ProducerCredit(declared=min(declared, self.max_bytes))
+        return p
+
+    def leave(self, key: bytes) -> ProducerCredit | None:
+        return self.producers.pop(key, None)
+
+    def batch(self, key: bytes, nbytes: int, now: float) -> str | None:
+        """A batch of ``nbytes`` arrived. Returns a breach (``no_credit``, ``over_credit``)
+        if the producer sent beyond its grant; the caller cuts it off."""
+        p = self.producers[key]
+        p.received += 1
+        p.received_bytes += nbytes
+        p.largest = max(p.largest, min(nbytes, self.max_bytes))
+        p.short_bytes, p.short_batch, p.idle = 0, False, False
+        p.held_since = now
+        if p.received > p.granted:
+            return "no_credit"
+        if p.received_bytes > p.granted_bytes:
+            return "over_credit"
+        return None
+
+    def want(self, key: bytes, sent: int, sent_bytes: int, size: int) -> str | None:
+        """The producer's next batch is ``size`` bytes and its credit does not cover it.
+        Returns ``batch_too_large`` if no plan could ever cover it."""
+        p = self.producers[key]
+        if size > self.max_bytes:
+            return "batch_too_large"
+        if p.revoking_since is not None:
+            return None  # its RETURNED is on the way; it asks again after
+        p.declared = max(p.declared, size)
+        p.idle = False
+        p.short_batch = p.granted - sent <= 0
+        p.short_bytes = max(0, size - max(0, p.granted_bytes - sent_bytes))
+        return None  # both 0: a grant crossed the WANT on the way, nothing more to do
+
+    def returned(self, key: bytes, sent: int, sent_bytes: int) -> bool:
+        """The answer to a REVOKE: it sent ``sent`` batches, ``sent_bytes`` bytes, and will
+        use no more of its grant. False if no REVOKE was pending (ignored)."""
+        p = self.producers[key]
+        if p.revoking_since is None:
+            return False
+        p.granted = max(min(sent, p.granted), p.received)
+        p.granted_bytes = max(min(sent_bytes, p.granted_bytes), p.received_bytes)
+        p.revoking_since = None
+        p.idle = True
+        return True
+
+    # -- the plan -----------------------------------------------------------------------
+    def outstanding(self) -> tuple[int, int]:
+        return (sum(p.outstanding for p in self.producers.values()),
+                sum(p.reserved for p in self.producers.values()))
+
+    def plan(self, now: float, held_batches: int, held_bytes: int) -> Plan:
+        """Grant what the room allows; ask idle holders back if someone waits for room."""
+        out_b, out_y = self.outstanding()
+        free_b = self.max_batches - held_batches - out_b
+        free_y = self.max_bytes - held_bytes - out_y
+        grants: dict[bytes, None] = {}
+        starving = False
+        keys = list(self.producers)
+        if keys:
+            self._rr = (self._rr + 1) % len(keys)
+            keys = keys[self._rr:] + keys[: self._rr]
+        # Those that asked, first: each has one batch ready and waits for it.
+        for key in keys:
+            p = self.producers[key]
+            if not p.wanting or p.revoking_since is not None:
+                continue
+            need_b = 1 if p.short_batch else 0
+            if need_b <= free_b and p.short_bytes <= free_y:
+                p.granted += need_b
+                p.granted_bytes += p.short_bytes
+                free_b, free_y = free_b - need_b, free_y - p.short_bytes
+                if p.outstanding == need_b:
+                    p.held_since = now
+                p.short_bytes, p.short_batch = 0, False
+                grants[key] = None
+            else:
+                starving = True
+        # Then one credit at a time, fewest outstanding first.
+        order = sorted(keys, key=lambda k: self.producers[k].outstanding)
+        progress = True
+        while progress and free_b > 0:
+            progress = False
+            for key in order:
+                p = self.producers[key]
+                unit = p.unit
+                if (p.idle or p.revoking_since is not None or unit == 0
+                        or p.outstanding >= self.window):
+                    continue
+                if free_b <= 0:
+                    break
+                if unit > free_y:
+                    starving = starving or p.outstanding == 0
+                    continue
+                if p.outstanding == 0:
+                    p.held_since = now
+                p.granted += 1
+                p.granted_bytes += unit
+                free_b, free_y = free_b - 1, free_y - unit
+                grants[key] = None
+                progress = True
+        if free_b <= 0 and any(self._could_use(p) for p in self.producers.values()):
+            starving = True
+        revokes = self._revocations(now) if starving else []
+        return Plan(list(grants), revokes)
+
+    def _could_use(self, p: ProducerCredit) -> bool:
+        return (p.outstanding == 0 and not p.idle and p.revoking_since is None
+                and (p.unit > 0 or p.wanting))
+
+    def _revocations(self, now: float) -> list[bytes]:
+        out = []
+        for key, p in self.producers.items():
+            if p.outstanding > 0 and p.revoking_since is None and now - p.held_since > self.lease:
+                p.revoking_since = now
+                out.append(key)
+        return out
+
+    def unanswered(self, now: float, timeout: float) -> list[bytes]:
+        """Producers that did not answer a REVOKE within ``timeout``: they break the rules."""
+        return [k for k, p in self.producers.items()
+                if p.revoking_since is not None and now - p.revoking_since > timeout]

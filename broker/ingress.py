@@ -1,0 +1,256 @@
+"""The broker's producer side: registrations, credit, batches, losses.
+
+Producers register (HELLO) with their session, the next sequence number they will send and
+the largest batch they expect; the broker welcomes them and grants credit as the credit planner
+says (:mod:`broker.credit`). Every batch is checked whole (the same decoder the consumers run:
+a batch they would refuse must not cost them a credit) and goes to the sink (the broker's
+buffer, or a direct-mode trainer's queue). A refused batch is counted for its producer and
+answered with REFUSED (it logs why); its credit comes back with the next plan. A producer that
+sends beyond its grant, or keeps credit it was asked to return, is cut off: its connection is
+closed, its registration dropped and counted, and nobody else notices.
+
+The same class serves a broker and a direct-mode trainer (``consumer.direct``): only the sink
+and the socket differ.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+
+from broker.buffer import Held
+from broker.credit import CreditPlanner
+from broker.gaps import GapTracker
+from broker.metrics import BrokerMetrics
+from broker.peers import Peer, PeerTable, connection
+from feedline import messages as m
+from feedline import wire
+from feedline.codec import DecodeError, Limits
+from feedline.logs import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
+
+
+class Sink(Protocol):
+    """Where accepted batches go, and what it holds (for the budget)."""
+
+    def held(self) -> tuple[int, int]:
+        """(batches, bytes) held: buffered, and in flight to consumers."""
+        ...
+
+    def accept(self, stream: str, item: Held) -> bool:
+        """Take a batch (always: credit reserved its room) or a control message (False if
+        there is no room for it)."""
+        ...
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    max_batches: int
+    max_bytes: int
+    producer_window: int
+    credit_lease: float
+    capacity: int  # registered producers, at most
+
+
+@dataclass
+class Producer(Peer):
+    label: str = ""
+    pending_gap: int = 0  # lost before a re-registration: reported with its next batch
+
+
+class ProducerSide:
+    """Everything done with messages arriving on an ingress socket."""
+
+    def __init__(self, send: Send, sink: Sink, metrics: BrokerMetrics, limits: Limits,
+                 cfg: IngressConfig, instance: int,
+                 cut_off: Callable[[int, int, str, str], None]) -> None:
+        self._send, self.sink, self.metrics, self.limits = send, sink, metrics, limits
+        self.cfg, self.instance, self._cut_off = cfg, instance, cut_off
+        self.max_batch_bytes = min(cfg.max_bytes,
+                                   limits.max_message_bytes + limits.max_header_bytes)
+        self.producers: PeerTable[Producer] = PeerTable("producer", cfg.capacity)
+        self.planner = CreditPlanner(cfg.max_batches, cfg.max_bytes, cfg.producer_window,
+                                     cfg.credit_lease)
+        self.gaps = GapTracker(4 * cfg.capacity)
+        self._info = RateLimitedLog(log, interval=10.0, burst=20)
+        self._warn = RateLimitedLog(log, interval=10.0, burst=5)
+
+    def _control(self, ident: bytes, msg: m.Message) -> int:
+        return self._send(ident, [m.encode(msg)])
+
+    # -- messages -----------------------------------------------------------------------
+    def on_message(self, ident: bytes, frames: list[zmq.Frame], fd: int, now: float) -> None:
+        header = wire.header_map(frames[0], self.limits)
+        if header["k"] == wire.Kind.BATCH:
+            self._batch(ident, header, frames, now)
+            return
+        if len(frames) != 1:
+            raise DecodeError("bad_envelope", "a control message with payload frames")
+        msg = m.from_map(header, self.limits)
+        p = self.producers.get(ident)
+        if isinstance(msg, m.ProducerHello):
+            self._hello(ident, msg, fd, now)
+        elif isinstance(msg, m.ConsumerHello):
+            self._control(ident, m.Refused(broker=self.instance, reason="wrong_port",
+                                           detail="this is a broker's ingress (or a trainer "
+                                           "serving producers): consumers connect to the "
+                                           "broker's --egress address"))
+            raise DecodeError("wrong_port", f"consumer {msg.consumer} at the ingress")
+        elif p is None:
+            if not isinstance(msg, m.Bye):
+                self._control(ident, m.Reset(broker=self.instance))
+                raise DecodeError("unknown_peer", type(msg).__name__)
+        else:
+            p.last_seen = now
+            self._registered(p, msg, now)
+
+    def _registered(self, p: Producer, msg: m.Message, now: float) -> None:
+        if isinstance(msg, m.Want):
+            if msg.registration != p.registration:
+                return  # about an earlier registration on this connection
+            if self.planner.want(p.ident, msg.sent, msg.sent_bytes, msg.size):
+                self._control(p.ident, m.Refused(
+                    broker=self.instance, reason="batch_too_large", limit=self.max_batch_bytes,
+                    detail=f"a batch of {msg.size} bytes; this broker holds at most "
+                    f"{self.max_batch_bytes} (--max-bytes)"))
+                self.metrics.refused.labels(p.label, "batch_too_large").inc()
+        elif isinstance(msg, m.Returned):
+            if msg.registration == p.registration:
+                self.planner.returned(p.ident, msg.sent, msg.sent_bytes)
+        elif isinstance(msg, (m.Eos, m.Error)):
+            # Queued, not sent now: it must not overtake the batches sent before it.
+            item = Held([m.encode(msg)], 0, 0, p.session, 0, broadcast=True)
+            if not self.sink.accept(p.stream, item):
+                raise DecodeError("buffer_full", type(msg).__name__)
+        elif isinstance(msg, m.Bye):
+            self.drop(p.ident, "bye")
+        elif not isinstance(msg, m.Heartbeat):
+            raise DecodeError("bad_kind", f"{type(msg).__name__} from a producer")
+
+    def _hello(self, ident: bytes, msg: m.ProducerHello, fd: int, now: float) -> None:
+        old = self.producers.get(ident)
+        if old is not None and (old.session, old.registration) == (msg.session,
+                                                                    msg.registration):
+            self._welcome(old)  # a repeated HELLO of a registration we know: a no-op
+            self._grant(old, now)
+            return
+        if old is not None:
+            self.drop(ident, "registered_again")
+        if self.producers.full():
+            self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
+                                           limit=self.producers.capacity))
+            raise DecodeError("too_many_peers", f"producer {msg.producer}")
+        label = self.metrics.producer_label.acquire(msg.producer)
+        fd, ino = connection(fd)
+        p = Producer(ident=ident, name=msg.producer, session=msg.session,
+                     registration=msg.registration, stream=msg.stream, last_seen=now,
+                     fd=fd, fd_ino=ino, label=label)
+        self.producers.add(p)
+        self.metrics.init_producer(label)
+        lost = self.gaps.hello(msg.session, msg.next_seq)
+        if lost:
+            p.pending_gap = lost
+            self.metrics.lost_batches.labels(label).inc(lost)
+            self._warn.warning("producer %s registered again: %d batches it sent never "
+                               "arrived (counted as lost)", msg.producer, lost)
+        self.planner.join(ident, msg.max_batch_bytes)
+        self._info.info("producer %s joined stream %s (%d connected)", msg.producer,
+                        msg.stream, len(self.producers))
+        self._welcome(p)
+
+    def _welcome(self, p: Producer) -> None:
+        self._control(p.ident, m.Welcome(broker=self.instance, registration=p.registration,
+                                         max_batch_bytes=self.max_batch_bytes))
+
+    def _batch(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
+        p = self.producers.get(ident)
+        if p is None:
+            self._control(ident, m.Reset(broker=self.instance))
+            raise DecodeError("unknown_peer", "BATCH")
+        p.last_seen = now
+        nbytes = sum(len(f) for f in frames)
+        breach = self.planner.batch(ident, nbytes, now)
+        if breach is not None:
+            # A producer that ignores flow control is cut off: it cannot grow our memory.
+            self._control(ident, m.Refused(broker=self.instance, reason=breach,
+                                           detail="sent beyond its credit: cut off"))
+            self._cut_off(p.fd, p.fd_ino, "producer", breach)
+            self.drop(ident, breach)
+            raise DecodeError(breach, f"producer {p.name}")
+        seq = header.get("s")
+        try:
+            # The whole decoder, structure included (array views only, no payload read): a
+            # batch every consumer would refuse must not be forwarded.
+            batch = wire.decode_batch(frames, self.limits, header=header)
+            if batch.session != p.session:
+                raise DecodeError("bad_header", "session changed without HELLO")
+        except DecodeError as e:
+            self._refuse(p, e, seq if isinstance(seq, int) and seq >= 0 else -1)
+            raise
+        gap = self.gaps.batch(p.session, batch.seq)
+        if gap:
+            self.metrics.lost_batches.labels(p.label).inc(gap)
+        gap, p.pending_gap = gap + p.pending_gap, 0  # consumers hear of both with this batch
+        self.metrics.received_batches.labels(p.label).inc()
+        self.metrics.received_bytes.labels(p.label).inc(batch.nbytes)
+        self.sink.accept(p.stream, Held(list(frames), nbytes, batch.nbytes, p.session, gap))
+
+    def _refuse(self, p: Producer, e: DecodeError, seq: int) -> None:
+        self.metrics.refused.labels(p.label, e.reason).inc()
+        self._control(p.ident, m.Refused(broker=self.instance, reason=e.reason, seq=seq,
+                                         detail=str(e)[: self.limits.max_text_len]))
+
+    # -- credit and liveness ------------------------------------------------------------
+    def plan(self, now: float) -> None:
+        held_b, held_y = self.sink.held()
+        plan = self.planner.plan(now, held_b, held_y)
+        for ident in plan.grants:
+            p = self.producers.get(ident)
+            if p is not None:
+                self._grant(p, now)
+        for ident in plan.revokes:
+            p = self.producers.get(ident)
+            if p is not None and self._control(ident, m.Revoke(
+                    broker=self.instance, registration=p.registration)) == 0:
+                p.last_sent = now
+
+    def _grant(self, p: Producer, now: float) -> None:
+        c = self.planner.producers[p.ident]
+        if self._control(p.ident, m.Grant(broker=self.instance, batches=c.granted,
+                                          nbytes=c.granted_bytes,
+                                          registration=p.registration)) == 0:
+            p.last_sent = now
+
+    def liveness(self, now: float, interval: float, timeout: float) -> None:
+        for p in self.producers.expired(now, timeout):
+            self.drop(p.ident, "timeout")
+        for ident in self.planner.unanswered(now, timeout):
+            peer = self.producers.get(ident)
+            if peer is not None:
+                self._cut_off(peer.fd, peer.fd_ino, "producer", "revoke_unanswered")
+                self.drop(ident, "revoke_unanswered")
+        for p in self.producers.due(now, interval):
+            if self._control(p.ident, m.Heartbeat(broker=self.instance)) == 0:
+                p.last_sent = now
+
+    def drop(self, ident: bytes, reason: str) -> None:
+        p = self.producers.remove(ident)
+        if p is None:
+            return
+        credit = self.planner.leave(ident)
+        self.metrics.producer_label.release(p.label)
+        self._info.info("producer %s dropped (%s)", p.name, reason)
+        self.metrics.dropped_peers.labels("producer", reason).inc()
+        if reason not in ("bye", "registered_again") and credit is not None:
+            # What it may have sent that will never arrive here.
+            self.metrics.unconfirmed.labels("producer").inc(credit.outstanding)
+
+    def outstanding(self) -> tuple[int, int]:
+        return self.planner.outstanding()

@@ -1,0 +1,217 @@
+"""The broker's parts on their own, without sockets: the credit planner, the peer table, the
+sequence-gap tracker, the buffer. Each rule here was taught by a fault scenario or a hostile
+peer (docs/architecture.md, docs/reliability.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.buffer import Buffer, Held
+from broker.credit import CreditPlanner
+from broker.gaps import GapTracker
+from broker.peers import Peer, PeerTable
+
+MiB = 1 << 20
+
+
+def planner(max_batches: int = 32, max_bytes: int = 64 * MiB, window: int = 4,
+            lease: float = 2.0) -> CreditPlanner:
+    return CreditPlanner(max_batches, max_bytes, window, lease)
+
+
+def totals(cp: CreditPlanner) -> tuple[int, int]:
+    return cp.outstanding()
+
+
+# --------------------------------------------------------------------------- credit planner
+
+
+def test_credit_never_exceeds_the_budget_in_batches_or_bytes():
+    cp = planner(max_batches=32, max_bytes=64 * MiB)
+    for i in range(8):  # eight producers declaring 16 MiB batches: 4 fit, not 32
+        cp.join(bytes([i]), declared=16 * MiB)
+    plan = cp.plan(0.0, held_batches=0, held_bytes=0)
+    batches, nbytes = totals(cp)
+    assert nbytes <= 64 * MiB and batches == 4
+    assert len(plan.grants) == 4, "one each, fewest outstanding first"
+
+
+def test_what_is_held_already_counts_against_the_budget():
+    cp = planner(max_batches=10, max_bytes=10 * MiB)
+    cp.join(b"p", declared=MiB)
+    cp.plan(0.0, held_batches=8, held_bytes=8 * MiB)
+    assert totals(cp) == (2, 2 * MiB)
+
+
+def test_a_producer_of_unknown_size_gets_credit_only_when_it_asks():
+    cp = planner()
+    cp.join(b"p", declared=0)
+    assert cp.plan(0.0, 0, 0).grants == []
+    assert cp.want(b"p", sent=0, sent_bytes=0, size=3 * MiB) is None
+    assert cp.plan(0.0, 0, 0).grants == [b"p"]
+    c = cp.producers[b"p"]
+    assert c.granted >= 1 and c.granted_bytes >= 3 * MiB
+
+
+def test_a_batch_larger_than_the_whole_budget_is_refused_not_granted():
+    cp = planner(max_bytes=16 * MiB)
+    cp.join(b"p", declared=64 * MiB)
+    assert cp.want(b"p", 0, 0, size=64 * MiB) == "batch_too_large"
+    cp.plan(0.0, 0, 0)
+    assert totals(cp)[1] <= 16 * MiB
+
+
+def test_a_want_tops_up_bytes_when_the_batch_credit_is_there():
+    cp = planner(window=1)
+    cp.join(b"p", declared=MiB)
+    cp.plan(0.0, 0, 0)
+    c = cp.producers[b"p"]
+    assert (c.granted, c.granted_bytes) == (1, MiB)
+    cp.want(b"p", sent=0, sent_bytes=0, size=3 * MiB)  # its next batch is bigger
+    cp.plan(0.0, 0, 0)
+    assert (c.granted, c.granted_bytes) == (1, 3 * MiB), "bytes topped up, no extra batch"
+
+
+def test_a_refused_batch_returns_its_credit():
+    """The refused batch counts as received (both sides agree on the totals); the room it
+    did not fill is planned anew, so the producer gets credit back."""
+    cp = planner(max_batches=4, window=4)
+    cp.join(b"p", declared=1000)
+    cp.plan(0.0, 0, 0)
+    assert cp.producers[b"p"].outstanding == 4
+    for _ in range(4):
+        assert cp.batch(b"p", 1000, 0.1) is None
+    assert cp.producers[b"p"].outstanding == 0
+    cp.plan(0.2, held_batches=0, held_bytes=0)  # the broker refused them: nothing held
+    assert cp.producers[b"p"].outstanding == 4
+
+
+def test_sending_beyond_the_grant_is_a_breach():
+    cp = planner(window=1)
+    cp.join(b"p", declared=1000)
+    cp.plan(0.0, 0, 0)
+    assert cp.batch(b"p", 1000, 0.1) is None
+    assert cp.batch(b"p", 1000, 0.1) == "no_credit"
+    cp2 = planner(window=1)
+    cp2.join(b"q", declared=1000)
+    cp2.plan(0.0, 0, 0)
+    assert cp2.batch(b"q", 5000, 0.1) == "over_credit"
+
+
+def test_idle_credit_is_revoked_only_when_someone_waits_and_the_lease_ran_out():
+    cp = planner(max_batches=8, window=4, lease=2.0)
+    for k in (b"a", b"b"):
+        cp.join(k, declared=1000)
+    cp.plan(0.0, 0, 0)  # a and b hold all 8
+    cp.join(b"busy", declared=1000)
+    assert cp.plan(1.0, 0, 0).revokes == [], "within the lease"
+    plan = cp.plan(3.0, 0, 0)
+    assert sorted(plan.revokes) == [b"a", b"b"]
+    # They answer with what they sent (nothing): the credit goes to the one that waits.
+    assert cp.returned(b"a", sent=0, sent_bytes=0)
+    assert cp.returned(b"b", sent=0, sent_bytes=0)
+    cp.plan(3.1, 0, 0)
+    assert cp.producers[b"busy"].outstanding == 4
+    assert cp.producers[b"a"].outstanding == 0 and cp.producers[b"a"].idle
+    # An idle producer gets credit again as soon as it asks.
+    for _ in range(4):
+        cp.batch(b"busy", 1000, 3.2)
+    cp.want(b"a", sent=0, sent_bytes=0, size=1000)
+    assert b"a" in cp.plan(3.3, 0, 0).grants
+
+
+def test_no_revocation_when_nobody_waits():
+    cp = planner(max_batches=32, window=4, lease=0.5)
+    cp.join(b"slow", declared=1000)
+    cp.plan(0.0, 0, 0)
+    assert cp.plan(100.0, 0, 0).revokes == [], "a slow pipeline keeps its credit"
+
+
+def test_a_returned_without_revoke_is_ignored_and_a_late_one_cannot_mint_credit():
+    cp = planner(window=2)
+    cp.join(b"p", declared=1000)
+    cp.plan(0.0, 0, 0)
+    assert not cp.returned(b"p", sent=5, sent_bytes=5000)
+    c = cp.producers[b"p"]
+    assert (c.granted, c.granted_bytes) == (2, 2000)
+
+
+def test_unanswered_revocations_are_reported_for_cutting_off():
+    cp = planner(max_batches=4, window=4, lease=1.0)
+    cp.join(b"mute", declared=1000)
+    cp.plan(0.0, 0, 0)
+    cp.join(b"other", declared=1000)
+    cp.plan(2.0, 0, 0)
+    assert cp.unanswered(3.0, timeout=5.0) == []
+    assert cp.unanswered(7.5, timeout=5.0) == [b"mute"]
+
+
+def test_grants_are_fair_among_many_producers():
+    """64 producers on 32 credits: every one is served over a few rounds."""
+    cp = planner(max_batches=32, window=4)
+    keys = [i.to_bytes(2, "big") for i in range(64)]
+    for k in keys:
+        cp.join(k, declared=100)
+    served = dict.fromkeys(keys, 0)
+    for t in range(200):
+        cp.plan(float(t), 0, 0)
+        for k in keys:  # every holder sends one batch per round
+            c = cp.producers[k]
+            if c.outstanding:
+                cp.batch(k, 100, float(t))
+                served[k] += 1
+    mean = sum(served.values()) / len(served)
+    assert min(served.values()) >= mean / 4, served
+
+
+# ------------------------------------------------------------------------------ peer table
+
+
+def test_the_peer_table_is_bounded_and_liveness_works_for_any_role():
+    table: PeerTable[Peer] = PeerTable("producer", capacity=2)
+    table.add(Peer(b"a", "a", 1, 1, "default", last_seen=0.0, last_sent=0.0))
+    table.add(Peer(b"b", "b", 2, 1, "default", last_seen=4.0, last_sent=4.0))
+    with pytest.raises(OverflowError):
+        table.add(Peer(b"c", "c", 3, 1, "default"))
+    table.add(Peer(b"a", "a", 1, 2, "default", last_seen=0.0))  # re-registration: room
+    assert [p.name for p in table.expired(6.0, timeout=5.0)] == ["a"]
+    assert [p.name for p in table.due(4.5, interval=1.0)] == ["a"]
+    table.pause(6.0)  # our loop stalled: their silence was ours
+    assert table.expired(6.0, timeout=5.0) == []
+
+
+# ------------------------------------------------------------------------------------ gaps
+
+
+def test_gaps_between_batches_and_before_a_new_hello_are_counted_once():
+    g = GapTracker(capacity=4)
+    assert g.hello(session=7, next_seq=0) == 0
+    assert [g.batch(7, s) for s in (0, 1, 4, 5)] == [0, 0, 2, 0]
+    # Dropped, it sent 6 and 7 into the void, and says hello again with 8 next.
+    assert g.hello(7, next_seq=8) == 2
+    assert g.hello(7, next_seq=8) == 0, "a repeated HELLO counts nothing twice"
+    assert g.batch(7, 8) == 0
+    assert g.batch(7, 3) == 0, "a stray old batch is not a gap"
+
+
+def test_a_session_we_never_saw_starts_clean_and_the_table_is_bounded():
+    g = GapTracker(capacity=3)
+    assert g.hello(1, next_seq=50) == 0  # registered with another broker before: not ours
+    for s in range(2, 100):
+        g.hello(s, 0)
+    assert len(g) == 3
+
+
+# ---------------------------------------------------------------------------------- buffer
+
+
+def test_the_buffer_counts_bytes_per_stream_and_bounds_control_messages():
+    b = Buffer(control_slack=1)
+    b.push("train", Held([b"h"], 100, 90, 1, 0))
+    b.push("val", Held([b"h"], 10, 5, 2, 0))
+    assert (b.batches, b.nbytes) == (2, 110) and sorted(b.streams()) == ["train", "val"]
+    assert b.push("train", Held([b"eos"], 0, 0, 1, 0, broadcast=True))
+    assert not b.push("train", Held([b"eos"], 0, 0, 1, 0, broadcast=True)), "slack full"
+    item = b.pop("train")
+    b.requeue("train", item)
+    assert b.peek("train") is item and b.nbytes == 110
