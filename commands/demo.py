@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +43,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the demo; Ctrl-C stops it (and everything it started) with one line, status 130."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("\nfeedline demo: interrupted; the broker and the producers are stopped",
+              file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     from consumer import RemoteDataZMQ
 
     logging.basicConfig(level=logging.WARNING)
@@ -77,8 +89,11 @@ def run(args: argparse.Namespace) -> int:
             else:
                 _train(egress, args.duration, n)
         finally:
+            # A second Ctrl-C must not cut the clean-up short (each stop is bounded).
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
             for d in reversed(daemons):
                 d.stop()
+            signal.signal(signal.SIGINT, previous)
     return 0
 
 
@@ -100,6 +115,20 @@ def _train(egress: str, duration: float, batch_size: int) -> None:
           f" {r['steps'] * batch_size / r['seconds']:.0f} images/s, final loss {r['loss']:.3f}")
     print(r["verdict"])
     _table(r["start"], r["end"], r["seconds"])
+    print(steps_vs_batches(r["steps"], r["held_start"], r["held_end"]))
+
+
+def steps_vs_batches(steps: int, held_start: int, held_end: int) -> str:
+    """Why the steps and the batches received in the same time differ: the queues between
+    the socket and the model (RemoteDataZMQ's window, QueueInput, StagingInput) held
+    ``held_start`` batches when the clock started and ``held_end`` when it stopped."""
+    received = steps - held_start + held_end
+    change = held_start - held_end
+    how = (f"{change} more were taken from the queues than arrived in them" if change > 0
+           else f"{-change} more arrived than were taken, and wait in the queues" if change < 0
+           else "the queues held as many at the end as at the start")
+    return (f"{steps} steps = {received} batches received + {held_start} held in the queues "
+            f"at the start - {held_end} held at the end ({how})")
 
 
 def _consume(source, duration: float) -> None:

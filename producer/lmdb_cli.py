@@ -60,8 +60,12 @@ def build(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     except (OSError, ValueError) as e:
-        print(f"feedline lmdb build: {e}", file=sys.stderr)
+        print(f"feedline lmdb build: {e}; nothing was written to {args.out}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"feedline lmdb build: interrupted; nothing was written to {args.out}",
+              file=sys.stderr)
+        return 130
     print(f"wrote {n} images to {args.out}")
     return 0
 

@@ -38,18 +38,19 @@ class LMDBSerializer:
         """Write every datapoint of one pass of ``df``; returns the count.
 
         Commits every ``write_frequency`` datapoints (memory stays bounded) and grows the
-        map as needed. Refuses to replace an existing file unless ``overwrite``.
+        map as needed. Refuses to replace an existing file unless ``overwrite``. Writes to a
+        temporary file next to ``path`` and renames it onto ``path`` once complete, so a run
+        that fails or is interrupted half way leaves nothing behind (and an overwritten file
+        stays intact until its replacement is whole).
         """
         path = Path(path)
         stale = _READERS.pop((os.path.realpath(path), os.getpid()), None)
         if stale is not None:
             stale.close()
-        if path.exists():
-            if not overwrite:
-                raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
-            path.unlink()
-            Path(f"{path}-lock").unlink(missing_ok=True)
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
         reset = getattr(df, "reset_state", None)
         if reset is not None:
             reset()
@@ -57,7 +58,7 @@ class LMDBSerializer:
             total: int | None = len(df)
         except (NotImplementedError, TypeError):
             total = None
-        env = lmdb.open(str(path), subdir=False, map_size=INITIAL_MAP_SIZE, meminit=False,
+        env = lmdb.open(str(tmp), subdir=False, map_size=INITIAL_MAP_SIZE, meminit=False,
                         map_async=True, lock=True)
         count = 0
         pending: list[tuple[bytes, bytes]] = []
@@ -74,6 +75,7 @@ class LMDBSerializer:
                     env.set_mapsize(env.info()["map_size"] * 2)
             pending.clear()
 
+        done = False
         try:
             with tqdm(total=total, unit="dp", desc=f"writing {path.name}",
                       disable=not progress) as bar:
@@ -85,8 +87,15 @@ class LMDBSerializer:
                         flush()
                 flush([(LEN_KEY, str(count).encode())])
             env.sync()
+            done = True
         finally:
             env.close()
+            Path(f"{tmp}-lock").unlink(missing_ok=True)
+            if done:
+                Path(f"{path}-lock").unlink(missing_ok=True)  # the replaced file's
+                os.replace(tmp, path)
+            else:
+                tmp.unlink(missing_ok=True)
         return count
 
     @staticmethod
