@@ -3,6 +3,11 @@
 RemoteDataZMQ -> QueueInput (FIFOQueue) -> StagingInput (Stage/Unstage) -> a ``tf.function``
 step. Prints steps/s, images/s, MB/s, the loss and the queue verdict every few seconds, and a
 per-producer table at the end. Used by ``feedline demo`` when TensorFlow is installed.
+
+Steps and batches received differ by what the queues between the socket and the model held
+at the start and at the end of the timed run (the queue fills before the clock starts, so an
+input-bound run steps on more batches than it receives meanwhile): ``train`` returns both
+counts so the demo can say so.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ def train(egress: str, duration: float, report_every: float = 3.0) -> dict[str, 
 
         step()  # trace and warm up before the clock starts
         start_stats = remote.stats()
+        # Batches received and not yet stepped on: the RemoteDataZMQ window, the QueueInput
+        # (its thread's hand and its FIFO) and the staging area. Every step takes one of them.
+        held_start = _received(start_stats) - 1
         t0 = last = time.monotonic()
         steps = last_steps = 0
         loss = float("nan")
@@ -68,5 +76,11 @@ def train(egress: str, duration: float, report_every: float = 3.0) -> dict[str, 
                 last, last_steps = now, steps
         elapsed = time.monotonic() - t0
         end_stats = remote.stats()
+        held_end = _received(end_stats) - 1 - steps
     return {"steps": steps, "seconds": elapsed, "loss": loss, "start": start_stats,
-            "end": end_stats, "verdict": monitor.summary()}
+            "end": end_stats, "verdict": monitor.summary(), "held_start": held_start,
+            "held_end": held_end}
+
+
+def _received(stats: dict[str, Any]) -> int:
+    return sum(s.received for s in stats.values())

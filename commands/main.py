@@ -23,7 +23,21 @@ COMMANDS = [broker_cli, producer_cli, demo, lmdb_cli, drain, top, keys]
 
 def version_text() -> str:
     """The version line, and which JPEG decoder this install runs."""
-    return f"feedline {__version__}"
+    return f"feedline {__version__} (JPEG decoder: {producer_cli.decoder_info()})"
+
+
+class _Version(argparse.Action):
+    """``--version``: the text is made when asked for (finding the decoder imports it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and the JPEG decoder, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print(version_text())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve preprocessed training batches from data machines to trainers.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS:
         module.add_parser(sub)
