@@ -9,20 +9,25 @@ scrapes them all and shows, from the difference between two scrapes:
   for its own pipeline (preprocessing is slower);
 - the broker's buffer fill, peers, losses and rejects;
 - each consumer's queue occupancy and the share of time the model waited for data;
-- the verdict: input-bound, model-bound or balanced (see :func:`verdict`).
+- the verdict: input-bound, model-bound or balanced (see :func:`verdict`), judged over the
+  scrapes of the last ``feedline.verdict.WINDOW_SECONDS`` and held until the evidence is
+  clear (:class:`feedline.verdict.VerdictTracker`): a steady run does not flap.
 
-:func:`render` is pure (two snapshots in, text out) so that tests can call it on live figures.
+:func:`render` is pure (snapshots in, text out) so that tests can call it on live figures.
+``--once`` exits 1 when an endpoint is down, naming each on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from feedline.flags import HelpFormatter, stop_on_signals
 from feedline.scrape import Labels, Scrape, normalize_url, scrape
+from feedline.verdict import WINDOW_SECONDS, VerdictTracker
 from feedline.verdict import verdict as _verdict  # the dashboard's thresholds too
 
 Snapshot = Mapping[str, Scrape]  # url -> scrape
@@ -43,28 +48,36 @@ def _rate(prev: Scrape | None, cur: Scrape, name: str, labels: Labels = ()) -> f
     return (b - a) / (cur.time - prev.time)
 
 
-def verdict(occupancy: float | None, wait_share: float | None) -> str:
+def verdict(occupancy: float | None, wait_share: float | None,
+            tracker: VerdictTracker | None = None) -> str:
     """The bottleneck, from the consumers' mean queue occupancy (0..1) and wait share (0..1).
 
     Input-bound when the model waits for data (a queue near empty, or waiting a tenth of the
-    time or more); model-bound when the queue stays near full; balanced in between.
+    time or more); model-bound when the queue stays near full; balanced in between. With a
+    ``tracker`` the verdict it holds (this sample counts as one more of its samples).
     """
     if occupancy is None:
         return "unknown (no consumer metrics)"
+    word = tracker.update(occupancy, wait_share) if tracker is not None \
+        else _verdict(occupancy, wait_share)
     return {
         "input-bound": "INPUT-BOUND: the model waits for data; add producers or make the "
                        "pipeline faster",
         "model-bound": "MODEL-BOUND: batches wait for the model; the input keeps up",
         "balanced": "balanced: the input just keeps up with the model",
-    }[_verdict(occupancy, wait_share)]
+    }[word]
 
 
 def _mb(x: float) -> str:
     return f"{x / 1e6:8.1f}"
 
 
-def render(prev: Snapshot, cur: Snapshot, width: int = 120) -> str:
-    """The screen for two successive snapshots of the same endpoints (pure: no I/O)."""
+def render(prev: Snapshot, cur: Snapshot, width: int = 120,
+           history: Sequence[Snapshot] = (), tracker: VerdictTracker | None = None) -> str:
+    """The screen for two successive snapshots of the same endpoints (pure but for
+    ``tracker``, which the verdict updates). The rates are between ``prev`` and ``cur``; the
+    verdict is over ``history`` (older snapshots, oldest first, ending with ``prev``) and
+    ``cur``, or over ``prev`` and ``cur`` alone."""
     lines: list[str] = []
     by_role: dict[str, list[Scrape]] = {"broker": [], "producer": [], "consumer": []}
     down = [s for s in cur.values() if s.error]
@@ -120,8 +133,6 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120) -> str:
             lines.append(f"  {_short(s.url):<32} {rb:>10.1f} {_mb(ry)} {100 * cw:>6.0f}% "
                          f"{100 * pl:>8.0f}%")
 
-    occupancies: list[float] = []
-    waits: list[float] = []
     if by_role["consumer"]:
         lines.append("")
         lines.append("CONSUMERS (training processes)")
@@ -137,20 +148,35 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120) -> str:
             rb = _rate(p, s, "feedline_consumer_received_batches_total")
             ry = _rate(p, s, "feedline_consumer_received_bytes_total")
             ws = min(1.0, _rate(p, s, "feedline_consumer_wait_seconds_sum"))
-            if w > 0:
-                occupancies.append(min(1.0, q / w))
-            waits.append(ws)
             lost = s.get("feedline_consumer_lost_batches_total") or 0.0
             lines.append(f"  {_short(s.url):<32} {rb:>10.1f} {_mb(ry)} {q:>4.1f}/{w:<4.0f}"
                          f"{100 * ws:>7.0f}% {lost:>6.0f}")
-
-    occ = sum(occupancies) / len(occupancies) if occupancies else None
-    wait = sum(waits) / len(waits) if waits else None
+    occ, wait = _window_figures([*(history or [prev]), cur], by_role["consumer"])
     lines.append("")
-    lines.append("VERDICT  " + verdict(occ, wait))
+    lines.append("VERDICT  " + verdict(occ, wait, tracker))
     for s in down:
         lines.append(f"  down: {s.url} ({s.error})")
     return "\n".join(line[:width] for line in lines)
+
+
+def _window_figures(window: Sequence[Snapshot], consumers: list[Scrape]
+                    ) -> tuple[float | None, float | None]:
+    """The consumers' mean occupancy over every snapshot of ``window`` and their mean share of
+    time waiting from its first snapshot to its last (None, None without consumers)."""
+    occupancies: list[float] = []
+    waits: list[float] = []
+    for c in consumers:
+        scrapes = [snap[c.url] for snap in window if c.url in snap and not snap[c.url].error]
+        ratios = [(s.get("feedline_consumer_local_queue_batches") or 0.0) / win
+                  for s in scrapes if (win := s.get("feedline_consumer_window_batches") or 0.0)]
+        if ratios:
+            occupancies.append(min(1.0, sum(ratios) / len(ratios)))
+        if len(scrapes) >= 2:
+            waits.append(min(1.0, _rate(scrapes[0], scrapes[-1],
+                                        "feedline_consumer_wait_seconds_sum")))
+    occ = sum(occupancies) / len(occupancies) if occupancies else None
+    wait = sum(waits) / len(waits) if waits else None
+    return occ, wait
 
 
 def _short(url: str) -> str:
@@ -170,7 +196,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="metrics endpoints, e.g. localhost:9500 localhost:9400")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true",
-                   help="print one screen (two scrapes --interval apart) and exit")
+                   help="print one screen (two scrapes --interval apart) and exit; exit "
+                   "status 1 when an endpoint is down")
     p.set_defaults(func=run)
 
 
@@ -180,15 +207,30 @@ def run(args: argparse.Namespace) -> int:
     urls = [normalize_url(t) for t in args.targets]
     stop = stop_on_signals()
     prev = snapshot(urls)
+    # The verdict's window: the scrapes of the last WINDOW_SECONDS (at least two).
+    history: collections.deque[dict[str, Scrape]] = collections.deque(
+        [prev], maxlen=max(1, int(WINDOW_SECONDS / args.interval)))
+    tracker = VerdictTracker()
     while not stop.wait(args.interval):
         cur = snapshot(urls)
-        screen = render(prev, cur)
+        screen = render(prev, cur, history=list(history), tracker=tracker)
         if args.once:
             print(screen)
-            return 0
+            return _report_down(cur)
         # Home the cursor and clear the screen: a plain redraw, no curses needed.
         sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
         sys.stdout.flush()
         prev = cur
+        history.append(cur)
     return 0
 
+
+def _report_down(cur: Snapshot) -> int:
+    """1 and a line on stderr naming each endpoint that is down; 0 when all answered."""
+    down = [s for s in cur.values() if s.error]
+    if not down:
+        return 0
+    print(f"feedline top: {len(down)} of {len(cur)} endpoints down: "
+          + ", ".join(f"{s.url} ({s.error})" for s in down)
+          + "; is the daemon running, and is that its --metrics-port?", file=sys.stderr)
+    return 1

@@ -4,7 +4,9 @@ Sample the input queue's occupancy once per step. A queue that stays full means 
 for the model (model-bound: the input keeps up). A queue that stays empty means the model
 waits for batches (input-bound: add producers or make the pipeline faster). The monitor keeps
 an exponential moving average, logs a summary line every ``every`` steps, and exports the same
-figures as Prometheus gauges from the training process.
+figures as Prometheus gauges from the training process. The verdict it gives is held until
+the average is clearly on another side for a few steps (:class:`feedline.verdict.
+VerdictTracker`), so a steady run does not flap between input-bound and model-bound.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from consumer.metrics import QueueMetrics
-from feedline.verdict import verdict
+from feedline.verdict import VerdictTracker
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class OccupancyMonitor:
         self.average: float | None = None  # of size / capacity
         self.steps = 0
         self.last_size = 0
+        self.tracker = VerdictTracker()
 
     def step(self) -> int:
         """Sample the queue now; log the summary every ``every`` steps. Returns the size."""
@@ -44,6 +47,7 @@ class OccupancyMonitor:
         self.last_size = size
         self.metrics.size.set(size)
         self.metrics.average.set(self.average)
+        self.tracker.update(self.average)
         if self.every and self.steps % self.every == 0:
             log.info("%s", self.summary())
         return size
@@ -51,7 +55,13 @@ class OccupancyMonitor:
     def summary(self) -> str:
         avg = self.average or 0.0
         return (f"step {self.steps}: queue {self.last_size}/{self.capacity} "
-                f"(avg {avg * self.capacity:.1f}) -> {verdict(avg)}")
+                f"(avg {avg * self.capacity:.1f}) -> {self.verdict}")
+
+    @property
+    def verdict(self) -> str:
+        """'input-bound', 'balanced' or 'model-bound' (held: see the module docstring);
+        'unknown' before the first step."""
+        return self.tracker.current or "unknown"
 
     def keras_callback(self) -> Any:
         import tensorflow as tf

@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 # The thresholds of every verdict (feedline top, OccupancyMonitor): one definition.
-from feedline.verdict import INPUT_BOUND_BELOW, MODEL_BOUND_ABOVE, WAIT_SHARE_INPUT_BOUND
+from feedline.verdict import (
+    INPUT_BOUND_BELOW,
+    MODEL_BOUND_ABOVE,
+    WAIT_SHARE_INPUT_BOUND,
+    WINDOW_SECONDS,
+)
 
 DATASOURCE = {"type": "prometheus", "uid": "feedline-prometheus"}
 OUT = Path(__file__).resolve().parent / "dashboards" / "feedline.json"
@@ -25,11 +30,14 @@ OUT = Path(__file__).resolve().parent / "dashboards" / "feedline.json"
 RI = "$__rate_interval"
 
 # Occupancy forced to 0 ("input-bound") when the loop waits for data >= 10% of its time:
-# the rule of commands.top verdict (feedline.verdict), in PromQL.
+# the rule of commands.top verdict (feedline.verdict), in PromQL, over the same window as
+# top's (the hysteresis of feedline.verdict.VerdictTracker has no PromQL form: the window's
+# length is what keeps this panel steady).
+W = f"[{WINDOW_SECONDS}s]"
 VERDICT = (
-    "avg(avg_over_time(feedline_consumer_local_queue_batches[1m])"
-    " / avg_over_time(feedline_consumer_window_batches[1m]))"
-    f" * (avg(rate(feedline_consumer_wait_seconds_sum[1m])) < bool {WAIT_SHARE_INPUT_BOUND})"
+    f"avg(avg_over_time(feedline_consumer_local_queue_batches{W})"
+    f" / avg_over_time(feedline_consumer_window_batches{W}))"
+    f" * (avg(rate(feedline_consumer_wait_seconds_sum{W})) < bool {WAIT_SHARE_INPUT_BOUND})"
 )
 
 
