@@ -1,8 +1,13 @@
 """Train from a feedline broker with Keras ``fit``, through a tf.data adapter.
 
-    feedline broker --ingress tcp://127.0.0.1:7878 &    # one host: loopback needs no keys
-    feedline producer --config examples/imagenet_train.yaml &
-    python examples/train_keras.py --egress ipc:///tmp/feedline.sock --steps 200
+    python examples/train_keras.py --steps 200               # broker + producer here, see --data
+    python examples/train_keras.py --data /my/imagenet/train # the local producer reads this folder
+    python examples/train_keras.py --egress ipc:///tmp/feedline.sock   # a broker already running
+
+Without ``--egress`` it starts a broker and a producer on this host (examples/local_feed.py)
+running examples/imagenet_train.yaml on ``--data``: ``/data/imagenet/train`` when it exists,
+else the demo dataset (512 JPEGs cut from scikit-image's photos, made on first use; needs
+``pip install '.[demo]'``), so it runs on any machine.
 
 The dataset dequeues from a QueueInput inside tf.data (no Python generator per batch); an
 OccupancyMonitor callback logs whether the input or the model is the bottleneck.
@@ -16,6 +21,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
+from local_feed import add_data_flags, feed  # noqa: E402  (examples/, next to this file)
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from consumer import OccupancyMonitor, QueueInput, RemoteDataZMQ, as_dataset  # noqa: E402
@@ -25,7 +31,7 @@ from feedline.metrics import serve_metrics  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--egress", default="ipc:///tmp/feedline.sock", help="broker egress")
+    add_data_flags(ap)
     ap.add_argument("--steps", type=int, default=100, help="steps per epoch")
     ap.add_argument("--epochs", type=int, default=1, help="epochs")
     ap.add_argument("--classes", type=int, default=1000, help="number of classes")
@@ -37,8 +43,9 @@ def main() -> None:
 
     registry = CollectorRegistry()
     serve_metrics(registry, args.metrics_port or None)
-    remote = RemoteDataZMQ(args.egress, timeout=120, registry=registry)
-    with QueueInput(remote, capacity=args.capacity) as queue:
+    with feed(args.egress, args.data) as egress, \
+            QueueInput(RemoteDataZMQ(egress, timeout=120, registry=registry),
+                       capacity=args.capacity) as queue:
         monitor = OccupancyMonitor(queue, every=args.log_every, registry=registry)
         L = tf.keras.layers
         model = tf.keras.Sequential([

@@ -1,8 +1,13 @@
 """Train from a feedline broker with a custom step: QueueInput + StagingInput + tf.function.
 
-    feedline broker --ingress tcp://127.0.0.1:7878 &    # one host: loopback needs no keys
-    feedline producer --config examples/imagenet_train.yaml &
-    python examples/train_loop.py --egress ipc:///tmp/feedline.sock --steps 200
+    python examples/train_loop.py --steps 200               # broker + producer here, see --data
+    python examples/train_loop.py --data /my/imagenet/train # the local producer reads this folder
+    python examples/train_loop.py --egress ipc:///tmp/feedline.sock   # a broker already running
+
+Without ``--egress`` it starts a broker and a producer on this host (examples/local_feed.py)
+running examples/imagenet_train.yaml on ``--data``: ``/data/imagenet/train`` when it exists,
+else the demo dataset (512 JPEGs cut from scikit-image's photos, made on first use; needs
+``pip install '.[demo]'``), so it runs on any machine.
 
 Expects batches of [uint8 images NHWC, int labels] (the ImageNet-style example pipelines).
 """
@@ -16,6 +21,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
+from local_feed import add_data_flags, feed  # noqa: E402  (examples/, next to this file)
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from consumer import OccupancyMonitor, QueueInput, RemoteDataZMQ, StagingInput  # noqa: E402
@@ -36,7 +42,7 @@ def build_model(num_classes: int) -> tf.keras.Model:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--egress", default="ipc:///tmp/feedline.sock", help="broker egress")
+    add_data_flags(ap)
     ap.add_argument("--steps", type=int, default=100, help="training steps")
     ap.add_argument("--classes", type=int, default=1000, help="number of classes")
     ap.add_argument("--capacity", type=int, default=50, help="FIFOQueue capacity (batches)")
@@ -48,8 +54,9 @@ def main() -> None:
 
     registry = CollectorRegistry()
     serve_metrics(registry, args.metrics_port or None)
-    remote = RemoteDataZMQ(args.egress, timeout=120, registry=registry)
-    with QueueInput(remote, capacity=args.capacity) as queue:
+    with feed(args.egress, args.data) as egress, \
+            QueueInput(RemoteDataZMQ(egress, timeout=120, registry=registry),
+                       capacity=args.capacity) as queue:
         staged = StagingInput(queue, nr_stage=args.nr_stage).start()
         monitor = OccupancyMonitor(queue, every=args.log_every, registry=registry)
         model = build_model(args.classes)

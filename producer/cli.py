@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", required=True, metavar="PIPELINE.yaml",
                    help="pipeline file (see examples/)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="the dataset: replaces the pipeline's image_folder root or lmdb path "
+                   "(default: the path in the pipeline file)")
     p.add_argument("--broker", default="tcp://127.0.0.1:7878", help="the broker's ingress")
     p.add_argument("--id", default=None, help="producer id (default: hostname-pid)")
     p.add_argument("--epochs", type=int, default=None,
@@ -74,6 +77,22 @@ def decoder_info() -> str:
             return "OpenCV"
 
 
+# The sources that read a dataset from disk, and the argument naming where.
+DATA_ARGS = {"image_folder": "root", "lmdb": "path"}
+
+
+def with_data(cfg: dict, data: str | None) -> dict:
+    """The pipeline map with its source reading ``data`` (``--data``); as is for None."""
+    if data is None:
+        return cfg
+    source = cfg.get("source")
+    if not (isinstance(source, dict) and len(source) == 1 and next(iter(source)) in DATA_ARGS):
+        raise ConfigError(f"--data {data}: the pipeline's source is {source!r}, which reads no "
+                          f"dataset path (--data works with {', '.join(DATA_ARGS)})")
+    kind = next(iter(source))
+    return {**cfg, "source": {kind: {**(source[kind] or {}), DATA_ARGS[kind]: data}}}
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the flags, build the pipeline, send until done or SIGTERM/SIGINT. A failure to
     start is one line on stderr and exit status 1; the pipeline's workers and their
@@ -86,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     except endpoints.AddressError as e:
         raise SystemExit(f"feedline producer: {e}") from None
     try:
-        cfg = load_config(args.config)
+        cfg = with_data(load_config(args.config), args.data)
         df = build_pipeline(cfg)
     except ConfigError as e:
         raise SystemExit(f"feedline producer: {args.config}: {e}") from None

@@ -31,3 +31,19 @@ def test_example_trains_from_a_live_broker(script, broker_proc, daemons, endpoin
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final loss" in out.stdout
     assert "-> " in out.stdout  # the bottleneck verdict
+
+
+def test_example_runs_on_the_demo_dataset_without_a_broker_or_imagenet(tmp_path):
+    """No --egress: the example starts its own broker and producer, which reads the demo
+    dataset when this host has no /data/imagenet/train (and says so); nothing is left."""
+    pytest.importorskip("tensorflow")
+    if os.path.isdir("/data/imagenet/train"):
+        pytest.skip("this host has ImageNet: the example would train on it")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_loop.py"), "--steps", "3",
+         "--classes", "14", "--capacity", "8", "--log-every", "3"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no ImageNet at /data/imagenet/train: training on the demo dataset" in out.stdout
+    assert "final loss" in out.stdout
