@@ -201,6 +201,11 @@ class Broker:
                     self._drain(self._ingress, "ingress")
                 if self._tp is not None and self._tp.sock in events:
                     self._tp.drain(self.ingress.outstanding()[1], self._reject)
+                if time.monotonic() - now > self.cfg.heartbeat_timeout / 2:
+                    # A long drain (an oversized message read to its end): the peers' messages
+                    # waited behind it; their silence was ours.
+                    self.ingress.producers.pause(time.monotonic())
+                    self.egress.consumers.pause(time.monotonic())
                 now = time.monotonic()
                 self.stats.forwarded += self.egress.dispatch(now)
                 self.ingress.plan(now)

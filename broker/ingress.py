@@ -87,7 +87,18 @@ class ProducerSide:
 
     # -- messages -----------------------------------------------------------------------
     def on_message(self, ident: bytes, frames: list[zmq.Frame], fd: int, now: float) -> None:
-        header = wire.header_map(frames[0], self.limits)
+        try:
+            header = wire.header_map(frames[0], self.limits)
+        except DecodeError as e:
+            p = self.producers.get(ident)
+            if p is not None:
+                # A registered producer's message we cannot even read the header of is a
+                # batch it counted against its credit (control messages are ours to write):
+                # count it too, so that both sides agree and its credit comes back.
+                p.last_seen = now
+                self._charge(p, sum(len(f) for f in frames), now)
+                self._refuse(p, e, -1)
+            raise
         if header["k"] == wire.Kind.BATCH:
             self._batch(ident, header, frames, now)
             return
@@ -176,14 +187,7 @@ class ProducerSide:
             raise DecodeError("unknown_peer", "BATCH")
         p.last_seen = now
         nbytes = sum(len(f) for f in frames)
-        breach = self.planner.batch(ident, nbytes, now)
-        if breach is not None:
-            # A producer that ignores flow control is cut off: it cannot grow our memory.
-            self._control(ident, m.Refused(broker=self.instance, reason=breach,
-                                           detail="sent beyond its credit: cut off"))
-            self._cut_off(p.fd, p.fd_ino, "producer", breach)
-            self.drop(ident, breach)
-            raise DecodeError(breach, f"producer {p.name}")
+        self._charge(p, nbytes, now)
         seq = header.get("s")
         try:
             # The whole decoder, structure included (array views only, no payload read): a
@@ -201,6 +205,17 @@ class ProducerSide:
         self.metrics.received_batches.labels(p.label).inc()
         self.metrics.received_bytes.labels(p.label).inc(batch.nbytes)
         self.sink.accept(p.stream, Held(list(frames), nbytes, batch.nbytes, p.session, gap))
+
+    def _charge(self, p: Producer, nbytes: int, now: float) -> None:
+        """Count a batch against its producer's credit; cut off one that had none left."""
+        breach = self.planner.batch(p.ident, nbytes, now)
+        if breach is not None:
+            # A producer that ignores flow control is cut off: it cannot grow our memory.
+            self._control(p.ident, m.Refused(broker=self.instance, reason=breach,
+                                             detail="sent beyond its credit: cut off"))
+            self._cut_off(p.fd, p.fd_ino, "producer", breach)
+            self.drop(p.ident, breach)
+            raise DecodeError(breach, f"producer {p.name}")
 
     def _refuse(self, p: Producer, e: DecodeError, seq: int) -> None:
         self.metrics.refused.labels(p.label, e.reason).inc()

@@ -22,7 +22,8 @@ import zmq
 
 from feedline.codec import DecodeError
 
-_KEEPALIVE_EVERY = 65536  # frames between keepalive calls while draining an oversized message
+_CHECK_EVERY = 4096  # frames between clock checks while draining an oversized message
+_KEEPALIVE_SECONDS = 0.1  # ... and the keepalive calls, at most this far apart
 
 
 class TooManyFrames(DecodeError):
@@ -54,13 +55,16 @@ def recv_message(sock: zmq.Socket, max_frames: int, flags: int = zmq.NOBLOCK,
         more = f.more
     if not more:
         return frames
-    t0 = time.monotonic()
+    t0 = last = time.monotonic()
     n = len(frames)
     ident = first.bytes if len(first) <= 256 else b""
     frames.clear()  # keep nothing of it
     while more:
         more = sock.recv(copy=False).more
         n += 1
-        if keepalive is not None and n % _KEEPALIVE_EVERY == 0:
-            keepalive()
+        if keepalive is not None and n % _CHECK_EVERY == 0:
+            now = time.monotonic()
+            if now - last >= _KEEPALIVE_SECONDS:
+                keepalive()
+                last = now
     raise TooManyFrames(ident, n, time.monotonic() - t0)

@@ -26,6 +26,8 @@ import yaml
 import zmq
 
 from consumer import RemoteDataZMQ
+from feedline import messages as m
+from feedline import wire
 from feedline.errors import ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import Daemon, free_port, wait_for
@@ -41,13 +43,16 @@ TP_ENV = {"TENSORPACK_SERIALIZE": "msgpack", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 # ------------------------------------------------------------------- hand-spoken protocol
 
-VERSION = 1
-HELLO, BATCH, CREDIT, HEARTBEAT, EOS, ERROR, RESET, DELIVER, BYE = range(1, 10)
+VERSION = wire.PROTOCOL_VERSION
+K = wire.Kind
+HELLO = -1  # either hello kind (FakeBroker.wait_for_kind)
+BATCH, CREDIT, HEARTBEAT, DELIVER, BYE = K.BATCH, K.GRANT, K.HEARTBEAT, K.DELIVER, K.BYE
+RAW_BATCH_BYTES = MiB  # what hand-played producers declare: they get credit without asking
 
 
 def pack(kind: int, **fields: Any) -> bytes:
-    """One header frame: ``{"v": VERSION, "k": kind, **fields}``."""
-    return msgpack.packb({"v": VERSION, "k": kind, **fields}, use_bin_type=True)
+    """One header frame: ``{"v": VERSION, "k": kind, **fields}`` (anything, valid or not)."""
+    return msgpack.packb({"v": VERSION, "k": int(kind), **fields}, use_bin_type=True)
 
 
 def unpack(frame: Any) -> dict[str, Any]:
@@ -56,11 +61,13 @@ def unpack(frame: Any) -> dict[str, Any]:
 
 def producer_hello(pid: str, session: int, n: int = 0) -> bytes:
     """A producer's registration (``n``: the sequence number of its next batch)."""
-    return pack(HELLO, r="producer", p=pid, q=session, n=n)
+    return m.encode(m.ProducerHello(producer=pid, session=session, next_seq=n,
+                                    max_batch_bytes=RAW_BATCH_BYTES, registration=1))
 
 
 def consumer_hello(cid: str, window: int) -> bytes:
-    return pack(HELLO, r="consumer", p=cid, c=window)
+    return m.encode(m.ConsumerHello(consumer=cid, session=1, window=window,
+                                    max_bytes=1 << 40, registration=1))
 
 
 def batch_header(pid: str, session: int, seq: int, datapoint: Any,
@@ -76,21 +83,27 @@ def ARRAY(i: int) -> msgpack.ExtType:  # noqa: N802 (reads as a constructor in s
 
 
 def credit_of(h: dict[str, Any]) -> int | None:
-    """The absolute credit a broker's CREDIT grants, or None for another kind."""
+    """The absolute credit a broker's GRANT grants, or None for another kind."""
     t = h.get("t")
     return t if h.get("k") == CREDIT and isinstance(t, int) else None
 
 
-def broker_credit(instance: int, total: int) -> bytes:
-    return pack(CREDIT, b=instance, t=total)
+def welcome(instance: int, registration: int) -> bytes:
+    return m.encode(m.Welcome(broker=instance, registration=registration))
+
+
+def broker_credit(instance: int, total: int, registration: int) -> bytes:
+    """A GRANT of ``total`` batches of up to 1 MiB each."""
+    return m.encode(m.Grant(broker=instance, batches=total, nbytes=total * MiB,
+                            registration=registration))
 
 
 def broker_heartbeat(instance: int) -> bytes:
-    return pack(HEARTBEAT, b=instance)
+    return m.encode(m.Heartbeat(broker=instance))
 
 
-def deliver_envelope(instance: int, gap: Any) -> bytes:
-    return pack(DELIVER, b=instance, g=gap)
+def deliver_envelope(instance: int, gap: Any, registration: int = 1) -> bytes:
+    return pack(DELIVER, b=instance, g=gap, r=registration)
 
 
 def zmtp_dealer(addr: str) -> socket.socket:
@@ -243,6 +256,7 @@ class RawPeer:
         self.sock.rcvhwm = rcvhwm
         self.sock.connect(addr)
         self.granted = 0  # the largest credit granted (absolute)
+        self.sent = self.sent_bytes = 0  # batches sent (honest peers answer REVOKE with it)
 
     def hello_producer(self, pid: str, session: int, n: int = 0) -> None:
         self.sock.send(producer_hello(pid, session, n))
@@ -251,9 +265,11 @@ class RawPeer:
         self.sock.send(consumer_hello(cid, window))
 
     def heartbeat(self) -> None:
-        self.sock.send(pack(HEARTBEAT), zmq.NOBLOCK)
+        self.sock.send(m.encode(m.Heartbeat()), zmq.NOBLOCK)
 
     def send(self, frames: list[Any]) -> None:
+        self.sent += 1
+        self.sent_bytes += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self.sock.send_multipart(frames)
 
     def read(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
@@ -265,8 +281,18 @@ class RawPeer:
             t = credit_of(h)
             if t is not None:
                 self.granted = max(self.granted, t)
+            if h.get("k") == K.REVOKE:  # give unused credit back, as the protocol asks
+                self.granted = self.sent
+                self.sock.send(m.encode(m.Returned(sent=self.sent, sent_bytes=self.sent_bytes,
+                                                   registration=h.get("r", 1))))
             out.append(h)
         return out
+
+    def want(self, size: int) -> None:
+        """Ask for credit for a batch of ``size`` bytes (what an honest producer does when it
+        has a batch and no credit)."""
+        self.sock.send(m.encode(m.Want(sent=self.sent, sent_bytes=self.sent_bytes, size=size,
+                                       registration=1)))
 
     def wait_credit(self, above: int, seconds: float) -> bool:
         """Read (heartbeating) until the credit granted exceeds ``above``; False on timeout."""
@@ -285,8 +311,8 @@ class RawPeer:
 class CountingConsumer:
     """A RemoteDataZMQ iterated by a thread, counting the batches it takes, per producer."""
 
-    def __init__(self, addr: str, window: int = 4) -> None:
-        self.addr, self.window = addr, window
+    def __init__(self, addr: str, window: int = 4, link: LinkConfig = FAST) -> None:
+        self.addr, self.window, self.link = addr, window, link
         self.counts: dict[str, int] = {}
         self.stats: dict[str, Any] = {}
         self._stop = threading.Event()
@@ -299,7 +325,7 @@ class CountingConsumer:
 
     def _run(self) -> None:
         with RemoteDataZMQ(self.addr, window=self.window, timeout=0.3, return_meta=True,
-                           link=FAST) as src:
+                           link=self.link) as src:
             it = iter(src)
             while not self._stop.is_set():
                 try:
@@ -351,10 +377,12 @@ class FakeBroker:
         return out
 
     def wait_for_kind(self, kind: int, timeout: float) -> dict[str, Any]:
+        """The first message of ``kind`` (``HELLO``: either hello) that arrives."""
+        kinds = (K.PRODUCER_HELLO, K.CONSUMER_HELLO) if kind == HELLO else (kind,)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             for h in self.recv(0.05):
-                if h.get("k") == kind:
+                if h.get("k") in kinds:
                     return h
         raise TimeoutError(f"no message of kind {kind} within {timeout}s")
 

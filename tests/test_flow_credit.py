@@ -33,6 +33,7 @@ from tests.flow_support import (
     fake_yaml,
     start_broker,
     start_producer,
+    welcome,
 )
 
 OVER_LIMIT = [0] * 3000  # a list longer than Limits.max_container_len (2048)
@@ -64,25 +65,21 @@ def registered_raw_producers(ctx: zmq.Context, addr: str, name: str) -> list[Raw
     return peers
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: encode_batch does not apply the decoder's "
-                   "Limits (max_container_len)")
 def test_encode_batch_names_the_limit_it_breaks():
     """Claim: ``wire.encode_batch`` of a datapoint that is a list of 3000 scalars (over
     ``Limits.max_container_len`` = 2048) raises ``wire.EncodeError`` whose message names
     ``max_container_len``: the encoder applies the decoder's limits.
 
-    Today: it returns a 6 KB header without complaint; the broker then refuses the batch."""
+    Before: it returns a 6 KB header without complaint; the broker then refuses the batch."""
     with pytest.raises(wire.EncodeError, match="max_container_len"):
         wire.encode_batch(OVER_LIMIT, producer="p", session=1, seq=0)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: Sender.send sends a batch the broker must "
-                   "refuse (the encoder ignores the decoder's Limits)")
 def test_sender_send_raises_for_a_batch_over_the_limits(thread_broker, endpoints):
     """Claim: ``Sender.send`` of that datapoint raises ``EncodeError`` naming
     ``max_container_len`` and sends nothing (the broker refuses nothing).
 
-    Today: it sends it; the broker counts it as rejected (bad_msgpack)."""
+    Before: it sends it; the broker counts it as rejected (bad_msgpack)."""
     tb = thread_broker()
     with Sender(endpoints.ingress, producer_id="toolong", link=FAST) as s:
         with pytest.raises(wire.EncodeError, match="max_container_len"):
@@ -90,16 +87,14 @@ def test_sender_send_raises_for_a_batch_over_the_limits(thread_broker, endpoints
     assert not tb.broker.stats.rejected
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a refused batch keeps its credit: the broker "
-                   "counts it outstanding forever")
 def test_a_refused_batch_returns_its_credit(broker_proc, daemons, endpoints, tmp_path):
     """Claim: eight producers (hand-played) hold all the credit and spend it on batches the
     broker refuses (a datapoint of 3000 scalars). The credit comes back: the outstanding-credit
     gauge does not grow past what it was, a healthy producer next to them delivers its 20
-    batches within 10 s, and a refused producer is granted credit again and its next, valid,
-    batch is delivered.
+    batches within 10 s, and a refused producer that asks (WANT) is granted credit again and
+    its next, valid, batch is delivered.
 
-    Today: the refused batches' credit stays outstanding while their senders heartbeat:
+    Before: the refused batches' credit stays outstanding while their senders heartbeat:
     0 of the healthy producer's 20 batches in 10 s, and no new credit for the refused ones."""
     _, metrics = start_broker(broker_proc)
     ctx = zmq.Context()
@@ -115,7 +110,10 @@ def test_a_refused_batch_returns_its_credit(broker_proc, daemons, endpoints, tmp
         start_producer(daemons, endpoints.ingress, cfg, "healthy")
         heartbeat_until(peers, lambda: consumer.counts.get("healthy", 0) >= 20, 10)
         healthy = consumer.counts.get("healthy", 0)
-        again = heartbeat_until(peers, lambda: peers[0].granted > WINDOW, 5)
+        # It asks for credit for its next batch, as an honest producer whose credit was
+        # spent (or asked back while it had nothing to send) does.
+        peers[0].want(1024)
+        again = heartbeat_until(peers, lambda: peers[0].granted > peers[0].sent, 5)
         if again:  # its next batch (sequence number WINDOW) is a valid one
             peers[0].send([batch_header("refused0", 1000, WINDOW, [ARRAY(0)], [("<f4", [4])]),
                            np.ones(4, np.float32)])
@@ -132,14 +130,12 @@ def test_a_refused_batch_returns_its_credit(broker_proc, daemons, endpoints, tmp
     assert gauge <= baseline, (gauge, baseline)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: credit granted to idle producers never "
-                   "expires; a busy producer next to them starves")
 def test_idle_producers_do_not_keep_the_credit(broker_proc, daemons, endpoints, tmp_path):
     """Claim: eight hand-played producers say HELLO, heartbeat and never send a batch; a real
     producer next to them gets batches flowing (>= 50 delivered to a consumer within 10 s)
     and the credit they hold unused is taken back (outstanding credit < 8 x window).
 
-    Today: the idle ones hold all 32 credits (8 x window 4 = --max-batches): 0 batches
+    Before: the idle ones hold all 32 credits (8 x window 4 = --max-batches): 0 batches
     delivered in 10 s, credit outstanding stays 32."""
     _, metrics = start_broker(broker_proc)
     ctx = zmq.Context()
@@ -159,13 +155,11 @@ def test_idle_producers_do_not_keep_the_credit(broker_proc, daemons, endpoints, 
     assert outstanding < PRODUCERS * WINDOW, outstanding
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a late CREDIT of a replaced broker instance "
-                   "is taken as credit from the new one")
 def test_a_late_credit_of_a_replaced_broker_is_ignored():
     """Claim: a Sender registered with broker instance A, then with its replacement B (which
     grants 2), must not use a CREDIT that A sent late: it sends 2 batches to B, not more.
 
-    Today: it takes A's late grant of 10 and sends 10 batches to B."""
+    Before: it takes A's late grant of 10 and sends 10 batches to B."""
     fake = FakeBroker()
     a, b = 1111, 2222
     stop = threading.Event()
@@ -184,13 +178,15 @@ def test_a_late_credit_of_a_replaced_broker_is_ignored():
     t = threading.Thread(target=produce, daemon=True)
     t.start()
     try:
-        fake.wait_for_kind(HELLO, 10)
-        fake.send(broker_credit(a, 1))
+        reg = fake.wait_for_kind(HELLO, 10)["r"]
+        fake.send(welcome(a, reg))
+        fake.send(broker_credit(a, 1, reg))
         fake.wait_for_kind(BATCH, 10)
         fake.send(broker_heartbeat(b))  # a new instance: the Sender registers again
-        fake.wait_for_kind(HELLO, 10)
-        fake.send(broker_credit(b, 2))
-        fake.send(broker_credit(a, 10))  # late, from the replaced instance
+        reg = fake.wait_for_kind(HELLO, 10)["r"]
+        fake.send(welcome(b, reg))
+        fake.send(broker_credit(b, 2, reg))
+        fake.send(broker_credit(a, 10, reg))  # late, from the replaced instance
         batches = 0
         for _ in range(5):  # 1 s, answering heartbeats so that the link stays up
             batches += sum(1 for h in fake.recv(0.2) if h.get("k") == BATCH)

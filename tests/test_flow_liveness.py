@@ -44,13 +44,11 @@ def slow_pipeline(n: int, seconds: float) -> Iterator[list[np.ndarray]]:
         yield [np.full(4, i, np.int32)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a producer is silent while its pipeline "
-                   "works, is dropped, and the batches it then sends vanish uncounted")
 def test_a_slow_pipeline_is_not_a_dead_peer(thread_broker, endpoints):
     """Claim: a dataflow taking 2.5 s per datapoint (the broker's heartbeat timeout is 1.5 s),
     3 datapoints, epochs=1: the consumer gets all 3 and the broker drops nobody.
 
-    Today: the producer sends no heartbeat while the pipeline runs, is dropped before each
+    Before: the producer sends no heartbeat while the pipeline runs, is dropped before each
     batch, and a batch sent then is refused as from an unknown peer: 0 or 1 of 3 delivered
     (two runs), the producer dropped 1-2 times, 0 counted lost."""
     tb = thread_broker()
@@ -74,8 +72,6 @@ def test_a_slow_pipeline_is_not_a_dead_peer(thread_broker, endpoints):
     assert dropped == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: the broker does not say (WARNING) which "
-                   "producer's batches it lost when a dropped producer comes back")
 def test_a_dropped_producer_that_comes_back_has_its_losses_counted(broker_proc, daemons,
                                                                    endpoints, tmp_path):
     """Claim: a producer process SIGSTOPped past the heartbeat timeout is dropped; after
@@ -83,7 +79,7 @@ def test_a_dropped_producer_that_comes_back_has_its_losses_counted(broker_proc, 
     = what the consumer got + feedline_broker_lost_batches_total, and the broker logs a
     WARNING naming the producer.
 
-    Today: the ledger holds (the batches refused as from an unknown peer show up as a
+    Before: the ledger holds (the batches refused as from an unknown peer show up as a
     sequence gap once it has registered again: 120 = 118 + 2 in the run seen), but the
     broker only logs "producer stopped dropped (timeout)" at INFO and "rejected a message:
     unknown_peer" without the id: no WARNING names the producer."""
@@ -118,15 +114,13 @@ def test_a_dropped_producer_that_comes_back_has_its_losses_counted(broker_proc, 
     assert warnings, f"got {got}, lost {lost()}; {broker.log_text()[-3000:]}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a producer pointed at the egress gets RESETs "
-                   "it ignores (HELLO unanswered) and never tells the operator")
 def test_a_producer_at_the_egress_is_told_to_use_the_ingress(broker_proc, daemons,
                                                               endpoints, tmp_path):
     """Claim: a producer started with --broker = the broker's EGRESS address logs a WARNING
     containing "ingress" within 10 s, and the broker's log line for what it refused names the
     socket (egress) and the peer (the producer's id).
 
-    Today: the producer's log stays empty (the RESETs that answer its heartbeats arrive while
+    Before: the producer's log stays empty (the RESETs that answer its heartbeats arrive while
     its HELLO is unanswered, and are ignored); the broker logs "rejected a message:
     bad_hello"."""
     broker, _ = start_broker(broker_proc)
@@ -142,14 +136,12 @@ def test_a_producer_at_the_egress_is_told_to_use_the_ingress(broker_proc, daemon
         broker.log_text()[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a consumer pointed at the ingress says the "
-                   "broker 'did not answer' (it did, with RESET)")
 def test_a_consumer_at_the_ingress_is_told_to_use_the_egress(thread_broker, endpoints, caplog):
     """Claim: ``RemoteDataZMQ`` pointed at the broker's INGRESS raises ReceiveTimeout whose
     message mentions "egress" and does not say the broker "did not answer" (it did); the
     broker's log line for what it refused names the socket (ingress) and the peer.
 
-    Today: "the broker at tcp://... did not answer within 2.0s. Is it running at that
+    Before: "the broker at tcp://... did not answer within 2.0s. Is it running at that
     address?"; the broker logs "rejected a message: bad_hello"."""
     thread_broker()
     with RemoteDataZMQ(endpoints.ingress, timeout=2.0, consumer_id="wrong-way",
@@ -162,15 +154,13 @@ def test_a_consumer_at_the_ingress_is_told_to_use_the_egress(thread_broker, endp
     assert any("ingress" in m and "wrong-way" in m for m in broker_lines), broker_lines
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a RemoteDataZMQ dropped without close() "
-                   "keeps its I/O thread, context and socket forever")
 def test_a_dropped_consumer_releases_everything(broker_proc, daemons, endpoints, tmp_path):
     """Claim: 50 RemoteDataZMQ created in a loop, one batch taken from each, dropped without
     close(): after gc.collect() and at most 6 s, this process's threads and open fds are back
     to where they were (+ small slack) and the broker counts no consumer. ``with
     RemoteDataZMQ(...)`` works.
 
-    Today: the I/O thread holds the object, so it is never collected: +50 Python threads
+    Before: the I/O thread holds the object, so it is never collected: +50 Python threads
     (+150 OS threads with libzmq's), +450 fds, and the broker still counts 50 consumers
     (they heartbeat)."""
     _, metrics = start_broker(broker_proc)
@@ -212,14 +202,12 @@ def test_a_dropped_consumer_releases_everything(broker_proc, daemons, endpoints,
         .format(*now))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a Broker() that fails to bind leaves its ZAP "
-                   "authenticator thread (and context) running")
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 def test_a_broker_that_fails_to_start_releases_what_it_started(tmp_path, endpoints):
     """Claim: with CURVE keys and an ingress port already in use, ``Broker(config)`` raises and
     ``threading.active_count()`` is back to what it was.
 
-    Today: the ZAP authenticator thread is left running (+1 thread)."""
+    Before: the ZAP authenticator thread is left running (+1 thread)."""
     from feedline import security
 
     _, secret = security.generate_keypair(tmp_path / "broker", "broker")

@@ -14,7 +14,6 @@ import textwrap
 import time
 from collections.abc import Callable
 
-import pytest
 import zmq
 
 from feedline.procs import free_port, wait_for
@@ -38,15 +37,13 @@ def observe(rss: RssSampler, seconds: float, until: Callable[[], bool] = lambda:
         pass
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a batch larger than --max-bytes is granted "
-                   "credit and buffered (a producer's first grant ignores the budget)")
 def test_a_batch_larger_than_the_budget_is_refused_never_buffered(broker_proc, daemons,
                                                                    endpoints, tmp_path):
     """Claim: with --max-bytes 16MiB, eight producers of 64 MiB batches cannot make the broker
     hold more than 16 MiB (+ overhead): such a batch is refused before it is sent, and each
     producer exits non-zero with an error naming --max-bytes.
 
-    Today: a producer's first grants ignore the budget (its batch size is unknown until it
+    Before: a producer's first grants ignore the budget (its batch size is unknown until it
     sends one): the broker buffered 384-448 MiB (feedline_broker_buffer_bytes) and grew by
     444-508 MiB; two producers sent all 4 batches and exited 0, the others waited for credit
     (the test stops the run at the bound: it then reports ~70-80 MiB)."""
@@ -65,14 +62,12 @@ def test_a_batch_larger_than_the_budget_is_refused_never_buffered(broker_proc, d
         assert "--max-bytes" in p.log_text(), p.log_text()[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: credit is granted before a producer's batch "
-                   "size is known, so eight producers overrun --max-bytes")
 def test_many_producers_cannot_overrun_the_byte_budget(broker_proc, daemons, endpoints,
                                                         tmp_path):
     """Claim: --max-bytes 64MiB, eight producers of 16 MiB batches and no consumer: the
     broker's RSS grows by at most 64 MiB + overhead.
 
-    Today: credit of unknown size goes to every producer at once; left alone the broker
+    Before: credit of unknown size goes to every producer at once; left alone the broker
     buffered 384 MiB (24 batches) and grew by 417 MiB."""
     budget = 64 * MiB
     broker, metrics = start_broker(broker_proc, "--max-bytes", str(budget))
@@ -88,8 +83,6 @@ def test_many_producers_cannot_overrun_the_byte_budget(broker_proc, daemons, end
     assert rss.peak_growth <= budget + OVERHEAD, f"broker grew {rss.mib()} MiB"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: a consumer that never reads makes the broker "
-                   "queue its whole window (and again on every HELLO) in libzmq")
 def test_a_consumer_that_never_reads_cannot_grow_the_broker(broker_proc, daemons, endpoints,
                                                              tmp_path):
     """Claim: --max-bytes 32MiB, a producer of 1 MiB batches, a hand-played consumer that says
@@ -97,7 +90,7 @@ def test_a_consumer_that_never_reads_cannot_grow_the_broker(broker_proc, daemons
     on the same connection: over ~8 s the broker's RSS grows by at most 32 MiB + overhead.
     What is in flight to a consumer counts against the budget.
 
-    Today: a dispatched batch leaves the buffer (and the budget) while it waits in the broker's
+    Before: a dispatched batch leaves the buffer (and the budget) while it waits in the broker's
     libzmq send queue: the broker grew by 1.3 GiB in 2.8 s and 3 GiB in 7 s."""
     budget = 32 * MiB
     broker, _ = start_broker(broker_proc, "--max-bytes", str(budget))
@@ -130,13 +123,11 @@ send_dataflow_zmq(DataFromList([[a]] * 8, shuffle=False), {addr!r}, hwm=4)  # lo
 """
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: the tensorpack PULL socket queues max_batches "
-                   "messages in libzmq, outside --max-bytes")
 def test_tensorpack_ingress_stays_within_the_budget(broker_proc, endpoints, tmp_path):
     """Claim: --max-bytes 8MiB and a tensorpack ``send_dataflow_zmq`` pushing 4 MiB arrays as
     fast as it can, no consumer: the broker's RSS grows by at most 8 MiB + overhead.
 
-    Today: the broker stops reading once two batches are buffered, but its PULL socket
+    Before: the broker stops reading once two batches are buffered, but its PULL socket
     (RCVHWM = max_batches) keeps taking messages: it grew by 132 MiB."""
     tp = f"tcp://127.0.0.1:{free_port()}"
     budget = 8 * MiB
@@ -175,8 +166,6 @@ send_dataflow_zmq(Phased(), {addr!r}, hwm=4)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: bytes carried inline by a tensorpack datapoint "
-                   "count 0 in the budget, and a header over max_header_bytes is forwarded")
 def test_tensorpack_bytes_count_and_an_oversized_header_does_not_stall(broker_proc, endpoints,
                                                                         tmp_path):
     """Claim: tensorpack datapoints carrying a 1.8 MiB python ``bytes`` (which travels inline,
@@ -184,7 +173,7 @@ def test_tensorpack_bytes_count_and_an_oversized_header_does_not_stall(broker_pr
     size in feedline_broker_buffer_bytes; and after 5 such datapoints (re-encoded header over
     Limits.max_header_bytes, 64 KiB) a consumer still gets the next 20 ordinary batches.
 
-    Today: 5 buffered, feedline_broker_buffer_bytes 0; they are forwarded to the consumer,
+    Before: 5 buffered, feedline_broker_buffer_bytes 0; they are forwarded to the consumer,
     whose decoder refuses headers over 64 KiB without returning the credit they took: with
     its window of 4 it got 0 of the 20 ordinary batches in 10 s."""
     from consumer import RemoteDataZMQ

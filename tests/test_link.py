@@ -11,7 +11,7 @@ with both sides alive and heartbeating.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -81,7 +81,7 @@ class Linked:
         self.broker.send(m.Welcome(broker=broker_id, registration=self.link.registration))
 
 
-def welcomed_link(config: LinkConfig) -> Iterator[Linked]:
+def welcomed_link(config: LinkConfig) -> Generator[Linked, None, None]:
     broker = HandBroker()
     ctx = zmq.Context()
     registrations: list[int] = []
@@ -190,7 +190,10 @@ def test_the_client_socket_refuses_oversized_messages() -> None:
                 link.receive(lambda _link, msg, _frames: seen.append(msg))
         assert seen == [], "nothing of the oversized message, nor what followed it, arrived"
         # libzmq reconnects by itself: the link registers again on the new connection.
-        wait_for(lambda: (drive(link, 0.05), hellos(broker.received()))[1], 10,
-                 what="a HELLO on the new connection")
+        def new_hello() -> bool:
+            drive(link, 0.05)
+            return bool(hellos(broker.received()))
+
+        wait_for(new_hello, 10, what="a HELLO on the new connection")
     finally:
         gen.close()

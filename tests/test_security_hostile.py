@@ -101,24 +101,26 @@ class RawProducer:
         self.sock.connect(addr)
         self.granted = self.sent = 0
 
-    def _read(self, timeout_ms: int) -> None:
+    def _read(self, timeout_ms: int) -> int:
+        """Read what arrived; returns the batches granted so far."""
         while self.sock.poll(timeout_ms):
             timeout_ms = 0
             msg = m.decode(self.sock.recv())
             if isinstance(msg, m.Grant):
                 self.granted = max(self.granted, msg.batches)
+        return self.granted
 
     def hello(self) -> int:
         """Register and wait for the first credit; returns the batches granted."""
         self.sock.send(m.encode(m.ProducerHello(producer="raw", session=99,
                                                 max_batch_bytes=1 << 20, registration=1)))
-        wait_for(lambda: (self._read(100), self.granted)[1] > 0, 20, what="credit")
+        wait_for(lambda: self._read(100) > 0, 20, what="credit")
         return self.granted
 
     def send(self, frames: list) -> None:
         """Send within credit, as the broker requires even of a peer sending garbage (one
         without credit is cut off: test_flow_* covers that)."""
-        wait_for(lambda: (self._read(10), self.granted > self.sent)[1], 20, what="credit")
+        wait_for(lambda: self._read(10) > self.sent, 20, what="credit")
         self.sent += 1
         self.sock.send_multipart(frames)
 
