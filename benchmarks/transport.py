@@ -1,39 +1,45 @@
-"""Transport benchmark: feedline's broker against plain ZeroMQ, same transports, same run.
+"""Transport benchmark: feedline against plain ZeroMQ and tensorpack, same batches, same run.
 
-Three ways to move constant 64x224x224x3 uint8 batches with int32 labels from a producer
-process to a consumer (this process), each with its sender in its own process:
+Ways to move constant 64x224x224x3 uint8 batches with int32 labels from a producer process to
+a consumer process (each side its own process, every variant the same):
 
-- ``feedline``: ``feedline producer`` -> tcp -> ``feedline broker`` -> ipc -> RemoteDataZMQ
-- ``relay``:    PUSH -> tcp -> ``zmq.proxy`` (PULL/PUSH, own process) -> ipc -> PULL
-- ``direct``:   PUSH -> tcp -> PULL
+- ``feedline``:  ``feedline producer`` -> tcp -> ``feedline broker`` -> ipc -> RemoteDataZMQ
+- ``before``:    the same with another checkout of feedline (``--before DIR``): the code as
+                 it was, measured in the same run (a change must not make this slower)
+- ``relay``:     PUSH -> tcp -> ``zmq.proxy`` (PULL/PUSH, own process) -> ipc -> PULL
+- ``raw``:       PUSH -> tcp -> PULL, one hop, the cheapest framing there is
+- ``tensorpack``: tensorpack's ``send_dataflow_zmq`` -> tcp -> its ``RemoteDataZMQ`` (msgpack)
 
-The consumer turns every batch into numpy views (np.frombuffer) and touches nothing else.
-Rounds alternate between the three; the report gives medians and ratios to the relay.
+The consumers turn every batch into numpy arrays (views where the library gives views) and
+touch nothing else. Rounds alternate between the variants; the report gives medians and the
+ratios of each to the relay and to raw.
 
-    python benchmarks/transport.py --rounds 3 --seconds 5
+    python benchmarks/transport.py --rounds 3 --seconds 5 [--before ../feedline-old]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import yaml
-import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from consumer import RemoteDataZMQ  # noqa: E402
-from feedline.procs import Child, Daemon, free_port, wait_for  # noqa: E402
+from feedline.procs import Child, free_port, wait_for  # noqa: E402
 
-HWM = 4  # plain ZeroMQ queues as deep as feedline's credit window, so memory is comparable
+HWM = 4  # plain ZeroMQ queues as deep as feedline's credit windows, so memory is comparable
 
 SENDER = textwrap.dedent("""
     import sys, numpy as np, zmq
@@ -60,93 +66,142 @@ RELAY = textwrap.dedent("""
     zmq.proxy(front, back)
 """)
 
+TP_SENDER = textwrap.dedent("""
+    import sys, numpy as np
+    from tensorpack.dataflow import DataFlow
+    from tensorpack.dataflow.remote import send_dataflow_zmq
+    addr, n, side = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    class Const(DataFlow):
+        def __iter__(self):
+            images = np.zeros((n, side, side, 3), np.uint8)
+            labels = np.zeros(n, np.int32)
+            while True:
+                yield [images, labels]
+    send_dataflow_zmq(Const(), addr, hwm=4)
+""")
 
-def _consume_plain(sock: zmq.Socket, n: int, side: int, seconds: float) -> tuple[int, float]:
-    def one() -> int:
-        frames = sock.recv_multipart(copy=False)
-        images = np.frombuffer(frames[1].buffer, np.uint8).reshape(n, side, side, 3)
-        labels = np.frombuffer(frames[2].buffer, np.int32)
-        return images.nbytes + labels.nbytes
-
+# The measuring consumers: run in their own process, print {"bytes": B, "seconds": S}.
+CONSUMER = textwrap.dedent("""
+    import json, sys, time
+    kind, addr, n, side, seconds = sys.argv[1:6]
+    n, side, seconds = int(n), int(side), float(seconds)
+    if kind == "feedline":
+        from consumer import RemoteDataZMQ
+        src = RemoteDataZMQ(addr, timeout=60)
+        it = iter(src)
+        def one():
+            images, labels = next(it)
+            return images.nbytes + labels.nbytes
+    elif kind == "tensorpack":
+        from tensorpack.dataflow.remote import RemoteDataZMQ as TPRemote
+        src = TPRemote(addr, hwm=4)
+        src.reset_state()
+        it = iter(src)
+        def one():
+            images, labels = next(it)
+            return images.nbytes + labels.nbytes
+    else:
+        import numpy as np, zmq
+        sock = zmq.Context().socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 4)
+        (sock.bind if kind == "plain-bind" else sock.connect)(addr)
+        def one():
+            f = sock.recv_multipart(copy=False)
+            a = np.frombuffer(f[1].buffer, np.uint8).reshape(n, side, side, 3)
+            b = np.frombuffer(f[2].buffer, np.int32)
+            return a.nbytes + b.nbytes
     for _ in range(10):  # warm up: connections made, pipes full
         one()
     count, nbytes, t0 = 0, 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         nbytes += one()
         count += 1
-    return nbytes, time.perf_counter() - t0
+    print(json.dumps({"bytes": nbytes, "seconds": time.perf_counter() - t0}), flush=True)
+    import os
+    os._exit(0)
+""")
 
 
-def run_direct(work: Path, n: int, side: int, seconds: float) -> float:
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, HWM)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    argv = [f"tcp://127.0.0.1:{port}", str(n), str(side), str(HWM)]
-    sender = python_child(SENDER, argv, work / "s.log")
-    try:
-        nbytes, dt = _consume_plain(pull, n, side, seconds)
-    finally:
-        sender.stop()
-        pull.close(0)
-        ctx.term()
-    return nbytes / dt / 1e9
+class Run:
+    """One variant's processes in a work directory; :meth:`measure` returns GB/s."""
+
+    def __init__(self, work: Path, n: int, side: int, seconds: float) -> None:
+        self.work, self.n, self.side, self.seconds = work, n, side, seconds
+        self.children: list[Child] = []
+
+    def child(self, argv: list[str], name: str, tree: Path = ROOT) -> Child:
+        env = {"PYTHONPATH": str(tree), "TF_CPP_MIN_LOG_LEVEL": "3",
+               "TENSORPACK_SERIALIZE": "msgpack"}
+        # cwd: ``python -m`` puts the working directory first on the path; the tree measured
+        # must be the one on PYTHONPATH, not whatever checkout we were started from.
+        c = Child(argv, self.work / f"{name}.log", env=env, cwd=self.work)
+        self.children.append(c)
+        return c
+
+    def python(self, script: str, args: list[str], name: str, tree: Path = ROOT) -> Child:
+        return self.child([sys.executable, "-c", script, *args], name, tree)
+
+    def consume(self, kind: str, addr: str, tree: Path = ROOT) -> float:
+        env = {**os.environ, "PYTHONPATH": str(tree), "TF_CPP_MIN_LOG_LEVEL": "3",
+               "TENSORPACK_SERIALIZE": "msgpack"}
+        out = subprocess.run([sys.executable, "-c", CONSUMER, kind, addr, str(self.n),
+                              str(self.side), str(self.seconds)], env=env, cwd=self.work,
+                             capture_output=True, text=True, timeout=self.seconds + 120)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        if not lines:
+            raise RuntimeError(f"{kind} consumer failed: {out.stderr[-2000:]}")
+        r = json.loads(lines[-1])
+        return float(r["bytes"] / r["seconds"] / 1e9)
+
+    def close(self) -> None:
+        for c in reversed(self.children):
+            c.stop(timeout=5)
 
 
-def run_relay(work: Path, n: int, side: int, seconds: float) -> float:
-    front = f"tcp://127.0.0.1:{free_port()}"
-    back = f"ipc://{work}/relay.sock"
-    relay = python_child(RELAY, [front, back, str(HWM)], work / "relay.log")
-    sender = python_child(SENDER, [front, str(n), str(side), str(HWM)], work / "s.log")
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, HWM)
-    pull.connect(back)
-    try:
-        nbytes, dt = _consume_plain(pull, n, side, seconds)
-    finally:
-        sender.stop()
-        relay.stop()
-        pull.close(0)
-        ctx.term()
-    return nbytes / dt / 1e9
-
-
-def run_feedline(work: Path, n: int, side: int, seconds: float) -> float:
+def via_broker(run: Run, tree: Path) -> float:
     ingress = f"tcp://127.0.0.1:{free_port()}"
-    egress = f"ipc://{work}/feedline.sock"
-    cfg = work / "fake.yaml"
+    egress = f"ipc://{run.work}/feedline.sock"
+    cfg = run.work / "fake.yaml"
     cfg.write_text(yaml.safe_dump({"source": {"fake": {
-        "shapes": [[n, side, side, 3], [n]], "dtypes": ["uint8", "int32"], "random": False,
-        "size": 100000}}}))
-    broker = Daemon("broker", ["--ingress", ingress, "--egress", egress, "--metrics-port", "0",
-                               "--log-level", "WARNING"], work / "broker.log")
-    prod = Daemon("producer", ["--config", str(cfg), "--broker", ingress, "--log-level",
-                               "WARNING"], work / "producer.log")
-    try:
-        wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
-        with RemoteDataZMQ(egress, timeout=60) as src:
-            it = iter(src)
-            for _ in range(10):
-                next(it)
-            count, nbytes, t0 = 0, 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                images, labels = next(it)
-                nbytes += images.nbytes + labels.nbytes
-                count += 1
-            dt = time.perf_counter() - t0
-    finally:
-        prod.stop()
-        broker.stop()
-    return nbytes / dt / 1e9
+        "shapes": [[run.n, run.side, run.side, 3], [run.n]], "dtypes": ["uint8", "int32"],
+        "random": False, "size": 100000}}}))
+    run.child([sys.executable, "-m", "broker", "--ingress", ingress, "--egress", egress,
+               "--metrics-port", "0", "--log-level", "WARNING"], "broker", tree)
+    run.child([sys.executable, "-m", "producer", "--config", str(cfg), "--broker", ingress,
+               "--log-level", "WARNING"], "producer", tree)
+    wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
+    return run.consume("feedline", egress, tree)
 
 
-def python_child(script: str, args: list[str], log_path: Path) -> Child:  # noqa: N802
-    """A child ``python -c SCRIPT ARGS`` (the plain-ZeroMQ peers)."""
-    return Child([sys.executable, "-c", script, *args], log_path)
+def relay(run: Run) -> float:
+    front = f"tcp://127.0.0.1:{free_port()}"
+    back = f"ipc://{run.work}/relay.sock"
+    run.python(RELAY, [front, back, str(HWM)], "relay")
+    run.python(SENDER, [front, str(run.n), str(run.side), str(HWM)], "sender")
+    return run.consume("plain", back)
 
 
-RUNS = {"feedline": run_feedline, "relay": run_relay, "direct": run_direct}
+def raw(run: Run) -> float:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    run.python(SENDER, [addr, str(run.n), str(run.side), str(HWM)], "sender")
+    return run.consume("plain-bind", addr)
+
+
+def tensorpack(run: Run) -> float:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    run.python(TP_SENDER, [addr, str(run.n), str(run.side)], "tp-sender")
+    return run.consume("tensorpack", addr)
+
+
+def variants(before: Path | None) -> dict[str, Callable[[Run], float]]:
+    out: dict[str, Callable[[Run], float]] = {"feedline": lambda r: via_broker(r, ROOT)}
+    if before is not None:
+        out["before"] = lambda r: via_broker(r, before)
+    out["relay"] = relay
+    out["raw"] = raw
+    if importlib.util.find_spec("tensorpack") is not None:
+        out["tensorpack"] = tensorpack
+    return out
 
 
 def main() -> None:
@@ -156,22 +211,37 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run")
     ap.add_argument("--batch", type=int, default=64, help="images per batch")
     ap.add_argument("--side", type=int, default=224, help="image side")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="another feedline checkout to measure beside this one")
+    ap.add_argument("--only", nargs="*", default=None, help="variants to run (default all)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    results: dict[str, list[float]] = {k: [] for k in RUNS}
+    runs = variants(args.before)
+    if args.only:
+        runs = {k: v for k, v in runs.items() if k in args.only}
+    results: dict[str, list[float]] = {k: [] for k in runs}
     mb = (args.batch * args.side * args.side * 3 + 4 * args.batch) / 1e6
     print(f"batches of {mb:.1f} MB, {args.rounds} rounds x {args.seconds:.0f}s per variant")
     with tempfile.TemporaryDirectory(prefix="feedline-bench-") as tmp:
         for r in range(args.rounds):
-            for name, fn in RUNS.items():
-                gbps = fn(Path(tmp), args.batch, args.side, args.seconds)
+            for name, fn in runs.items():
+                work = Path(tmp) / f"{name}-{r}"
+                work.mkdir()
+                run = Run(work, args.batch, args.side, args.seconds)
+                try:
+                    gbps = fn(run)
+                finally:
+                    run.close()
                 results[name].append(gbps)
-                print(f"  round {r + 1} {name:<9} {gbps:6.2f} GB/s  "
+                print(f"  round {r + 1} {name:<11} {gbps:6.2f} GB/s  "
                       f"{gbps * 1e3 / mb:7.1f} batches/s", flush=True)
+                time.sleep(0.5)  # let the previous round's sockets go
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"\n{'variant':<10} {'median GB/s':>12} {'batches/s':>10} {'vs relay':>9}")
+    print(f"\n{'variant':<11} {'median GB/s':>12} {'batches/s':>10} {'vs relay':>9} {'vs raw':>7}")
     for k, v in med.items():
-        print(f"{k:<10} {v:>12.2f} {v * 1e3 / mb:>10.1f} {v / med['relay']:>8.2f}x")
+        rel = f"{v / med['relay']:.2f}x" if "relay" in med else "-"
+        rawr = f"{v / med['raw']:.2f}x" if "raw" in med else "-"
+        print(f"{k:<11} {v:>12.2f} {v * 1e3 / mb:>10.1f} {rel:>9} {rawr:>7}")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results, "median": med}, indent=2))
 

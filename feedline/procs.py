@@ -92,7 +92,7 @@ class Child:
     """
 
     def __init__(self, argv: Sequence[str], log_path: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.argv = list(argv)
         self.log_path = log_path
         preexec: Any = None
@@ -101,7 +101,7 @@ class Child:
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             self.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-            preexec_fn=preexec,
+            preexec_fn=preexec, cwd=cwd,
         )
         if log_path:
             out.close()  # type: ignore[union-attr]
