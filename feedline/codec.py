@@ -7,11 +7,40 @@ which makes msgpack unpickle object arrays) cannot change it.
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+PROTOCOL_VERSION = 2
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Values are part of the protocol: never renumber. The control messages'
+    classes, fields and directions are in :mod:`feedline.messages`."""
+
+    PRODUCER_HELLO = 1
+    BATCH = 2
+    GRANT = 3
+    HEARTBEAT = 4
+    EOS = 5
+    ERROR = 6
+    RESET = 7
+    DELIVER = 8
+    BYE = 9
+    CONSUMER_HELLO = 10
+    TAKEN = 11
+    WELCOME = 12
+    REFUSED = 13
+    WANT = 14
+    REVOKE = 15
+    RETURNED = 16
+
+
+CONTAINER_LIST, CONTAINER_TUPLE, CONTAINER_DICT, CONTAINER_BARE = 0, 1, 2, 3
+
 
 try:
     from msgpack._cmsgpack import Packer as _Packer

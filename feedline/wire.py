@@ -38,199 +38,39 @@ anything else. :func:`encode_batch` applies the same limits before anything is s
 
 from __future__ import annotations
 
-import enum
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from feedline.codec import (
+    CONTAINER_BARE,
+    CONTAINER_DICT,
+    CONTAINER_LIST,
+    CONTAINER_TUPLE,
     DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
     DecodeError,
     EncodeError,
+    Kind,
     Limits,
     Unpacker,
     check_bools,
     check_dtype,
     packb,
-    sendable_dtype,
     unpackb,
 )
+from feedline.encode import ARRAY_EXT, U32, Prepared, encode_batch, prepare_batch
 from feedline.tensorpack_wire import decode_tensorpack
 
 __all__ = [
     "CONTAINER_BARE", "CONTAINER_DICT", "CONTAINER_LIST", "CONTAINER_TUPLE", "DEFAULT_LIMITS",
     "PROTOCOL_VERSION", "Batch", "DecodeError", "EncodeError", "Kind", "Limits", "Unpacker",
     "check_batch_header", "check_dtype", "check_frame_lengths", "decode_batch", "decode_header",
-    "decode_tensorpack", "encode_batch", "header_map", "packb", "unpackb",
+    "decode_tensorpack", "encode_batch", "header_map", "packb", "prepare_batch", "Prepared",
+    "unpackb",
 ]
-
-PROTOCOL_VERSION = 2
-_ARRAY_EXT = 1
-_U32 = struct.Struct(">I")
-
-
-class Kind(enum.IntEnum):
-    """Message kinds. Values are part of the protocol: never renumber. The control messages'
-    classes, fields and directions are in :mod:`feedline.messages`."""
-
-    PRODUCER_HELLO = 1
-    BATCH = 2
-    GRANT = 3
-    HEARTBEAT = 4
-    EOS = 5
-    ERROR = 6
-    RESET = 7
-    DELIVER = 8
-    BYE = 9
-    CONSUMER_HELLO = 10
-    TAKEN = 11
-    WELCOME = 12
-    REFUSED = 13
-    WANT = 14
-    REVOKE = 15
-    RETURNED = 16
-
-
-CONTAINER_LIST, CONTAINER_TUPLE, CONTAINER_DICT, CONTAINER_BARE = 0, 1, 2, 3
-
-
-# ---------------------------------------------------------------------------------- encoding
-
-
-class _Flattener:
-    """Walks a datapoint into the header's structure and the list of arrays, applying the
-    limits every receiver applies, so that a datapoint no receiver would take fails here with
-    the limit named (a refused batch would cost a credit and tell the operator less)."""
-
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
-        self.arrays: list[np.ndarray] = []
-        self.nbytes = 0
-
-    def walk(self, obj: Any, depth: int) -> Any:
-        lim = self.limits
-        if depth > lim.max_depth:
-            raise EncodeError(f"datapoint nested deeper than max_depth={lim.max_depth}")
-        if isinstance(obj, (np.ndarray, np.generic)):
-            return self._array(np.asarray(obj))
-        if isinstance(obj, (list, tuple, dict)) and len(obj) > lim.max_container_len:
-            raise EncodeError(f"a {type(obj).__name__} of {len(obj)} entries in the datapoint: "
-                              f"receivers refuse more than max_container_len="
-                              f"{lim.max_container_len} (send an array instead)")
-        if isinstance(obj, (list, tuple)):
-            return [self.walk(x, depth + 1) for x in obj]
-        if isinstance(obj, dict):
-            out = {}
-            for k, v in obj.items():
-                if not isinstance(k, str):
-                    raise EncodeError(f"dict keys must be str, got {type(k).__name__}")
-                out[k] = self.walk(v, depth + 1)
-            return out
-        if isinstance(obj, int) and not isinstance(obj, bool) and not -(2**63) <= obj < 2**64:
-            raise EncodeError(f"integer {obj} does not fit 64 bits (send an array instead)")
-        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-            return obj
-        raise EncodeError(f"cannot send a {type(obj).__name__} (arrays, scalars, str, bytes only)")
-
-    def _array(self, arr: np.ndarray) -> msgpack.ExtType:
-        lim = self.limits
-        if arr.dtype.kind not in "biufc" or not sendable_dtype(arr.dtype):
-            raise EncodeError(f"dtype {arr.dtype} ({arr.dtype.str}) cannot be sent: numeric and "
-                              "bool dtypes only, no long double (f16/c32)")
-        if arr.ndim > lim.max_ndim:
-            raise EncodeError(f"array of {arr.ndim} dims: max_ndim={lim.max_ndim}")
-        if len(self.arrays) >= lim.max_arrays:
-            raise EncodeError(f"more than max_arrays={lim.max_arrays} arrays in one datapoint")
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-        if arr.dtype.kind == "b":
-            try:
-                check_bools(arr)
-            except DecodeError:
-                raise EncodeError("a bool array holds bytes other than 0 and 1") from None
-        self.nbytes += arr.nbytes
-        if self.nbytes > lim.max_message_bytes:
-            raise EncodeError(f"the datapoint's arrays exceed max_message_bytes="
-                              f"{lim.max_message_bytes}")
-        self.arrays.append(arr)
-        return msgpack.ExtType(_ARRAY_EXT, _U32.pack(len(self.arrays) - 1))
-
-
-def _container(dp: Any) -> int:
-    if isinstance(dp, tuple):
-        return CONTAINER_TUPLE
-    if isinstance(dp, list):
-        return CONTAINER_LIST
-    if isinstance(dp, dict):
-        return CONTAINER_DICT
-    return CONTAINER_BARE
-
-
-_HEADER_SLACK = 64  # the map header, "v"/"k"/"p"/"q"/"s"/"e" and their largest values
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A datapoint checked against the limits and flattened, ready to be framed for any
-    producer session and sequence number (the I/O thread picks those when it sends).
-
-    ``wire_bytes`` is an upper bound of the message's size (header and arrays) whatever the
-    session and sequence numbers: what credit must cover.
-    """
-
-    tail: bytes  # the header's "c", "d" and "a" entries, packed once
-    arrays: tuple[np.ndarray, ...]
-    nbytes: int  # array bytes
-    wire_bytes: int
-
-    def frames(self, *, producer: bytes, session: int, seq: int, epoch: int) -> list[Any]:
-        """``[header, arrays...]``; ``producer`` is the packed producer id (:func:`packb`)."""
-        head = b"\x89" + _V_K + b"\xa1p" + producer + b"\xa1q" + packb(session) \
-            + b"\xa1s" + packb(seq) + b"\xa1e" + packb(epoch)
-        return [head + self.tail, *self.arrays]
-
-
-_V_K = packb("v") + packb(PROTOCOL_VERSION) + packb("k") + packb(int(Kind.BATCH))
-
-
-def prepare_batch(datapoint: Any, limits: Limits = DEFAULT_LIMITS,
-                  producer_id_len: int = 0) -> Prepared:
-    """Check and flatten ``datapoint``; raises :class:`EncodeError` naming the limit for
-    anything a receiver applying ``limits`` would refuse."""
-    flat = _Flattener(limits)
-    structure = flat.walk(datapoint, 0)
-    try:
-        tail = (packb("c") + packb(_container(datapoint)) + packb("d") + packb(structure)
-                + packb("a") + packb([[a.dtype.str, list(a.shape)] for a in flat.arrays]))
-    except (OverflowError, ValueError) as e:
-        raise EncodeError(f"cannot encode the datapoint: {e}") from None
-    header_bytes = len(tail) + _HEADER_SLACK + producer_id_len * 4
-    if header_bytes > limits.max_header_bytes:
-        raise EncodeError(f"the header (structure, scalars, strings and bytes inline) is "
-                          f"about {header_bytes} bytes: receivers refuse more than "
-                          f"max_header_bytes={limits.max_header_bytes} (send large values as "
-                          "arrays)")
-    return Prepared(tail, tuple(flat.arrays), flat.nbytes, flat.nbytes + header_bytes)
-
-
-def encode_batch(
-    datapoint: Any, *, producer: str, session: int, seq: int, epoch: int = 0,
-    limits: Limits = DEFAULT_LIMITS,
-) -> list[Any]:
-    """Frames for one datapoint: ``[header_bytes, array, array, ...]``.
-
-    Arrays are returned as-is (C-contiguous ones are not copied): send them with
-    ``copy=False`` and do not mutate them afterwards. Raises :class:`EncodeError`, naming the
-    limit, for anything a receiver applying ``limits`` would refuse.
-    """
-    if not 0 < len(producer) <= limits.max_id_len:
-        raise EncodeError(f"producer id must be 1..{limits.max_id_len} characters")
-    prepared = prepare_batch(datapoint, limits, len(producer))
-    return prepared.frames(producer=packb(producer), session=session, seq=seq, epoch=epoch)
 
 
 # ---------------------------------------------------------------------------------- decoding
@@ -244,9 +84,9 @@ class _ArrayRef:
 
 
 def _ext_hook(code: int, data: bytes) -> _ArrayRef:
-    if code != _ARRAY_EXT or len(data) != 4:
+    if code != ARRAY_EXT or len(data) != 4:
         raise DecodeError("bad_structure", f"unknown ext type {code}")
-    return _ArrayRef(_U32.unpack(data)[0])
+    return _ArrayRef(U32.unpack(data)[0])
 
 
 def _buffer(frame: Any) -> memoryview:
