@@ -1,0 +1,42 @@
+"""The optional C extension; everything else about the package is in pyproject.toml.
+
+``producer.image._jpegturbo`` decodes a JPEG's crop region at a DCT scale of M/8 over
+libjpeg-turbo (``jpeglib.h``). It needs a C compiler and the libjpeg-turbo headers (Debian:
+``gcc libjpeg62-turbo-dev``; Fedora: ``gcc libjpeg-turbo-devel``). Where either is missing
+the build says so and goes on: the package installs without it and OpenCV decodes instead
+(``producer.image.decoder_info()`` and ``feedline --version`` say which decoder runs).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` that drops an extension it cannot build instead of failing the install."""
+
+    def build_extensions(self) -> None:
+        for ext in list(self.extensions):
+            try:
+                self.build_extension(ext)
+            except Exception as e:  # no compiler, no headers, a link error: all the same
+                # Dropped from the list, so that nothing later (the in-place copy of an
+                # editable install, the wheel's file list) looks for its output.
+                self.extensions.remove(ext)
+                print(f"WARNING: feedline: {ext.name} not built ({type(e).__name__}: {e}); "
+                      "JPEGs will be decoded by OpenCV. Install a C compiler and the "
+                      "libjpeg-turbo headers (Debian: gcc libjpeg62-turbo-dev) and reinstall "
+                      "to build it.", file=sys.stderr)
+
+
+setup(
+    ext_modules=[
+        Extension("producer.image._jpegturbo",
+                  ["producer/image/_jpegturbo.c", "producer/image/_resample.c"],
+                  libraries=["jpeg"]),
+    ],
+    cmdclass={"build_ext": OptionalBuildExt},
+)
