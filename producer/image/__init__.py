@@ -1,9 +1,11 @@
-"""Image decoding and ImageNet augmentors (OpenCV, uint8 in and out)."""
+"""Image decoding (libjpeg-turbo's fused crop+scale where built, else OpenCV) and ImageNet
+augmentors (OpenCV, uint8 in and out)."""
 
 from producer.image.color import Brightness, ColorJitter, Contrast, Lighting, Saturation
 from producer.image.decode import CorruptImage, decode, jpeg_size, reduction_for, to_rgb
 from producer.image.geometry import CenterCrop, Flip, RandomResizedCrop, ResizeShortestEdge
 from producer.image.presets import Augment, Decode, ImageNetTrain, ImageNetVal
+from producer.image.turbo import decoder_info
 
 __all__ = [
     "Augment",
@@ -21,6 +23,7 @@ __all__ = [
     "ResizeShortestEdge",
     "Saturation",
     "decode",
+    "decoder_info",
     "jpeg_size",
     "reduction_for",
     "to_rgb",

@@ -1,10 +1,14 @@
-"""Decoding image bytes with OpenCV, at full or reduced scale.
+"""Decoding image bytes with OpenCV, at full or reduced scale; errors that name the file.
 
 libjpeg can decode a JPEG at 1/2, 1/4 or 1/8 of its size by scaling in the DCT domain
 (``cv2.IMREAD_REDUCED_COLOR_2/4/8``): several times less work than a full decode followed by a
 resize, and a proper low-pass filter. :func:`reduction_for` picks the largest factor that
 still leaves at least the pixels the caller is going to keep, so the result is only ever
 shrunk further, never enlarged: what the model sees stays equivalent.
+
+EXIF orientation is ignored (``IMREAD_IGNORE_ORIENTATION``): pixels are used as stored, as by
+tf.data, PIL and the fused decoder (:mod:`producer.image.turbo`), so a crop box drawn from the
+frame header's size fits the decoded image, and the decoders agree.
 """
 
 from __future__ import annotations
@@ -16,14 +20,33 @@ import numpy as np
 
 from producer.dataflow.errors import SampleError
 
-_FLAGS = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
-          8: cv2.IMREAD_REDUCED_COLOR_8}
+_FLAGS = {r: f | cv2.IMREAD_IGNORE_ORIENTATION for r, f in [
+    (1, cv2.IMREAD_COLOR), (2, cv2.IMREAD_REDUCED_COLOR_2), (4, cv2.IMREAD_REDUCED_COLOR_4),
+    (8, cv2.IMREAD_REDUCED_COLOR_8)]}
+# The largest width x height decoded (a 9500x7100 photo): a few hundred bytes can declare a
+# 65535x65535 JPEG, and OpenCV's own limit (2**30 pixels) is a 3 GB image.
+MAX_PIXELS = 1 << 26
 # SOFn markers that carry the frame size (not DHT C4, JPG C8, DAC CC).
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 
 
 class CorruptImage(SampleError):
-    """The bytes are not a decodable image."""
+    """The bytes are not a decodable image; the message starts with the file's path when the
+    data came from a file (see :func:`name_of`)."""
+
+
+def name_of(data: Any) -> str:
+    """How an error names the image ``data`` came from: the path it carries (a path string,
+    or the ``path`` of :class:`~producer.dataflow.image_folder.FileBytes`), else its size in
+    bytes."""
+    if isinstance(data, str):
+        return data
+    path = getattr(data, "path", None)
+    if path:
+        return str(path)
+    size = getattr(data, "size", None) if isinstance(data, np.ndarray) else \
+        len(data) if isinstance(data, (bytes, bytearray, memoryview)) else None
+    return f"{size} bytes" if size is not None else "image"
 
 
 def as_buffer(data: Any) -> np.ndarray:
@@ -79,20 +102,39 @@ def reduction_for(src_hw: tuple[int, int], keep_hw: tuple[float, float],
     return 1
 
 
-def decode(data: Any, reduce: int = 1) -> np.ndarray:
+def declared_size(buf: np.ndarray) -> tuple[int, int] | None:
+    """``(height, width)`` a JPEG's frame header or a PNG's IHDR declares, else None."""
+    if buf.size >= 24 and buf[:8].tobytes() == b"\x89PNG\r\n\x1a\n":
+        w, h = int.from_bytes(buf[16:20].tobytes(), "big"), int.from_bytes(buf[20:24].tobytes(),
+                                                                           "big")
+        return h, w
+    return jpeg_size(buf)
+
+
+def decode(data: Any, reduce: int = 1, source: Any = None,
+           max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """Decode to an HxWx3 uint8 BGR array (OpenCV's order), at ``1/reduce`` scale.
 
     A reduced image is ``ceil(h / reduce) x ceil(w / reduce)``. Raises
-    :class:`CorruptImage` (a :class:`SampleError`: skippable) if the bytes do not decode.
+    :class:`CorruptImage` (a :class:`SampleError`: skippable) if the bytes do not decode or
+    declare more than ``max_pixels`` (JPEG and PNG; checked before anything is allocated),
+    naming the file of ``source`` (or of ``data``; see :func:`name_of`).
     """
     if reduce not in _FLAGS:
         raise ValueError(f"reduce must be 1, 2, 4 or 8, got {reduce!r}")
     buf = as_buffer(data)
+    src = data if source is None else source
     if buf.size == 0:
-        raise CorruptImage("empty image")
+        raise CorruptImage(f"{name_of(src)}: empty image")
+    hw = declared_size(buf)
+    if hw is not None and hw[0] * hw[1] > max_pixels:
+        raise CorruptImage(f"{name_of(src)}: declares {hw[1]}x{hw[0]} pixels, over the limit "
+                           f"of {max_pixels}")
     img = cv2.imdecode(buf, _FLAGS[reduce])
     if img is None:
-        raise CorruptImage(f"cannot decode {buf.size} bytes as an image")
+        where = name_of(src)
+        what = where if where.endswith(" bytes") else f"{where} ({buf.size} bytes)"
+        raise CorruptImage(f"cannot decode {what} as an image")
     return img
 
 
