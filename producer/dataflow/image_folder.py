@@ -15,6 +15,26 @@ from producer.dataflow.worker import make_rng
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 
+class FileBytes(np.ndarray):
+    """A file's bytes as a 1-D uint8 array that remembers the file's ``path``, so that a
+    decoder's error can name it. Pickles (to worker processes) as the plain array, out of
+    band, plus the path."""
+
+    path: str
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.path = getattr(obj, "path", "")
+
+    def __reduce__(self) -> tuple:
+        return _file_bytes, (self.view(np.ndarray), self.path)
+
+
+def _file_bytes(data: np.ndarray, path: str) -> FileBytes:
+    out = data.view(FileBytes)
+    out.path = path
+    return out
+
+
 def scan_folder(root: str | Path, extensions: Sequence[str] = IMAGE_EXTENSIONS,
                 ) -> tuple[list[str], list[int], list[str]]:
     """``root/<class>/<file>`` -> (paths, labels, class names); classes sorted by name.
@@ -101,7 +121,7 @@ class ImageFolder(DataFlow):
             path = self.paths[i]
             if self.read:
                 with open(path, "rb") as f:
-                    data: object = np.frombuffer(f.read(), np.uint8)
+                    data: object = _file_bytes(np.frombuffer(f.read(), np.uint8), path)
             else:
                 data = path
             yield [data, self.labels[i]]
