@@ -41,3 +41,142 @@ def make_folder(root: Path, classes: int = 3, per_class: int = 4, seed: int = 0,
             paths.append(p)
             i += 1
     return paths
+
+
+# ------------------------------------------------------------------ JPEG files of every kind
+# For tests/test_jpeg_*.py: real photos encoded in each JPEG variant, and hostile edits of
+# them. A JPEG is walked as segments; a scan (SOS) runs to the next marker that is not a
+# restart (RSTn) or a stuffed 0xFF00.
+
+
+def photo(h: int, w: int, index: int = 0) -> np.ndarray:
+    """An ``h x w`` BGR crop of one of scikit-image's photographs (real texture and edges,
+    for quality measurements), enlarged with bicubic interpolation where the photo is
+    smaller."""
+    from producer.demo_data import load_photos
+
+    photos = load_photos()
+    src = photos[sorted(photos)[index % len(photos)]]
+    scale = max(h / src.shape[0], w / src.shape[1], 1.0)
+    if scale > 1.0:
+        src = cv2.resize(src, (round(src.shape[1] * scale) + 1, round(src.shape[0] * scale) + 1),
+                         interpolation=cv2.INTER_CUBIC)
+    y0, x0 = (src.shape[0] - h) // 2, (src.shape[1] - w) // 2
+    return np.ascontiguousarray(src[y0:y0 + h, x0:x0 + w])
+
+
+SAMPLING = {"444": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444,
+            "422": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_422,
+            "420": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420,
+            "411": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_411,
+            "440": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_440}
+
+
+def encode(img: np.ndarray, quality: int = 90, sampling: str = "420",
+           progressive: bool = False, restart: int = 0) -> bytes:
+    """``img`` (BGR, or 2-D grey) as a JPEG with OpenCV's encoder (libjpeg-turbo)."""
+    params = [cv2.IMWRITE_JPEG_QUALITY, quality, cv2.IMWRITE_JPEG_PROGRESSIVE, int(progressive),
+              cv2.IMWRITE_JPEG_RST_INTERVAL, restart]
+    if img.ndim == 3:
+        params += [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, SAMPLING[sampling]]
+    ok, enc = cv2.imencode(".jpg", img, params)
+    assert ok
+    return enc.tobytes()
+
+
+def segments(jpeg: bytes) -> list[tuple[int, int, int]]:
+    """``(marker, start, end)`` of each segment; a scan's end includes its coded data."""
+    out, i = [(0xD8, 0, 2)], 2
+    while i + 4 <= len(jpeg):
+        assert jpeg[i] == 0xFF, f"no marker at {i}"
+        marker = jpeg[i + 1]
+        if marker == 0xD9:
+            out.append((marker, i, i + 2))
+            break
+        end = i + 2 + int.from_bytes(jpeg[i + 2:i + 4], "big")
+        if marker == 0xDA:
+            while end + 1 < len(jpeg) and not (jpeg[end] == 0xFF and jpeg[end + 1] not in (
+                    0x00, *range(0xD0, 0xD8))):
+                end += 1
+        out.append((marker, i, end))
+        i = end
+    return out
+
+
+def scan_data(jpeg: bytes) -> tuple[int, int]:
+    """``(start, end)`` of the first scan's entropy-coded data."""
+    for marker, start, end in segments(jpeg):
+        if marker == 0xDA:
+            return start + 2 + int.from_bytes(jpeg[start + 2:start + 4], "big"), end
+    raise AssertionError("no scan")
+
+
+def with_size(jpeg: bytes, h: int, w: int) -> bytes:
+    """The same file with its frame header declaring ``h x w``."""
+    for marker, start, _ in segments(jpeg):
+        if marker in (0xC0, 0xC1, 0xC2):
+            b = bytearray(jpeg)
+            b[start + 5:start + 9] = h.to_bytes(2, "big") + w.to_bytes(2, "big")
+            return bytes(b)
+    raise AssertionError("no frame header")
+
+
+def corrupt_scan(jpeg: bytes, seed: int = 0, count: int = 16) -> bytes:
+    """``count`` random bytes of the first scan's data overwritten (never with 0xFF, so the
+    markers stay where they were): garbage Huffman codes."""
+    rng = np.random.default_rng(seed)
+    start, end = scan_data(jpeg)
+    b = bytearray(jpeg)
+    for pos in rng.integers(start + (end - start) // 8, end, count):
+        b[pos] = int(rng.integers(0, 0xFF))
+    return bytes(b)
+
+
+def many_scans(progressive: bytes, count: int) -> bytes:
+    """A progressive file with its smallest first AC scan repeated until there are ``count``
+    scans (a repeated first scan sets the same coefficients again: valid data, one more pass
+    over the coefficients each)."""
+    segs = segments(progressive)
+    scans = [seg for seg in segs if seg[0] == 0xDA]
+
+    def first_ac(seg: tuple[int, int, int]) -> bool:
+        hdr_end = seg[1] + 2 + int.from_bytes(progressive[seg[1] + 2:seg[1] + 4], "big")
+        ss, ah = progressive[hdr_end - 3], progressive[hdr_end - 1] >> 4
+        return ss > 0 and ah == 0
+
+    pick = min((seg for seg in scans if first_ac(seg)), key=lambda seg: seg[2] - seg[1])
+    extra = progressive[pick[1]:pick[2]] * max(0, count - len(scans))
+    return progressive[:scans[-1][2]] + extra + b"\xff\xd9"
+
+
+def with_exif_orientation(img: np.ndarray, orientation: int = 6) -> bytes:
+    """A JPEG carrying an EXIF orientation tag (6: display rotated 90 degrees clockwise)."""
+    import io
+
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    Image.fromarray(img[..., ::-1]).save(out, "JPEG", quality=90, exif=exif.tobytes())
+    return out.getvalue()
+
+
+def cmyk(img: np.ndarray, ycck: bool = False) -> bytes:
+    """An Adobe CMYK JPEG (PIL's encoder); ``ycck`` marks it as YCCK (Adobe transform 2), so
+    the same data is read through the YCCK path."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(img[..., ::-1]).convert("CMYK").save(out, "JPEG", quality=90)
+    data = out.getvalue()
+    if not ycck:
+        return data
+    for marker, start, _ in segments(data):
+        if marker == 0xEE:  # APP14 "Adobe": version, flags0, flags1, transform
+            b = bytearray(data)
+            b[start + 4 + 11] = 2
+            return bytes(b)
+    raise AssertionError("no Adobe marker")
