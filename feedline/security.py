@@ -273,7 +273,7 @@ class Authenticator:
 
     def __init__(self, ctx: zmq.Context, allowed: frozenset[bytes],
                  on_denied: Callable[[str, str], None] | None = None,
-                 log_interval: float = 5.0) -> None:
+                 log_interval: float = 60.0) -> None:
         self._auth = _ZapHandler(ctx, on_denied, RateLimitedLog(log, log_interval))
         self._auth.start()
         # The key set is given in memory (the files were checked at load): the handler then

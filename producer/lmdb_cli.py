@@ -60,7 +60,9 @@ def build(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     except (OSError, ValueError) as e:
-        print(f"feedline lmdb build: {e}; nothing was written to {args.out}", file=sys.stderr)
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else e
+        print(f"feedline lmdb build: {what}; nothing was written to {args.out} (fix or remove "
+              "that file and run again)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"feedline lmdb build: interrupted; nothing was written to {args.out}",
