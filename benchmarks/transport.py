@@ -4,6 +4,8 @@ Ways to move constant 64x224x224x3 uint8 batches with int32 labels from a produc
 a consumer process (each side its own process, every variant the same):
 
 - ``feedline``:  ``feedline producer`` -> tcp -> ``feedline broker`` -> ipc -> RemoteDataZMQ
+- ``direct``:    ``feedline producer`` -> tcp -> ``RemoteDataZMQ(bind=True)``: the trainer
+                 serves its producers, one hop (direct mode)
 - ``before``:    the same with another checkout of feedline (``--before DIR``): the code as
                  it was, measured in the same run (a change must not make this slower)
 - ``relay``:     PUSH -> tcp -> ``zmq.proxy`` (PULL/PUSH, own process) -> ipc -> PULL
@@ -85,9 +87,12 @@ CONSUMER = textwrap.dedent("""
     import json, sys, time
     kind, addr, n, side, seconds = sys.argv[1:6]
     n, side, seconds = int(n), int(side), float(seconds)
-    if kind == "feedline":
+    if kind in ("feedline", "feedline-direct"):
         from consumer import RemoteDataZMQ
-        src = RemoteDataZMQ(addr, timeout=60)
+        # Direct mode: its window is every batch in flight (queued here or granted); plain
+        # ZeroMQ holds HWM batches at each end: the same depth is 2 x HWM.
+        window = 2 * 4 if kind == "feedline-direct" else 4
+        src = RemoteDataZMQ(addr, timeout=60, window=window, bind=kind == "feedline-direct")
         it = iter(src)
         def one():
             images, labels = next(it)
@@ -173,6 +178,17 @@ def via_broker(run: Run, tree: Path) -> float:
     return run.consume("feedline", egress, tree)
 
 
+def direct(run: Run) -> float:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    cfg = run.work / "fake.yaml"
+    cfg.write_text(yaml.safe_dump({"source": {"fake": {
+        "shapes": [[run.n, run.side, run.side, 3], [run.n]], "dtypes": ["uint8", "int32"],
+        "random": False, "size": 100000}}}))
+    run.child([sys.executable, "-m", "producer", "--config", str(cfg), "--broker", addr,
+               "--log-level", "WARNING"], "producer")
+    return run.consume("feedline-direct", addr)
+
+
 def relay(run: Run) -> float:
     front = f"tcp://127.0.0.1:{free_port()}"
     back = f"ipc://{run.work}/relay.sock"
@@ -197,6 +213,7 @@ def variants(before: Path | None) -> dict[str, Callable[[Run], float]]:
     out: dict[str, Callable[[Run], float]] = {"feedline": lambda r: via_broker(r, ROOT)}
     if before is not None:
         out["before"] = lambda r: via_broker(r, before)
+    out["direct"] = direct
     out["relay"] = relay
     out["raw"] = raw
     if importlib.util.find_spec("tensorpack") is not None:

@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from feedline.wire import Batch
+
 
 @dataclass
 class Held:
@@ -21,6 +23,7 @@ class Held:
     session: int
     gap: int  # batches of its session lost upstream since the previous one
     broadcast: bool = False  # EOS / ERROR: to every consumer of the stream, in order
+    batch: Batch | None = None  # decoded (views on the frames), for a sink that wants it
 
 
 class Buffer:

@@ -57,6 +57,7 @@ class IngressConfig:
     producer_window: int
     credit_lease: float
     capacity: int  # registered producers, at most
+    stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
 
 
 @dataclass
@@ -158,6 +159,11 @@ class ProducerSide:
             self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
                                            limit=self.producers.capacity))
             raise DecodeError("too_many_peers", f"producer {msg.producer}")
+        if self.cfg.stream is not None and msg.stream != self.cfg.stream:
+            self._control(ident, m.Refused(
+                broker=self.instance, reason="wrong_stream",
+                detail=f"this trainer takes stream {self.cfg.stream!r}, not {msg.stream!r}"))
+            raise DecodeError("wrong_stream", f"producer {msg.producer}: {msg.stream}")
         label = self.metrics.producer_label.acquire(msg.producer)
         fd, ino = connection(fd)
         p = Producer(ident=ident, name=msg.producer, session=msg.session,
@@ -204,7 +210,8 @@ class ProducerSide:
         gap, p.pending_gap = gap + p.pending_gap, 0  # consumers hear of both with this batch
         self.metrics.received_batches.labels(p.label).inc()
         self.metrics.received_bytes.labels(p.label).inc(batch.nbytes)
-        self.sink.accept(p.stream, Held(list(frames), nbytes, batch.nbytes, p.session, gap))
+        self.sink.accept(p.stream, Held(list(frames), nbytes, batch.nbytes, p.session, gap,
+                                        batch=batch))
 
     def _charge(self, p: Producer, nbytes: int, now: float) -> None:
         """Count a batch against its producer's credit; cut off one that had none left."""

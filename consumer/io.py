@@ -46,6 +46,7 @@ class ProducerStats:
 class Delivery:
     registration: int  # the registration it was delivered under (credit counts per one)
     batch: wire.Batch
+    nbytes: int = 0  # its wire size: what this process's byte budget counts
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Shared:
         self.lock = threading.Lock()
         self.registration = 0  # the current one (set by the I/O thread)
         self.taken = 0  # batches of the current registration the model took
+        self.queued_bytes = 0  # wire bytes of the deliveries waiting in the queue
         self.stats: dict[str, ProducerStats] = {}
         self.closed = False
         self.answered = False  # a broker has accepted a registration of ours
@@ -87,10 +89,11 @@ class Shared:
         return Shared(self.consumer_id, self.session, self.window, self.max_bytes,
                       self.stream, self.on_error, self.registry, self.metrics)
 
-    def took(self, registration: int) -> None:
+    def took(self, item: Delivery) -> None:
         """Called by the iterating thread for each batch the model takes."""
         with self.lock:
-            if registration == self.registration:
+            self.queued_bytes -= item.nbytes
+            if item.registration == self.registration:
                 self.taken += 1
         if self.waker is not None:
             self.waker.wake()
@@ -138,6 +141,12 @@ class ConsumerIO:
         self.shared.metrics.rejected.labels(reason).inc()
 
     # -- the loop's callbacks -----------------------------------------------------------
+    def sockets(self) -> list[zmq.Socket]:
+        return []
+
+    def on_ready(self, ready: list[zmq.Socket]) -> None:
+        pass
+
     def links(self) -> list[Link]:
         return [self.link]
 
@@ -185,12 +194,19 @@ class ConsumerIO:
         # Tagged with the registration it was delivered under: a batch of an earlier one
         # (still in the pipe when we registered again) is data all the same, but its credit
         # belongs to a registration the broker no longer counts.
-        self._put(Delivery(env.registration or self.link.registration, batch), counts=True)
+        self._put(Delivery(env.registration or self.link.registration, batch,
+                           batch.wire_bytes), counts=True)
 
     def _put(self, item: Any, counts: bool) -> None:
         try:
+            if isinstance(item, Delivery):
+                with self.shared.lock:
+                    self.shared.queued_bytes += item.nbytes
             self.shared.queue.put_nowait(item)
         except queue.Full:  # only if the broker ignored our window
+            if isinstance(item, Delivery):
+                with self.shared.lock:
+                    self.shared.queued_bytes -= item.nbytes
             self._count_reject("over_window")
             if counts:
                 self._refused += 1

@@ -30,14 +30,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
 from prometheus_client import CollectorRegistry
 
+from broker.metrics import BrokerMetrics
+from consumer.direct import DirectConfig, DirectIO
 from consumer.io import ConsumerIO, Delivery, Marker, ProducerStats, Shared
+from feedline import security
 from feedline.client import ClientLoop, Waker
 from feedline.errors import FeedlineError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.messages import DEFAULT_STREAM
-from feedline.security import ClientKeys
+from feedline.security import ClientKeys, ServerKeys
 
 __all__ = ["ConsumerConfig", "ProducerStats", "RemoteDataZMQ"]
 
@@ -69,6 +73,12 @@ class RemoteDataZMQ:
     ``feedline.security.ClientKeys.load("trainer.key_secret", "broker.key")``.
     ``stream``: the named stream to receive (producers declare theirs).
 
+    ``bind=True`` (direct mode, as tensorpack's RemoteDataZMQ binds): this process serves its
+    producers itself at ``addr``, no broker, one network hop (:mod:`consumer.direct`);
+    ``curve`` is then this trainer's :class:`~feedline.security.ServerKeys`, required on a
+    non-loopback address unless ``insecure=True``; ``direct`` tunes the producers' window,
+    the credit lease and a tensorpack ingress.
+
     Iteration ends with :class:`ReceiveTimeout`, :class:`ProducerError`, a
     :class:`FeedlineError` if the I/O thread failed, or ``StopIteration`` once
     :meth:`close` was called (from any thread).
@@ -86,8 +96,11 @@ class RemoteDataZMQ:
         on_error: str = "raise",
         link: LinkConfig | None = None,
         registry: CollectorRegistry | None = None,
-        curve: ClientKeys | None = None,
+        curve: ClientKeys | ServerKeys | None = None,
         stream: str = DEFAULT_STREAM,
+        bind: bool = False,
+        direct: DirectConfig | None = None,
+        insecure: bool = False,
     ) -> None:
         link = link or LinkConfig()
         if not 0 < window <= link.limits.max_window:
@@ -100,11 +113,27 @@ class RemoteDataZMQ:
         self.config = ConsumerConfig(window, max_bytes or ConsumerConfig.max_bytes, stream)
         self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.return_meta, self.on_error = return_meta, on_error
-        self.link_config, self.curve = link, curve
+        self.link_config, self.curve, self.bind = link, curve, bind
+        self.direct = direct or DirectConfig()
+        if bind:
+            if curve is not None and not isinstance(curve, ServerKeys):
+                raise TypeError("bind=True serves producers: curve= takes this trainer's "
+                                "ServerKeys (its key pair and the allowed producer keys)")
+            exposed = security.exposed([addr, self.direct.tensorpack])
+            if curve is None and exposed and not insecure:
+                raise ValueError(
+                    f"refusing to serve producers on {', '.join(exposed)} without CURVE keys: "
+                    "anyone who reaches it could inject training data. Pass curve="
+                    "ServerKeys.load(secret, allowed_dir), bind 127.0.0.1 / ipc://, or "
+                    "insecure=True on a network you trust")
+        elif curve is not None and not isinstance(curve, ClientKeys):
+            raise TypeError("curve= takes this process's ClientKeys (or ServerKeys with bind)")
         self._shared = Shared(self.consumer_id, random.getrandbits(62), self.config.window,
                               self.config.max_bytes, stream, on_error,
                               registry if registry is not None else CollectorRegistry())
         self.metrics = self._shared.metrics
+        # Direct mode serves producers as a broker does, with the broker's metrics.
+        self.serving_metrics = BrokerMetrics(self._shared.registry) if bind else None
         self._io: ClientLoop | None = None
         self._lock = threading.Lock()
         # Dropped without close(): stop the I/O thread (signal only; it ends by itself).
@@ -127,7 +156,7 @@ class RemoteDataZMQ:
             if isinstance(item, Marker):
                 raise item.exc
             assert isinstance(item, Delivery)
-            shared.took(item.registration)
+            shared.took(item)
             yield item.batch if self.return_meta else item.batch.datapoint
 
     def close(self) -> None:
@@ -162,8 +191,19 @@ class RemoteDataZMQ:
             waker = Waker()
             shared.waker = waker
             addr, cfg, curve = self.addr, self.link_config, self.curve
-            io = ClientLoop("feedline-consumer-io",
-                            lambda ctx: ConsumerIO(ctx, addr, cfg, curve, shared), waker)
+            if self.bind:
+                keys = curve if isinstance(curve, ServerKeys) else None
+                direct, metrics = self.direct, self.serving_metrics
+                assert metrics is not None
+
+                def make(ctx: zmq.Context) -> Any:
+                    return DirectIO(ctx, addr, cfg, keys, shared, direct, metrics)
+            else:
+                client = curve if isinstance(curve, ClientKeys) else None
+
+                def make(ctx: zmq.Context) -> Any:
+                    return ConsumerIO(ctx, addr, cfg, client, shared)
+            io = ClientLoop("feedline-consumer-io", make, waker)
             shared.loop = io
             self._io = io
         io.start()

@@ -73,6 +73,14 @@ class Role(Protocol):
 
     def links(self) -> list[Link]: ...
 
+    def sockets(self) -> list[zmq.Socket]:
+        """Sockets of its own to poll besides the links' (a direct-mode trainer's ROUTER)."""
+        ...
+
+    def on_ready(self, ready: list[zmq.Socket]) -> None:
+        """Some of :meth:`sockets` have messages."""
+        ...
+
     def on_message(self, link: Link, msg: m.Message, frames: list[zmq.Frame]) -> None: ...
 
     def on_wake(self) -> None: ...
@@ -142,10 +150,16 @@ class ClientLoop:
             for link in links:
                 for sock in link.poll_sockets():
                     poller.register(sock, zmq.POLLIN)
-            timeout = min((link.poll_timeout_ms() for link in links), default=500)
+            own = role.sockets()
+            for sock in own:
+                poller.register(sock, zmq.POLLIN)
+            timeout = min((link.poll_timeout_ms() for link in links), default=100)
             events = dict(poller.poll(timeout))
             if self.waker.fileno() in events:
                 self.waker.drain()
+            ready = [s for s in own if s in events]
+            if ready:
+                role.on_ready(ready)
             role.on_wake()
             for link in links:
                 if any(s in events for s in link.poll_sockets()):

@@ -141,6 +141,12 @@ class ProducerIO:
         return holder[0]
 
     # -- the loop's callbacks -----------------------------------------------------------
+    def sockets(self) -> list[zmq.Socket]:
+        return []
+
+    def on_ready(self, ready: list[zmq.Socket]) -> None:
+        pass
+
     def links(self) -> list[Link]:
         return [ch.link for ch in self.channels]
 
