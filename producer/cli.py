@@ -28,6 +28,7 @@ from producer.pipeline import ConfigError, build_pipeline, load_config, pipeline
 from producer.sender import send_dataflow
 
 log = logging.getLogger(__name__)
+DEFAULT_BROKER = "tcp://127.0.0.1:7878"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default=None, metavar="PATH",
                    help="the dataset: replaces the pipeline's image_folder root or lmdb path "
                    "(default: the path in the pipeline file)")
-    p.add_argument("--broker", default="tcp://127.0.0.1:7878", help="the broker's ingress")
+    p.add_argument("--broker", action="append", default=None, metavar="ADDR",
+                   help="the broker's ingress, or a direct-mode trainer's address (default: "
+                   f"{DEFAULT_BROKER}); repeat it to serve several training hosts, or give a "
+                   "DNS name that resolves to several (resolved again every 30 s): each batch "
+                   "goes to one of them, by credit")
     p.add_argument("--id", default=None, help="producer id (default: hostname-pid)")
     p.add_argument("--epochs", type=int, default=None,
                    help="passes over the dataset, then exit (default: forever, or the "
@@ -87,8 +92,9 @@ def with_data(cfg: dict, data: str | None) -> dict:
         return cfg
     source = cfg.get("source")
     if not (isinstance(source, dict) and len(source) == 1 and next(iter(source)) in DATA_ARGS):
-        raise ConfigError(f"--data {data}: the pipeline's source is {source!r}, which reads no "
-                          f"dataset path (--data works with {', '.join(DATA_ARGS)})")
+        kind = ", ".join(source) if isinstance(source, dict) else "factory"
+        raise ConfigError(f"--data {data}: the pipeline's source ({kind}) reads no dataset "
+                          f"path; --data works with {' and '.join(DATA_ARGS)} sources")
     kind = next(iter(source))
     return {**cfg, "source": {kind: {**(source[kind] or {}), DATA_ARGS[kind]: data}}}
 
@@ -99,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     temporary directories are gone when this returns, whatever ended it."""
     setup_logging(args.log_level)
     try:
-        endpoints.check_connect(args.broker, "--broker")
+        args.broker = args.broker or [DEFAULT_BROKER]
+        for addr in args.broker:
+            endpoints.check_connect(addr, "--broker")
         if args.metrics_port:
             endpoints.check_port(args.metrics_port, args.metrics_addr)
     except endpoints.AddressError as e:
@@ -137,7 +145,8 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
     # The start-up line: what this process is and where it sends (off with --log-level
     # WARNING).
     log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream default, "
-             "%s", __version__, producer_id, args.broker, args.config, decoder_info(),
+             "%s", __version__, producer_id, ", ".join(args.broker), args.config,
+             decoder_info(),
              "epochs forever" if epochs is None else f"{epochs} epoch(s)")
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)

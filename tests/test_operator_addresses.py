@@ -210,3 +210,8 @@ def test_remove_ipc_removes_only_our_own_socket_file(tmp_path):
         assert endpoints.remove_ipc(addr, endpoints.ipc_owner(addr)) and not path.exists()
     finally:
         theirs.close()
+
+
+def test_producer_data_on_a_source_without_a_path_is_one_line(pipeline):
+    r = feedline("producer", "--config", str(pipeline), "--data", "/srv/imagenet")
+    one_line_failure(r, "--data /srv/imagenet", "(fake)", "image_folder and lmdb")
