@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "config's 'epochs')")
     add_liveness_flags(p, "seconds of broker silence before reconnecting")
     add_metrics_flags(p, 0)
-    p.add_argument("--log-interval", type=float, default=10.0,
+    p.add_argument("--log-interval", type=float, default=30.0,
                    help="seconds between rate lines in the log")
     add_client_curve_flags(p, "producer")
     add_log_flags(p)
