@@ -31,6 +31,7 @@ from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
 from producer.metrics import ProducerMetrics
+from producer.targets import Targets
 
 log = logging.getLogger(__name__)
 _CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
@@ -107,15 +108,36 @@ class Channel:
 class ProducerIO:
     """The producer's role in the client loop (I/O thread only)."""
 
-    def __init__(self, ctx: zmq.Context, addrs: list[str], cfg: LinkConfig,
+    def __init__(self, ctx: zmq.Context, targets: Targets, cfg: LinkConfig,
                  curve: ClientKeys | None, outbox: Outbox) -> None:
-        self.out = outbox
+        self.out, self.targets = outbox, targets
+        self._ctx, self._cfg, self._curve = ctx, cfg, curve
         self._packed_id = wire.packb(outbox.producer_id)
         self._log = RateLimitedLog(log, interval=10.0)
-        self.channels = [self._channel(ctx, addr, cfg, curve) for addr in addrs]
+        self.channels = [self._channel(ctx, addr, cfg, curve) for addr in targets.endpoints()]
         self._head: Item | None = None
         self._control_until = 0.0
         self._rr = 0
+        self._synced = time.monotonic()
+
+    def _sync_targets(self) -> None:
+        """Follow the endpoints behind the addresses (a DNS name's hosts come and go)."""
+        now = time.monotonic()
+        if now - self._synced < 1.0:
+            return
+        self._synced = now
+        wanted = self.targets.endpoints()
+        have = {ch.link.addr: ch for ch in self.channels}
+        for ch in [c for a, c in have.items() if a not in wanted]:
+            log.info("%s: %s is gone from the targets; leaving it", self.out.producer_id,
+                     ch.link.addr)
+            ch.link.send_msg(m.Bye())
+            ch.link.close()
+            self.channels.remove(ch)
+        for addr in wanted:
+            if addr not in have:
+                log.info("%s: serving a new target %s", self.out.producer_id, addr)
+                self.channels.append(self._channel(self._ctx, addr, self._cfg, self._curve))
 
     def _channel(self, ctx: zmq.Context, addr: str, cfg: LinkConfig,
                  curve: ClientKeys | None) -> Channel:
@@ -196,6 +218,7 @@ class ProducerIO:
             self.out.idle.clear()
 
     def on_tick(self) -> None:
+        self._sync_targets()
         self.on_wake()
 
     def _send(self, item: Item) -> bool:

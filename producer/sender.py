@@ -33,6 +33,7 @@ from feedline.link import LinkConfig
 from feedline.security import ClientKeys
 from producer.channel import BatchItem, ControlItem, Item, Outbox, ProducerIO, SkipItem
 from producer.metrics import ProducerMetrics
+from producer.targets import Targets
 
 log = logging.getLogger(__name__)
 _POLL = 0.1  # seconds between stop/error checks while waiting for credit
@@ -62,8 +63,10 @@ class SendStats:
 
 
 class Sender:
-    """A producer's connection to one broker, or to several (``addr`` a list: each batch goes
-    to one of them, by credit). Use it from one thread; it runs its own I/O thread."""
+    """A producer's connection to one broker, or to several (``addr`` a list, or a DNS name
+    that resolves to several hosts, resolved again every 30 s: each batch goes to one of
+    them, by credit, so a faster host gets more and one that dies or restarts does not stop
+    the others being served). Use it from one thread; it runs its own I/O thread."""
 
     def __init__(
         self,
@@ -83,6 +86,7 @@ class Sender:
         self.addrs = [addr] if isinstance(addr, str) else list(addr)
         if not self.addrs:
             raise ValueError("no broker address")
+        self.targets = Targets(self.addrs)
         self.session = random.getrandbits(62)
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
         self.credit_wait_seconds = 0.0
@@ -90,11 +94,12 @@ class Sender:
         self._closed = False
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics)
         out.waker = Waker()
-        addrs = self.addrs
+        targets = self.targets
         out.loop = ClientLoop("feedline-producer-io",
-                              lambda ctx: ProducerIO(ctx, addrs, cfg, curve, out), out.waker)
+                              lambda ctx: ProducerIO(ctx, targets, cfg, curve, out), out.waker)
         self._link_cfg = cfg
         out.loop.start()
+        targets.start()
 
     @property
     def credit(self) -> int:
@@ -195,6 +200,7 @@ class Sender:
         if self._closed:
             return
         self._closed = True
+        self.targets.stop()
         out = self._out
         if out.loop is not None and out.loop.alive():
             self.flush(self._link_cfg.flush_ms / 1000)
