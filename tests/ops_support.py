@@ -24,6 +24,8 @@ from feedline.procs import Child, free_port, wait_for
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_PRODUCERS = ROOT / "docker-compose.producers.yml"
+COMPOSE_DIRECT = ROOT / "docker-compose.direct.yml"  # a training host in direct mode
+COMPOSE_TWO_HOSTS = ROOT / "docker-compose.producers-two-hosts.yml"  # a data machine, 2 hosts
 DOCKER_COMPOSE = shutil.which("docker-compose")
 needs_compose = pytest.mark.skipif(
     DOCKER_COMPOSE is None, reason="docker-compose is missing (apt-get install docker-compose; "
