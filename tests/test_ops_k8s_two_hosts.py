@@ -16,6 +16,7 @@ answer for the headless Service (one address per ready pod) given to the produce
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import subprocess
 import sys
@@ -27,9 +28,9 @@ import pytest
 import yaml
 
 from commands.main import build_parser
-from feedline import security
 from feedline.procs import Child, free_port, wait_for
 from feedline.scrape import scrape
+from tests.doc_support import blocks, commands, shell_lines
 from tests.ops_support import ROOT, option
 
 K8S = ROOT / "deploy" / "k8s"
@@ -204,16 +205,25 @@ class Pods:
 
 @pytest.fixture
 def keyfiles(tmp_path: Path) -> dict[str, dict[str, bytes]]:
-    """The Secrets and ConfigMaps docs/operations.md tells an operator to create."""
-    keys = tmp_path / "keys"
-    for name in ("broker", "producer"):
-        security.generate_keypair(keys, name)
-    read = {f.name: f.read_bytes() for f in keys.iterdir()}
-    return {"feedline-trainer-keys": {"broker.key_secret": read["broker.key_secret"]},
-            "feedline-producer-keys": {"producer.key_secret": read["producer.key_secret"],
-                                       "broker.key": read["broker.key"]},
-            "feedline-allowed-keys": {"producer.key": read["producer.key"]},
-            "feedline-pipeline": {"pipeline.yaml": yaml.safe_dump(PIPELINE).encode()}}
+    """The Secrets and ConfigMaps docs/operations.md tells an operator to create, from its
+    own block: its `feedline keys generate` run here, its `kubectl create` read for what
+    goes where (a cluster would store those files)."""
+    (block,) = [b for b in blocks(ROOT / "docs" / "operations.md")
+                if "kubectl apply -k deploy/k8s/two-hosts" in b.code]
+    out = {"feedline-pipeline": {"pipeline.yaml": yaml.safe_dump(PIPELINE).encode()}}
+    for line in shell_lines(block.code):
+        for argv in commands(line):
+            if argv[:3] == ["feedline", "keys", "generate"]:
+                r = subprocess.run([sys.executable, "-m", "commands", *argv[1:]], cwd=tmp_path,
+                                   capture_output=True, text=True, timeout=60,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                assert r.returncode == 0, r.stderr
+            elif argv[0] == "kubectl" and "create" in argv:
+                kind = argv[argv.index("create") + 1]
+                name = argv[argv.index("create") + (3 if kind == "secret" else 2)]
+                files = [a.split("=", 1)[1] for a in argv if a.startswith("--from-file=")]
+                out[name] = {Path(f).name: (tmp_path / f).read_bytes() for f in files}
+    return out
 
 
 @pytest.fixture
