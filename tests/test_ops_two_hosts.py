@@ -102,6 +102,20 @@ def test_drain_bind_refuses_what_a_training_host_must_not_do(argv: list[str], st
     assert "Traceback" not in out.stderr
 
 
+def test_the_image_holds_every_package_its_feedline_command_needs() -> None:
+    """The services of these files (and every other) run the image's `feedline` entry
+    point, commands.main: the Dockerfile copies each package pyproject.toml installs."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in
+                project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert project["project"]["scripts"]["feedline"].split(".")[0] in packages
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (ROOT / "deploy/Dockerfile").read_text(),
+                            re.M))
+    assert packages <= copied, packages - copied
+
+
 def _without_brokers(command: list[str]) -> list[str]:
     out: list[str] = []
     for i, arg in enumerate(command):
