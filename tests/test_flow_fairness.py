@@ -44,7 +44,7 @@ def _send_forever(addr: str, name: str, nbytes: int, stop: threading.Event) -> t
     return t
 
 
-@pytest.mark.xfail(strict=False, reason="byte credit held without batch credit is never asked "
+@pytest.mark.xfail(strict=True, reason="byte credit held without batch credit is never asked "
                    "back: CreditPlanner._revocations only looks at producers with outstanding "
                    "batches, so a producer that declared 1 MiB and spent its batch credit on "
                    "tiny batches keeps ~max_bytes reserved while it heartbeats")
@@ -86,7 +86,7 @@ def test_byte_credit_left_over_by_small_batches_comes_back(thread_broker, endpoi
     assert honest >= 20, f"honest producer: {honest} batches in 10 s; outstanding {reserved}"
 
 
-@pytest.mark.xfail(strict=False, reason="a consumer's batches in flight are capped at half of "
+@pytest.mark.xfail(strict=True, reason="a consumer's batches in flight are capped at half of "
                    "--max-bytes but not at any share of --max-batches: one that never reads, "
                    "with a window over --max-batches, holds the whole batch budget")
 def test_a_consumer_that_never_reads_leaves_the_others_their_share(thread_broker, endpoints):
