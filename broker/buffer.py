@@ -9,6 +9,7 @@ consumer of the stream; there are at most ``control_slack`` of them.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,25 @@ class Buffer:
             self.batches -= 1
             self.nbytes -= item.nbytes
         return item
+
+    def items(self, stream: str) -> list[Held]:
+        return list(self._streams.get(stream, ()))
+
+    def discard(self, stream: str, void: Callable[[Held], bool]) -> int:
+        """Drop the items of ``stream`` for which ``void`` holds; returns how many."""
+        q = self._streams.get(stream)
+        if not q:
+            return 0
+        keep = deque(h for h in q if not void(h))
+        dropped = [h for h in q if void(h)]
+        for h in dropped:
+            if h.broadcast:
+                self.controls -= 1
+            else:
+                self.batches -= 1
+                self.nbytes -= h.nbytes
+        self._streams[stream] = keep
+        return len(dropped)
 
     def requeue(self, stream: str, item: Held) -> None:
         """Put back an item that could not be sent (in front: order is kept)."""

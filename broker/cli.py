@@ -42,9 +42,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also accept tensorpack send_dataflow_zmq (TENSORPACK_SERIALIZE="
                    "msgpack) on this address; off when not given")
     p.add_argument("--max-batches", type=int, default=d.max_batches,
-                   help="batches buffered plus credit granted, at most")
+                   help="batches buffered, in flight to consumers and granted to producers, "
+                   "at most")
     p.add_argument("--max-bytes", type=parse_size, default=d.max_bytes,
-                   help="bytes buffered (plus expected bytes of granted credit), at most")
+                   help="the broker's memory budget: bytes buffered, in flight to consumers "
+                   "and granted to producers, at most (docs/architecture.md)")
+    p.add_argument("--credit-lease", type=float, default=d.credit_lease,
+                   help="seconds a producer may hold credit unused while another waits, "
+                   "before it is asked back")
+    p.add_argument("--max-peers", type=int, default=d.max_peers,
+                   help="registered producers (and, apart, consumers) at most")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="where exact-delivery streams keep their progress (fsync'd), so that "
+                   "it survives a broker restart (default: kept in memory only)")
     p.add_argument("--producer-window", type=int, default=d.producer_window,
                    help="most credit one producer holds (its batches in flight)")
     add_liveness_flags(p, "seconds of silence after which a peer is dropped")
@@ -71,6 +81,9 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         max_batches=args.max_batches,
         max_bytes=args.max_bytes,
         producer_window=args.producer_window,
+        credit_lease=args.credit_lease,
+        max_peers=args.max_peers,
+        state_dir=args.state_dir,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
         limits=wire.Limits(max_message_bytes=args.max_message_bytes),

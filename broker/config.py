@@ -31,6 +31,7 @@ class BrokerConfig:
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
     curve: ServerKeys | None = None  # None: plain TCP
+    state_dir: str | None = None  # exact streams' journals (their progress survives restarts)
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:

@@ -22,6 +22,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -29,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from broker.buffer import Buffer, Held
 from broker.config import BrokerConfig
+from broker.coordinator import ExactStreams
 from broker.egress import ConsumerSide
 from broker.ingress import IngressConfig, ProducerSide
 from broker.metrics import BrokerMetrics
@@ -65,6 +67,9 @@ class _Sink:
             self._b.stats.received += 1
         return ok
 
+    def epoch_end(self, stream: str, epoch: int) -> None:
+        self._b.egress.epoch_end(stream, epoch)
+
 
 class Broker:
     """Run with :meth:`run` (blocks until ``stop`` is set). Create and run in one thread.
@@ -100,14 +105,16 @@ class Broker:
             raise
         sink = _Sink(self)
         lim = config.limits
+        self.exact = ExactStreams(Path(config.state_dir) if config.state_dir else None)
         self.egress = ConsumerSide(self._sender(self._egress), self.buffer, self.metrics, lim,
                                    config.max_bytes, config.max_peers, self.instance,
-                                   self._cut_off)
+                                   self._cut_off, self.exact)
         self.ingress = ProducerSide(
             self._sender(self._ingress), sink, self.metrics, lim,
             IngressConfig(config.max_batches, config.max_bytes, config.producer_window,
-                          config.credit_lease, config.max_peers),
-            self.instance, self._cut_off)
+                          config.credit_lease, config.max_peers,
+                          recovery_grace=config.heartbeat_timeout),
+            self.instance, self._cut_off, self.exact)
         if self._tp_sock is not None:
             self._tp = TensorpackIngress(self._tp_sock, sink, self.metrics, lim,
                                          config.max_bytes, config.tensorpack_stream)
@@ -146,6 +153,11 @@ class Broker:
         if kind == zmq.ROUTER:
             # Sending to a peer that is gone raises instead of dropping silently.
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # libzmq's own heartbeats close a connection whose peer stopped answering (dead,
+            # paused, partitioned): what was queued for it is freed, and a probe to it fails,
+            # which is how the broker knows its in-flight batches are gone.
+            s.setsockopt(zmq.HEARTBEAT_IVL, int(self.cfg.heartbeat_interval * 1000))
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.cfg.heartbeat_timeout * 1000))
         if curve and self.cfg.curve is not None:
             self.cfg.curve.apply(s)
         s.bind(addr)
@@ -215,6 +227,7 @@ class Broker:
                     self.egress.liveness(now, self.cfg.heartbeat_interval,
                                          self.cfg.heartbeat_timeout)
                     self._update_gauges()
+                    self.exact.commit()
                     next_tick = now + tick
         finally:
             self.close()

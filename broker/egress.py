@@ -25,10 +25,12 @@ from typing import Any
 import zmq
 
 from broker.buffer import Buffer, Held
+from broker.coordinator import ExactStreams
 from broker.metrics import BrokerMetrics
 from broker.peers import Peer, PeerTable, connection
 from feedline import messages as m
 from feedline.codec import DecodeError, Limits
+from feedline.cursor import Cursor
 from feedline.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ class Consumer(Peer):
     max_bytes: int = 1
     delivered: int = 0
     taken: int = 0
-    inflight: deque[int] = field(default_factory=deque)  # sizes delivered, not yet taken
+    inflight: deque[Held] = field(default_factory=deque)  # delivered, not yet taken
     inflight_bytes: int = 0
 
     def room(self, size: int, cap: int) -> bool:
@@ -57,6 +59,8 @@ class Orphan:
     batches: int
     fd: int
     fd_ino: int
+    stream: str = ""
+    items: list[Held] = field(default_factory=list)  # exact streams: served again when freed
 
 
 class ConsumerSide:
@@ -64,8 +68,10 @@ class ConsumerSide:
 
     def __init__(self, send: Send, buffer: Buffer, metrics: BrokerMetrics, limits: Limits,
                  max_bytes: int, capacity: int, instance: int,
-                 cut_off: Callable[[int, int, str, str], None]) -> None:
+                 cut_off: Callable[[int, int, str, str], None],
+                 exact: ExactStreams | None = None) -> None:
         self._send, self.buffer, self.metrics, self.limits = send, buffer, metrics, limits
+        self.exact = exact if exact is not None else ExactStreams()
         self.cap = max(1, max_bytes // 2)  # what one consumer may hold in flight
         self.instance, self._cut_off = instance, cut_off
         self.consumers: PeerTable[Consumer] = PeerTable("consumer", capacity)
@@ -79,6 +85,7 @@ class ConsumerSide:
         """(batches, bytes) delivered and not known taken, orphans included."""
         b = sum(c.delivered - c.taken for c in self.consumers)
         y = sum(c.inflight_bytes for c in self.consumers)
+        # An exact orphan's batches count here until they are back in the buffer.
         return (b + sum(o.batches for o in self.orphans.values()),
                 y + sum(o.nbytes for o in self.orphans.values()))
 
@@ -130,11 +137,48 @@ class ConsumerSide:
         c = Consumer(ident=ident, name=msg.consumer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
                      fd=fd, fd_ino=ino, window=msg.window, max_bytes=msg.max_bytes)
+        if msg.cursor:
+            self._cursor(msg.stream, msg.cursor)
         self.consumers.add(c)
         self._rr.setdefault(c.stream, deque()).append(ident)
         self._info.info("consumer %s joined stream %s (%d connected)", c.name, c.stream,
                         len(self.consumers))
         self._welcome(c)
+
+    def _cursor(self, stream: str, data: bytes) -> None:
+        """Exact delivery: what a consumer says it took (after a broker restart), or the
+        checkpoint a restarted job resumes from."""
+        cursor = Cursor.decode(data)
+        if cursor.stream != stream:
+            raise DecodeError("bad_cursor", f"a cursor of stream {cursor.stream!r}")
+        coord = self.exact.report(stream, cursor)
+        if coord is None:
+            return
+        if cursor.resume:
+            if coord.resume(cursor):
+                # Rolled back to another epoch: what is buffered of any other epoch is void.
+                self.buffer.discard(stream, lambda h: h.batch is not None
+                                    and h.batch.epoch != coord.epoch)
+            coord.holding(self._held_keys(stream))
+        else:
+            for epoch in coord.merge(cursor):
+                self.epoch_end(stream, epoch)
+            # What a consumer reports taken and is still buffered (produced again after a
+            # restart, before the report came) must not be served twice.
+            settled = {key for key in cursor.keys()}
+            self.buffer.discard(stream, lambda h: h.batch is not None and h.batch.key in settled)
+
+    def _held_keys(self, stream: str) -> set[tuple[int, int, int]]:
+        keys = {h.batch.key for h in self.buffer.items(stream) if h.batch is not None}
+        for c in self.consumers:
+            if c.stream == stream:
+                keys |= {h.batch.key for h in c.inflight if h.batch is not None}
+        return keys
+
+    def epoch_end(self, stream: str, epoch: int) -> None:
+        """Tell every consumer of the stream, behind what is queued for it."""
+        frame = m.encode(m.EpochEnd(broker=self.instance, epoch=epoch))
+        self.buffer.push(stream, Held([frame], 0, 0, 0, 0, broadcast=True))
 
     def _welcome(self, c: Consumer) -> None:
         self._control(c.ident, m.Welcome(broker=self.instance, registration=c.registration))
@@ -146,11 +190,18 @@ class ConsumerSide:
         # registration as taken is ahead of us. Refusing it would stall both sides; clamping
         # keeps its room within its window all the same.
         taken = max(c.taken, min(msg.taken, c.delivered))
+        coord = self.exact.get(c.stream)
         for _ in range(taken - c.taken):
-            c.inflight_bytes -= c.inflight.popleft()
+            item = c.inflight.popleft()
+            c.inflight_bytes -= item.nbytes
+            if coord is not None and item.batch is not None:
+                for epoch in coord.settle(item.batch.key):
+                    self.epoch_end(c.stream, epoch)
         c.taken = taken
         if taken and c.ident in self.orphans:
-            del self.orphans[c.ident]  # it reads again: what it was sent before has left
+            # It reads again: what it was sent before has left (and, exact, was dropped by
+            # it as belonging to a registration it no longer has).
+            self._release(self.orphans.pop(c.ident))
 
     # -- dispatch -----------------------------------------------------------------------
     def dispatch(self, now: float) -> int:
@@ -159,6 +210,9 @@ class ConsumerSide:
         for stream in self.buffer.streams():
             ring = self._rr.get(stream)
             if not ring:
+                continue
+            coord = self.exact.get(stream)
+            if coord is not None and coord.recovering(now):
                 continue
             while True:
                 item = self.buffer.peek(stream)
@@ -197,7 +251,7 @@ class ConsumerSide:
 
     def _delivered(self, c: Consumer, item: Held, now: float) -> None:
         c.delivered += 1
-        c.inflight.append(item.nbytes)
+        c.inflight.append(item)
         c.inflight_bytes += item.nbytes
         c.last_sent = now
         self.metrics.forwarded_batches.inc()
@@ -213,7 +267,12 @@ class ConsumerSide:
         for ident in list(self.orphans):
             # A probe: sending to a connection that is gone fails at once (ROUTER_MANDATORY).
             if self._control(ident, m.Heartbeat(broker=self.instance)) == zmq.EHOSTUNREACH:
-                del self.orphans[ident]
+                self._release(self.orphans.pop(ident))
+
+    def _release(self, o: Orphan) -> None:
+        """An orphan's memory is free; an exact stream's batches in it are served again."""
+        for item in reversed(o.items):
+            self.buffer.requeue(o.stream, item)
 
     def drop(self, ident: bytes, reason: str) -> None:
         c = self.consumers.remove(ident)
@@ -229,10 +288,15 @@ class ConsumerSide:
         unacked = c.delivered - c.taken
         if reason not in ("bye", "registered_again"):
             self.metrics.unconfirmed.labels("consumer").inc(max(0, unacked))
-        if c.inflight_bytes:
-            o = self.orphans.setdefault(ident, Orphan(0, 0, c.fd, c.fd_ino))
+        if c.inflight_bytes or c.inflight:
+            o = self.orphans.setdefault(ident, Orphan(0, 0, c.fd, c.fd_ino, c.stream))
             o.nbytes += c.inflight_bytes
             o.batches += unacked
-            if len(self.orphans) > self.consumers.capacity:
+            if self.exact.get(c.stream) is not None:
+                o.items += list(c.inflight)
+            if reason == "bye":  # it closes its socket: nothing of ours stays there
+                self._release(self.orphans.pop(ident))
+            elif len(self.orphans) > self.consumers.capacity:
                 oldest = self.orphans.pop(next(iter(self.orphans)))
                 self._cut_off(oldest.fd, oldest.fd_ino, "consumer", "orphans")
+                self._release(oldest)

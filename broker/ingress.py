@@ -16,6 +16,7 @@ and the socket differ.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import zmq
 
 from broker.buffer import Held
+from broker.coordinator import ExactPlan, ExactStreams
 from broker.credit import CreditPlanner
 from broker.gaps import GapTracker
 from broker.metrics import BrokerMetrics
@@ -49,6 +51,10 @@ class Sink(Protocol):
         there is no room for it)."""
         ...
 
+    def epoch_end(self, stream: str, epoch: int) -> None:
+        """Exact delivery: every batch of ``epoch`` was taken; tell the stream's consumers."""
+        ...
+
 
 @dataclass(frozen=True)
 class IngressConfig:
@@ -58,6 +64,7 @@ class IngressConfig:
     credit_lease: float
     capacity: int  # registered producers, at most
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
+    recovery_grace: float = 0.0  # exact streams after a restart: wait for consumers' reports
 
 
 @dataclass
@@ -71,8 +78,10 @@ class ProducerSide:
 
     def __init__(self, send: Send, sink: Sink, metrics: BrokerMetrics, limits: Limits,
                  cfg: IngressConfig, instance: int,
-                 cut_off: Callable[[int, int, str, str], None]) -> None:
+                 cut_off: Callable[[int, int, str, str], None],
+                 exact: ExactStreams | None = None) -> None:
         self._send, self.sink, self.metrics, self.limits = send, sink, metrics, limits
+        self.exact = exact if exact is not None else ExactStreams()
         self.cfg, self.instance, self._cut_off = cfg, instance, cut_off
         self.max_batch_bytes = min(cfg.max_bytes,
                                    limits.max_message_bytes + limits.max_header_bytes)
@@ -143,8 +152,28 @@ class ProducerSide:
                 raise DecodeError("buffer_full", type(msg).__name__)
         elif isinstance(msg, m.Bye):
             self.drop(p.ident, "bye")
+        elif isinstance(msg, (m.UnitRequest, m.UnitDone)):
+            self._unit_message(p, msg)
         elif not isinstance(msg, m.Heartbeat):
             raise DecodeError("bad_kind", f"{type(msg).__name__} from a producer")
+
+    def _unit_message(self, p: Producer, msg: m.UnitRequest | m.UnitDone) -> None:
+        c = self.exact.get(p.stream)
+        if c is None or msg.registration != p.registration:
+            if c is None:
+                raise DecodeError("not_exact", f"{type(msg).__name__} on stream {p.stream}")
+            return
+        if isinstance(msg, m.UnitDone):
+            for epoch in c.unit_done(p.ident, msg.epoch, msg.unit, msg.batches, msg.empty):
+                self.sink.epoch_end(p.stream, epoch)
+            return
+        got = c.request(p.ident, time.monotonic())
+        if isinstance(got, str):
+            self._control(p.ident, m.UnitWait(broker=self.instance, reason=got,
+                                              registration=p.registration))
+        else:
+            self._control(p.ident, m.Unit(broker=self.instance, epoch=got.epoch, unit=got.unit,
+                                          start=got.start, registration=p.registration))
 
     def _hello(self, ident: bytes, msg: m.ProducerHello, fd: int, now: float) -> None:
         old = self.producers.get(ident)
@@ -164,6 +193,7 @@ class ProducerSide:
                 broker=self.instance, reason="wrong_stream",
                 detail=f"this trainer takes stream {self.cfg.stream!r}, not {msg.stream!r}"))
             raise DecodeError("wrong_stream", f"producer {msg.producer}: {msg.stream}")
+        self._check_delivery(ident, msg)
         label = self.metrics.producer_label.acquire(msg.producer)
         fd, ino = connection(fd)
         p = Producer(ident=ident, name=msg.producer, session=msg.session,
@@ -181,6 +211,25 @@ class ProducerSide:
         self._info.info("producer %s joined stream %s (%d connected)", msg.producer,
                         msg.stream, len(self.producers))
         self._welcome(p)
+
+    def _check_delivery(self, ident: bytes, msg: m.ProducerHello) -> None:
+        """A stream is exact or not, for every producer of it, with one plan."""
+        exact = self.exact.get(msg.stream)
+        why = ""
+        if msg.delivery == m.EXACT:
+            if msg.dataset_size < 1 or msg.unit_size < 1:
+                why = "exact delivery needs the dataset's size and a unit size"
+            else:
+                got = self.exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size,
+                                                            msg.epochs),
+                                      now=time.monotonic(), grace=self.cfg.recovery_grace)
+                why = got if isinstance(got, str) else ""
+        elif exact is not None:
+            why = f"stream {msg.stream!r} is exact: every producer of it must be"
+        if why:
+            self._control(ident, m.Refused(broker=self.instance, reason="delivery_mismatch",
+                                           detail=why))
+            raise DecodeError("delivery_mismatch", f"producer {msg.producer}: {why}")
 
     def _welcome(self, p: Producer) -> None:
         self._control(p.ident, m.Welcome(broker=self.instance, registration=p.registration,
@@ -204,6 +253,17 @@ class ProducerSide:
         except DecodeError as e:
             self._refuse(p, e, seq if isinstance(seq, int) and seq >= 0 else -1)
             raise
+        exact = self.exact.get(p.stream)
+        if exact is not None:
+            if batch.unit < 0:
+                self._refuse(p, DecodeError("not_exact", "a batch without its unit"), batch.seq)
+                raise DecodeError("not_exact", f"producer {p.name}")
+            if not exact.accept(batch.key):
+                # Already here or settled (a re-run unit), or of another epoch: dropped; it
+                # was charged to its credit, which the next plan gives back.
+                self.metrics.duplicates.labels(p.stream).inc()
+                self.gaps.batch(p.session, batch.seq)
+                return
         gap = self.gaps.batch(p.session, batch.seq)
         if gap:
             self.metrics.lost_batches.labels(p.label).inc(gap)
@@ -267,6 +327,9 @@ class ProducerSide:
         if p is None:
             return
         credit = self.planner.leave(ident)
+        c = self.exact.get(p.stream)
+        if c is not None:
+            c.release(ident)  # its unit goes to another producer
         self.metrics.producer_label.release(p.label)
         self._info.info("producer %s dropped (%s)", p.name, reason)
         self.metrics.dropped_peers.labels("producer", reason).inc()

@@ -40,6 +40,10 @@ class BrokerMetrics:
             "feedline_broker_refused_batches",
             "Batches refused and answered with REFUSED (their credit returns), by producer "
             "and reason.", ["producer", "reason"], registry=r)
+        self.duplicates = Counter(
+            "feedline_broker_duplicate_batches",
+            "Exact delivery: batches dropped because the broker had them already (a unit "
+            "produced again after its producer was lost), by stream.", ["stream"], registry=r)
         self.cut_off = Counter(
             "feedline_broker_cut_off_connections",
             "Connections the broker closed on a peer that broke the rules, by role and reason.",

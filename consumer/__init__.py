@@ -19,6 +19,7 @@ _LAZY: dict[str, str] = {
     "DummyConstantInput": "consumer.dummy",
     "as_dataset": "consumer.dataset",
     "OccupancyMonitor": "consumer.bottleneck",
+    "CursorState": "consumer.checkpoint",
     # PyTorch (the ``torch`` extra), imported lazily the same way
     "to_torch": "consumer.torch_input", "RemoteTorchDataset": "consumer.torch_input",
     "CudaPrefetcher": "consumer.torch_prefetch",

@@ -28,7 +28,7 @@ from broker.ingress import IngressConfig, ProducerSide
 from broker.metrics import BrokerMetrics
 from broker.peers import cut_off
 from broker.tensorpack import TensorpackIngress
-from consumer.io import Delivery, Marker, Shared
+from consumer.io import Delivery, EpochMark, Marker, Shared
 from feedline import messages as m
 from feedline.codec import DecodeError, Limits
 from feedline.errors import ProducerError
@@ -79,6 +79,9 @@ class _LocalSink:
         s.queue.put_nowait(Delivery(0, item.batch, item.nbytes))  # credit made the room
         return True
 
+    def epoch_end(self, stream: str, epoch: int) -> None:
+        self.shared.queue.put_nowait(EpochMark(epoch))
+
     def _control(self, msg: m.Message) -> None:
         s = self.shared
         if isinstance(msg, m.Eos):
@@ -122,6 +125,8 @@ class DirectIO:
                                              shared.max_bytes, shared.stream)
                            if tp_sock is not None else None)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sink = sink
+        shared.collect_keys = True  # exact streams settle here as the model takes batches
         self._next_tick = 0.0
         self._last = time.monotonic()
         shared.answered = True  # nobody to answer us: we serve
@@ -211,7 +216,19 @@ class DirectIO:
         self.ingress.liveness(time.monotonic(), self.link_cfg.heartbeat_interval, float("inf"))
 
     def on_wake(self) -> None:
+        self._settle()
         self.ingress.plan(time.monotonic())
+
+    def _settle(self) -> None:
+        s = self.shared
+        with s.lock:
+            keys, s.taken_keys = s.taken_keys, []
+        coord = self.ingress.exact.get(s.stream)
+        if coord is None:
+            return
+        for key in keys:
+            for epoch in coord.settle(key):
+                self._sink.epoch_end(s.stream, epoch)
 
     def on_tick(self) -> None:
         now = time.monotonic()
@@ -226,6 +243,8 @@ class DirectIO:
             self.metrics.reserved_bytes.set(out_y)
             self.metrics.peers.labels("producer").set(len(self.ingress.producers))
             self._next_tick = now + cfg.heartbeat_interval / 4
+            self.ingress.exact.commit()
+        self._settle()
         self.ingress.plan(now)
 
     def on_close(self) -> None:

@@ -24,6 +24,7 @@ from consumer.metrics import ConsumerMetrics
 from feedline import messages as m
 from feedline import wire
 from feedline.client import ClientLoop, Waker
+from feedline.cursor import Cursor
 from feedline.errors import ProducerError
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
@@ -56,6 +57,13 @@ class Marker:
     exc: BaseException
 
 
+@dataclass(frozen=True)
+class EpochMark:
+    """Exact delivery: every batch of ``epoch`` was taken (by some consumer of the stream)."""
+
+    epoch: int
+
+
 _MAX_PRODUCERS = 4096  # per-producer statistics kept, at most
 
 
@@ -83,20 +91,49 @@ class Shared:
         self.refusal: m.Refused | None = None
         self.waker: Waker | None = None
         self.loop: ClientLoop | None = None
+        # Exact delivery: what this process took of the current epoch (its cursor), the
+        # checkpoint it resumes from (sent with its first HELLO), and, in direct mode, the
+        # batches taken since the I/O thread last settled them.
+        self.cursor = Cursor(stream)
+        self.resume: Cursor | None = None
+        self.collect_keys = False
+        self.taken_keys: list[tuple[int, int, int]] = []
 
     def fresh(self) -> Shared:
-        """A new run (iterating again after close): same identity and metrics, new state."""
-        return Shared(self.consumer_id, self.session, self.window, self.max_bytes,
-                      self.stream, self.on_error, self.registry, self.metrics)
+        """A new run (iterating again after close): same identity and metrics, new state;
+        the cursor goes on (what was taken stays taken)."""
+        out = Shared(self.consumer_id, self.session, self.window, self.max_bytes,
+                     self.stream, self.on_error, self.registry, self.metrics)
+        out.cursor, out.resume = self.cursor, self.resume
+        return out
 
-    def took(self, item: Delivery) -> None:
-        """Called by the iterating thread for each batch the model takes."""
+    def took(self, item: Delivery) -> bool:
+        """Called by the iterating thread for each batch the model takes; False (not to be
+        given to the model) for an exact batch delivered under a registration the broker
+        has dropped: it serves that batch again, and taking it would count it twice."""
+        b = item.batch
         with self.lock:
             self.queued_bytes -= item.nbytes
+            if b.unit >= 0 and not self.collect_keys and item.registration != self.registration:
+                return False
             if item.registration == self.registration:
                 self.taken += 1
+            if b.unit >= 0 and b.epoch == self.cursor.epoch and \
+                    b.index in self.cursor.taken.get(b.unit, ()):
+                # Exact: we took this one before (served again after a broker restart, before
+                # our report reached it): acknowledged, not given to the model twice.
+                if self.waker is not None:
+                    self.waker.wake()
+                return False
+            if b.unit >= 0:
+                if b.epoch != self.cursor.epoch:
+                    self.cursor = Cursor(self.stream, b.epoch)
+                self.cursor.add(b.unit, b.index)
+                if self.collect_keys:
+                    self.taken_keys.append(b.key)
         if self.waker is not None:
-            self.waker.wake()
+            self.waker.wake()  # the I/O thread reports it taken (TAKEN) now
+        return True
 
     def stats_copy(self) -> dict[str, ProducerStats]:
         with self.lock:
@@ -127,9 +164,18 @@ class ConsumerIO:
 
     def _hello(self, registration: int) -> m.ConsumerHello:
         s = self.shared
+        with s.lock:
+            # Exact delivery: the checkpoint to resume from (once), else what we took of this
+            # epoch, so that a restarted broker knows it too.
+            if s.resume is not None:
+                cursor = s.resume.encode()
+            elif s.cursor.taken:
+                cursor = s.cursor.encode()
+            else:
+                cursor = b""
         return m.ConsumerHello(consumer=s.consumer_id, session=s.session, window=s.window,
                                max_bytes=s.max_bytes, stream=s.stream,
-                               registration=registration)
+                               registration=registration, cursor=cursor)
 
     def _on_register(self, registration: int) -> None:
         with self.shared.lock:
@@ -154,6 +200,10 @@ class ConsumerIO:
         s = self.shared
         if isinstance(msg, m.Welcome):
             s.answered, s.refusal = True, None
+            with s.lock:
+                s.resume = None  # applied: later registrations report what we took
+        elif isinstance(msg, m.EpochEnd):
+            self._put(EpochMark(msg.epoch), counts=False)
         elif isinstance(msg, m.Deliver):
             self._deliver(msg, frames)
         elif isinstance(msg, m.Eos):

@@ -35,9 +35,10 @@ from prometheus_client import CollectorRegistry
 
 from broker.metrics import BrokerMetrics
 from consumer.direct import DirectConfig, DirectIO
-from consumer.io import ConsumerIO, Delivery, Marker, ProducerStats, Shared
+from consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
 from feedline import security
 from feedline.client import ClientLoop, Waker
+from feedline.cursor import Cursor
 from feedline.errors import FeedlineError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.messages import DEFAULT_STREAM
@@ -101,6 +102,7 @@ class RemoteDataZMQ:
         bind: bool = False,
         direct: DirectConfig | None = None,
         insecure: bool = False,
+        resume: Cursor | dict | bytes | None = None,
     ) -> None:
         link = link or LinkConfig()
         if not 0 < window <= link.limits.max_window:
@@ -132,6 +134,14 @@ class RemoteDataZMQ:
                               self.config.max_bytes, stream, on_error,
                               registry if registry is not None else CollectorRegistry())
         self.metrics = self._shared.metrics
+        if resume is not None:
+            cursor = _as_cursor(resume)
+            if cursor.stream != stream:
+                raise ValueError(f"resume: a cursor of stream {cursor.stream!r}, not {stream!r}")
+            cursor.resume = True
+            self._shared.resume = cursor
+            self._shared.cursor = Cursor(stream, cursor.epoch,
+                                         {u: set(v) for u, v in cursor.taken.items()})
         # Direct mode serves producers as a broker does, with the broker's metrics.
         self.serving_metrics = BrokerMetrics(self._shared.registry) if bind else None
         self._io: ClientLoop | None = None
@@ -148,16 +158,45 @@ class RemoteDataZMQ:
         return self._shared.stats_copy()
 
     def __iter__(self) -> Iterator[Any]:
-        shared = self._start()
+        yield from self._deliveries(self._start(), epoch=None)
+
+    def epoch(self) -> Iterator[Any]:
+        """Exact delivery: the batches of one epoch, then stop. The epoch is the one of the
+        first batch this yields; it ends when the broker says every batch of it was taken
+        (with several consumers on the stream, the union of what they take is the epoch,
+        exactly once). For a validation loop: ``for images, labels in remote.epoch(): ...``.
+        """
+        yield from self._deliveries(self._start(), epoch=-1)
+
+    def state(self) -> Cursor:
+        """Exact delivery: what this process has taken of the current epoch (a cursor to
+        checkpoint with the model and pass back as ``resume=``; ``.to_dict()`` for plain
+        frameworks, :func:`consumer.checkpoint.trackable` for ``tf.train.Checkpoint``)."""
+        s = self._shared
+        with s.lock:
+            c = s.cursor
+            return Cursor(c.stream, c.epoch, {u: set(v) for u, v in c.taken.items()})
+
+    def _deliveries(self, shared: Shared, epoch: int | None) -> Iterator[Any]:
+        """Yield batches; ``epoch`` None: forever; -1: the epoch of the first batch, until
+        its end."""
         while True:
             item = self._get(shared)
             if item is _CLOSED:
                 return
             if isinstance(item, Marker):
                 raise item.exc
+            if isinstance(item, EpochMark):
+                if epoch is not None and epoch >= 0 and item.epoch >= epoch:
+                    return
+                continue
             assert isinstance(item, Delivery)
-            shared.took(item)
-            yield item.batch if self.return_meta else item.batch.datapoint
+            b = item.batch
+            if not shared.took(item):
+                continue  # see Shared.took
+            if epoch == -1 and b.unit >= 0:
+                epoch = b.epoch
+            yield b if self.return_meta else b.datapoint
 
     def close(self) -> None:
         """Stop the I/O thread (it tells the broker we leave and closes its sockets, bounded
@@ -245,6 +284,15 @@ class RemoteDataZMQ:
         return (f"no batch from the broker at {self.addr} within {self.timeout:.1f}s "
                 f"(stream {shared.stream!r}; producers seen so far: {producers or 'none'}). "
                 "Are producers connected to its ingress, with this stream?")
+
+
+def _as_cursor(resume: Cursor | dict | bytes) -> Cursor:
+    if isinstance(resume, Cursor):
+        return Cursor(resume.stream, resume.epoch, {u: set(v) for u, v in resume.taken.items()},
+                      resume.token)
+    if isinstance(resume, (bytes, bytearray)):
+        return Cursor.decode(bytes(resume))
+    return Cursor.from_dict(resume)
 
 
 def _stop_loop(shared: Shared) -> None:

@@ -27,6 +27,12 @@ Returned       P->B   answer to Revoke: totals sent; the rest of the grant is gi
 Taken          C->B   batches taken by the model since the HELLO (absolute)
 Deliver        B->C   envelope in front of a forwarded batch: sequence gap seen upstream
 Eos, Error     P->B->C end of a producer's dataflow; a pipeline failure with traceback
+UnitRequest    P->B   exact delivery: "give me a work unit"
+Unit           B->P   produce unit ``unit`` of epoch ``epoch``, from batch ``start`` on
+UnitWait       B->P   no unit now (``busy``: the epoch's last units are in progress;
+                      ``finished``: every epoch is done)
+UnitDone       P->B   a unit's batches were all sent: there were ``batches`` of them
+EpochEnd       B->C   every batch of ``epoch`` was taken, by some consumer of the stream
 Refused        B->P,C a message was refused: reason, the refused batch's sequence number,
                       the limit it broke, a detail for the log
 Reset          B->P,C "I do not know you (I restarted, or dropped you): say hello again"
@@ -53,9 +59,10 @@ from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits, packb
 from feedline.wire import PROTOCOL_VERSION, Kind, header_map
 
 __all__ = [
-    "BROKER_SENT", "Bye", "ConsumerHello", "Deliver", "Eos", "Error", "Grant", "Heartbeat",
-    "Message", "ProducerHello", "Refused", "Reset", "Returned", "Revoke", "Taken", "Want",
-    "Welcome", "broker_of", "decode", "encode",
+    "BROKER_SENT", "EXACT", "TRAINING", "Bye", "ConsumerHello", "Deliver", "EpochEnd", "Eos",
+    "Error", "Grant", "Heartbeat", "Message", "ProducerHello", "Refused", "Reset", "Returned",
+    "Revoke", "Taken", "Unit", "UnitDone", "UnitRequest", "UnitWait", "Want", "Welcome",
+    "broker_of", "decode", "encode",
 ]
 
 _U63 = (1 << 63) - 1
@@ -97,6 +104,26 @@ text = _text(lambda lim: lim.max_text_len)
 traceback_text = _text(lambda lim: lim.max_traceback_len)
 reason = _text(lambda lim: 64, 1, _REASON)
 window = _int(1, lambda lim: lim.max_window)
+TRAINING, EXACT = "training", "exact"
+
+
+def delivery_mode(v: Any, lim: Limits) -> str:
+    if v not in (TRAINING, EXACT):
+        raise _Bad
+    return str(v)
+
+
+def index_list(v: Any, lim: Limits) -> list[int]:
+    if not isinstance(v, list) or len(v) > lim.max_container_len or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _U63 for i in v):
+        raise _Bad
+    return v
+
+
+def blob(v: Any, lim: Limits) -> bytes:
+    if not isinstance(v, bytes) or len(v) > lim.max_header_bytes:
+        raise _Bad
+    return v
 
 
 def wire_key(key: str, check: Check) -> dict[str, Any]:
@@ -132,6 +159,12 @@ class ProducerHello:
     stream: str = field(default=DEFAULT_STREAM, metadata=wire_key("st", stream))
     last_broker: int = field(default=0, metadata=wire_key("lb", count))
     registration: int = field(default=0, metadata=wire_key("r", count))
+    # Exact delivery: the dataset's size in samples, a unit's size, the epochs to serve
+    # (0: forever). Every producer of an exact stream must say the same.
+    delivery: str = field(default=TRAINING, metadata=wire_key("dm", delivery_mode))
+    dataset_size: int = field(default=0, metadata=wire_key("dz", count))
+    unit_size: int = field(default=0, metadata=wire_key("uz", count))
+    epochs: int = field(default=0, metadata=wire_key("ep", count))
 
 
 @message(Kind.CONSUMER_HELLO)
@@ -143,6 +176,7 @@ class ConsumerHello:
     max_bytes: int = field(metadata=wire_key("y", _int(1, _U63)))
     stream: str = field(default=DEFAULT_STREAM, metadata=wire_key("st", stream))
     registration: int = field(default=0, metadata=wire_key("r", count))
+    cursor: bytes = field(default=b"", metadata=wire_key("cr", blob))  # exact: resume here
 
 
 @message(Kind.WELCOME)
@@ -239,6 +273,48 @@ class Heartbeat:
     broker: int = field(default=0, metadata=wire_key("b", count))
 
 
+@message(Kind.UNIT_REQUEST)
+@dataclass(frozen=True)
+class UnitRequest:
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.UNIT)
+@dataclass(frozen=True)
+class Unit:
+    broker: int = field(metadata=wire_key("b", count))
+    epoch: int = field(metadata=wire_key("e", count))
+    unit: int = field(metadata=wire_key("u", count))
+    start: int = field(default=0, metadata=wire_key("i", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.UNIT_WAIT)
+@dataclass(frozen=True)
+class UnitWait:
+    broker: int = field(metadata=wire_key("b", count))
+    reason: str = field(metadata=wire_key("w", reason))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+
+
+@message(Kind.UNIT_DONE)
+@dataclass(frozen=True)
+class UnitDone:
+    epoch: int = field(metadata=wire_key("e", count))
+    unit: int = field(metadata=wire_key("u", count))
+    batches: int = field(metadata=wire_key("n", count))
+    registration: int = field(default=0, metadata=wire_key("r", count))
+    # batch indices below ``batches`` that were never sent: every sample of them was skipped
+    empty: list[int] = field(default_factory=list, metadata=wire_key("x", index_list))
+
+
+@message(Kind.EPOCH_END)
+@dataclass(frozen=True)
+class EpochEnd:
+    broker: int = field(metadata=wire_key("b", count))
+    epoch: int = field(metadata=wire_key("e", count))
+
+
 @message(Kind.BYE)
 @dataclass(frozen=True)
 class Bye:
@@ -246,9 +322,11 @@ class Bye:
 
 
 Message = (ProducerHello | ConsumerHello | Welcome | Grant | Want | Revoke | Returned | Taken
-           | Deliver | Eos | Error | Refused | Reset | Heartbeat | Bye)
+           | Deliver | Eos | Error | Refused | Reset | Heartbeat | Bye | UnitRequest | Unit
+           | UnitWait | UnitDone | EpochEnd)
 # What only a broker sends, each with its instance id in ``broker``.
-BROKER_SENT = (Welcome, Grant, Revoke, Deliver, Refused, Reset, Heartbeat)
+BROKER_SENT = (Welcome, Grant, Revoke, Deliver, Refused, Reset, Heartbeat, Unit, UnitWait,
+               EpochEnd)
 
 
 def broker_of(msg: Message) -> int | None:

@@ -258,6 +258,14 @@ class Batch:
     datapoint: Any
     nbytes: int
     wire_bytes: int = 0
+    unit: int = -1  # exact delivery: its work unit (-1: not exact)
+    index: int = -1  # ... its index in the unit
+    last: bool = False  # ... the unit's last batch
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """``(epoch, unit, index)``: what exact delivery de-duplicates by."""
+        return (self.epoch, self.unit, self.index)
 
 
 def decode_batch(
@@ -295,6 +303,13 @@ def decode_batch(
     elif container not in (0, 1, 2, 3):
         raise DecodeError("bad_structure", "container")
     nbytes = sum(a.nbytes for a in arrays)
+    unit, index, last = -1, -1, False
+    if "u" in header:
+        unit, index = _int(header, "u", 0, 1 << 40), _int(header, "i", 0, 1 << 40)
+        flag = header.get("l")
+        if not isinstance(flag, bool):
+            raise DecodeError("bad_header", "field 'l'")
+        last = flag
     return Batch(
         producer=header["p"],
         session=header["q"],
@@ -303,4 +318,7 @@ def decode_batch(
         datapoint=dp,
         nbytes=nbytes,
         wire_bytes=nbytes + len(_buffer(frames[0])),
+        unit=unit,
+        index=index,
+        last=last,
     )

@@ -45,6 +45,33 @@ class BatchTooLarge(FeedlineError):
 class BatchItem:
     prepared: wire.Prepared
     epoch: int
+    unit: int = -1  # exact delivery: its place in its work unit
+    index: int = 0
+    last: bool = False
+
+
+@dataclass(frozen=True)
+class UnitAsk:
+    """Exact delivery: ask the broker for a work unit (the answer comes in Outbox.units)."""
+
+
+@dataclass(frozen=True)
+class UnitEnd:
+    """Exact delivery: a unit's batches were all handed over (sent after them, in order)."""
+
+    epoch: int
+    unit: int
+    batches: int
+    empty: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExactSpec:
+    """What an exact producer declares: the dataset's size, a unit's, the epochs (0: all)."""
+
+    dataset_size: int
+    unit_size: int
+    epochs: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,7 +86,7 @@ class SkipItem:
     n: int
 
 
-Item = BatchItem | ControlItem | SkipItem
+Item = BatchItem | ControlItem | SkipItem | UnitAsk | UnitEnd
 
 
 @dataclass
@@ -77,6 +104,8 @@ class Outbox:
     largest: int = 0  # the largest batch prepared so far (declared in HELLOs)
     waker: Waker | None = None
     loop: ClientLoop | None = None
+    exact: ExactSpec | None = None
+    units: queue.Queue[m.Unit | m.UnitWait] = field(default_factory=lambda: queue.Queue(8))
 
 
 class Channel:
@@ -145,11 +174,14 @@ class ProducerIO:
 
         def hello(registration: int) -> m.ProducerHello:
             ch = holder[0] if holder else None
+            x = self.out.exact
             return m.ProducerHello(
                 producer=self.out.producer_id, session=self.out.session,
                 next_seq=ch.seq if ch else 0, max_batch_bytes=self.out.largest,
                 stream=self.out.stream, registration=registration,
-                last_broker=(ch.link.broker_id or 0) if ch else 0)
+                last_broker=(ch.link.broker_id or 0) if ch else 0,
+                delivery=m.EXACT if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
+                unit_size=x.unit_size if x else 0, epochs=x.epochs if x else 0)
 
         def registered(_registration: int) -> None:
             if holder:
@@ -188,6 +220,12 @@ class ProducerIO:
                                          registration=link.registration))
         elif isinstance(msg, m.Refused):
             self._refused(ch, msg)
+        elif isinstance(msg, (m.Unit, m.UnitWait)):
+            if msg.registration == link.registration:
+                try:
+                    self.out.units.put_nowait(msg)
+                except queue.Full:  # the owner asks one at a time: a stray answer
+                    pass
         else:
             self.out.metrics.rejected.labels("unexpected_kind").inc()
         self.on_wake()
@@ -226,6 +264,8 @@ class ProducerIO:
             for ch in self.channels:
                 ch.seq += item.n
             return True
+        if isinstance(item, (UnitAsk, UnitEnd)):
+            return self._send_unit(item)
         if isinstance(item, ControlItem):
             return self._send_control(item.msg)
         return self._send_batch(item)
@@ -233,6 +273,8 @@ class ProducerIO:
     def _send_batch(self, item: BatchItem) -> bool:
         size = item.prepared.wire_bytes
         ready = [ch for ch in self.channels if ch.covers(size)]
+        if item.unit >= 0:
+            ready = ready[:1] if self.channels and ready and ready[0] is self.channels[0] else []
         if not ready:
             if self.channels and all(ch.too_small(size) for ch in self.channels):
                 limits = sorted({ch.welcome.max_batch_bytes for ch in self.channels
@@ -253,7 +295,8 @@ class ProducerIO:
         ch = max(ready, key=lambda c: (c.credit, (self._rr + self.channels.index(c))
                                        % len(self.channels)))
         frames = item.prepared.frames(producer=self._packed_id, session=self.out.session,
-                                      seq=ch.seq, epoch=item.epoch)
+                                      seq=ch.seq, epoch=item.epoch, unit=item.unit,
+                                      index=item.index, last=item.last)
         if not ch.link.send_frames(frames, copy=False):
             return False  # not connected or pipe full: keep it, the link recovers
         ch.seq += 1
@@ -262,6 +305,18 @@ class ProducerIO:
         self.out.metrics.sent_batches.inc()
         self.out.metrics.sent_bytes.inc(item.prepared.nbytes)
         return True
+
+    def _send_unit(self, item: UnitAsk | UnitEnd) -> bool:
+        """Exact delivery speaks to one broker: the first channel (several hosts would need a
+        coordinator they share; docs/tensorflow.md)."""
+        ch = self.channels[0]
+        if not ch.link.welcomed:
+            return False
+        reg = ch.link.registration
+        msg: m.Message = (m.UnitRequest(registration=reg) if isinstance(item, UnitAsk) else
+                          m.UnitDone(epoch=item.epoch, unit=item.unit, batches=item.batches,
+                                     registration=reg, empty=list(item.empty)))
+        return ch.link.send_msg(msg)
 
     def _send_control(self, msg: m.Eos | m.Error) -> bool:
         now = time.monotonic()

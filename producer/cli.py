@@ -23,6 +23,7 @@ from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
 from producer.dataflow.base import DataFlow
+from producer.exact import ExactPipeline, build_exact, is_exact, send_exact
 from producer.metrics import StageMetrics
 from producer.pipeline import ConfigError, build_pipeline, load_config, pipeline_stages
 from producer.sender import send_dataflow
@@ -50,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "DNS name that resolves to several (resolved again every 30 s): each batch "
                    "goes to one of them, by credit")
     p.add_argument("--id", default=None, help="producer id (default: hostname-pid)")
+    p.add_argument("--stream", default=None,
+                   help="the stream these batches belong to; consumers receive one stream "
+                   "(default: the config's 'stream', else 'default')")
     p.add_argument("--epochs", type=int, default=None,
                    help="passes over the dataset, then exit (default: forever, or the "
                    "config's 'epochs')")
@@ -114,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"feedline producer: {e}") from None
     try:
         cfg = with_data(load_config(args.config), args.data)
+        if args.stream is not None:
+            cfg = {**cfg, "stream": args.stream}
+        if is_exact(cfg):
+            return _run_exact(args, cfg, build_exact(cfg))
         df = build_pipeline(cfg)
     except ConfigError as e:
         raise SystemExit(f"feedline producer: {args.config}: {e}") from None
@@ -123,6 +131,32 @@ def run(args: argparse.Namespace) -> int:
         close = getattr(df, "close", None)
         if close is not None:
             close()  # stops worker processes, removes their ipc directory
+
+
+def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
+    """Exact delivery: serve the units the broker hands out (docs/pipelines.md)."""
+    try:
+        curve = client_keys(args)
+    except (security.KeyFileError, security.CurveUnavailable) as e:
+        raise SystemExit(f"feedline producer: {e}") from None
+    if args.epochs is not None:
+        pipe.epochs = args.epochs
+    stop = stop_on_signals()
+    producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+    log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream %s, exact "
+             "delivery over %d samples in units of %d, %s", __version__, producer_id,
+             ", ".join(args.broker), args.config, decoder_info(), pipe.stream,
+             pipe.source.samples(), pipe.unit_size,
+             f"{pipe.epochs} epoch(s)" if pipe.epochs else "epochs forever")
+    link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
+                      heartbeat_timeout=args.heartbeat_timeout)
+    try:
+        sent = send_exact(pipe, args.broker, producer_id=producer_id, link=link, curve=curve,
+                          stop=stop)
+    except (FeedlineError, EncodeError) as e:
+        raise SystemExit(f"feedline producer {producer_id}: {e}") from None
+    log.info("sent %d batches", sent)
+    return 0
 
 
 def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
@@ -144,15 +178,16 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
     producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
     # The start-up line: what this process is and where it sends (off with --log-level
     # WARNING).
-    log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream default, "
+    log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream %s, "
              "%s", __version__, producer_id, ", ".join(args.broker), args.config,
-             decoder_info(),
+             decoder_info(), cfg.get("stream", "default"),
              "epochs forever" if epochs is None else f"{epochs} epoch(s)")
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)
     try:
         stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=producer_id,
                               link=link, curve=curve, stop=stop, registry=registry,
+                              stream=cfg.get("stream", "default"),
                               log_interval=args.log_interval,
                               skipped=lambda: sum(s.skipped for s in stages))
     except (FeedlineError, EncodeError) as e:

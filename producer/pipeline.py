@@ -37,6 +37,7 @@ the worker processes and the runner adds their counts to this process's stages.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ from producer.pipeline_spec import (
 __all__ = ["SOURCES", "ConfigError", "build_pipeline", "load_config", "pipeline_stages"]
 
 TOP_LEVEL = ("source", "factory", "args", "steps", "shard", "seed", "parallel", "on_error",
-             "epochs")
+             "epochs", "stream", "delivery", "exact")
 # Read only by the built-in form: next to `factory:` they would be silently ignored.
 BUILT_IN_ONLY = ("source", "steps", "shard", "seed", "parallel", "on_error")
 MODES = ("none", "thread", "process", "runner")
@@ -171,11 +172,26 @@ def _runner(ds: DataFlow, par: dict[str, Any]) -> DataFlow:
         raise ConfigError(f"parallel: {e}") from None
 
 
+def _check_stream(cfg: Mapping[str, Any]) -> None:
+    """``stream`` names the stream (consumers pick theirs); ``delivery`` is ``training``
+    (the default: fast, at most once) or ``exact`` (every sample once per epoch: built by
+    :func:`producer.exact.build_exact`, not here)."""
+    top = Args(cfg, "pipeline")
+    stream = top.text("stream", "default")
+    if stream is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", stream):
+        raise ConfigError(f"stream: {stream!r} is not a stream name (letters, digits, . _ -; "
+                          "at most 64)")
+    delivery = top.text("delivery", "training", choices=("training", "exact"))
+    if "exact" in cfg and delivery != "exact":
+        raise ConfigError("exact: only with delivery: exact")
+
+
 def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
     """Build the DataFlow a pipeline map describes (workers start at ``reset_state()``)."""
     for k in cfg:
         if k not in TOP_LEVEL:
             raise ConfigError(f"{k}: unknown key (known: {list(TOP_LEVEL)})")
+    _check_stream(cfg)
     if "factory" in cfg:
         return _factory(cfg)
     if "args" in cfg:

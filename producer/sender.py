@@ -31,12 +31,23 @@ from feedline.client import ClientLoop, Waker
 from feedline.errors import FeedlineError, Stopped
 from feedline.link import LinkConfig
 from feedline.security import ClientKeys
-from producer.channel import BatchItem, ControlItem, Item, Outbox, ProducerIO, SkipItem
+from producer.channel import (
+    BatchItem,
+    ControlItem,
+    ExactSpec,
+    Item,
+    Outbox,
+    ProducerIO,
+    SkipItem,
+    UnitAsk,
+    UnitEnd,
+)
 from producer.metrics import ProducerMetrics
 from producer.targets import Targets
 
 log = logging.getLogger(__name__)
 _POLL = 0.1  # seconds between stop/error checks while waiting for credit
+_UNIT_RETRY = 1.0  # seconds without an answer before a unit request is sent again
 
 
 def default_producer_id() -> str:
@@ -77,6 +88,7 @@ class Sender:
         registry: CollectorRegistry | None = None,
         curve: ClientKeys | None = None,
         stream: str = m.DEFAULT_STREAM,
+        exact: ExactSpec | None = None,
     ) -> None:
         cfg = link or LinkConfig()
         self.limits = cfg.limits
@@ -92,7 +104,8 @@ class Sender:
         self.credit_wait_seconds = 0.0
         self._seq = 0  # batches handed over, plus skips: the next sequence number (one broker)
         self._closed = False
-        out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics)
+        out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
+                                 exact=exact)
         out.waker = Waker()
         targets = self.targets
         out.loop = ClientLoop("feedline-producer-io",
@@ -121,7 +134,8 @@ class Sender:
             self._seq = value
 
     # -------------------------------------------------------------------------- send
-    def send(self, datapoint: Any, epoch: int = 0, stop: threading.Event | None = None) -> int:
+    def send(self, datapoint: Any, epoch: int = 0, stop: threading.Event | None = None, *,
+             unit: int = -1, index: int = 0, last: bool = False) -> int:
         """Send one datapoint when credit allows; returns its array bytes.
 
         Raises :class:`feedline.wire.EncodeError` (naming the limit) for a datapoint no
@@ -133,9 +147,45 @@ class Sender:
         prepared = wire.prepare_batch(datapoint, self.limits, len(self.producer_id))
         if prepared.wire_bytes > self._out.largest:
             self._out.largest = prepared.wire_bytes
-        self._hand_over(BatchItem(prepared, epoch), stop)
+        self._hand_over(BatchItem(prepared, epoch, unit, index, last), stop)
         self._seq += 1
         return prepared.nbytes
+
+    # --------------------------------------------------------------- exact delivery
+    def next_unit(self, stop: threading.Event | None = None) -> m.Unit | None:
+        """Exact delivery: the next work unit the broker hands us (blocks while the epoch's
+        last units are in progress elsewhere); None once every epoch is served."""
+        delay = 0.05
+        while True:
+            self._hand_over(UnitAsk(), stop)
+            asked = time.monotonic()
+            while True:
+                self._raise_pending()
+                if stop is not None and stop.is_set():
+                    raise Stopped("stopped while waiting for a unit")
+                try:
+                    got = self._out.units.get(timeout=_POLL)
+                    break
+                except queue.Empty:
+                    if time.monotonic() - asked > _UNIT_RETRY:
+                        # No answer: it was lost with a connection or a broker. Asking
+                        # again is safe: the broker gives an owner the unit it holds.
+                        self._hand_over(UnitAsk(), stop)
+                        asked = time.monotonic()
+            if isinstance(got, m.Unit):
+                return got
+            if got.reason == "finished":
+                return None
+            if stop is not None and stop.wait(delay):  # busy: ask again, with backoff
+                raise Stopped("stopped while waiting for a unit")
+            if stop is None:
+                time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+    def unit_done(self, epoch: int, unit: int, batches: int, empty: tuple[int, ...] = ()) -> None:
+        """Exact delivery: every batch of the unit was handed over (UNIT_DONE goes after);
+        ``empty``: indices of batches not sent because every sample of them was skipped."""
+        self._hand_over(UnitEnd(epoch, unit, batches, tuple(empty)), None)
 
     def _hand_over(self, item: Item, stop: threading.Event | None) -> None:
         out = self._out

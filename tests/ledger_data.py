@@ -62,3 +62,34 @@ class Checksummed:
 def make(count: int | None = None, nbytes: int = 4096, seed: int = 0,
          log: str | None = None, rate: float | None = None) -> Checksummed:
     return Checksummed(count, nbytes, seed, log, rate)
+
+
+class ExactSample:
+    """A map step for exact-delivery tests: sample id -> ``[payload, meta [id, crc32]]``.
+
+    The payload is pseudo-random from (seed, id), then XOR-ed with bytes drawn from the
+    generator its ``reseed`` hook set: in exact mode that generator is a pure function of
+    (seed, epoch, sample), so a unit produced again, anywhere, must give the same bytes (an
+    "augmentation" the tests can check for determinism).
+    """
+
+    def __init__(self, nbytes: int = 4096, seed: int = 0, delay: float = 0.0) -> None:
+        self.nbytes, self.seed, self.delay = nbytes, seed, delay
+        self.rng = np.random.default_rng(seed)
+
+    def reseed(self, epoch: int) -> None:
+        from producer.dataflow.worker import make_rng
+
+        self.rng = make_rng(self.seed, epoch)
+
+    def __call__(self, i: object) -> list:
+        index = int(i)  # type: ignore[call-overload]
+        if self.delay:
+            time.sleep(self.delay)  # a slow decode: faults can land mid-unit
+        noise = self.rng.integers(0, 256, self.nbytes, dtype=np.uint8)
+        data = payload(self.seed, index, self.nbytes) ^ noise
+        return [data, np.array([index, zlib.crc32(data.tobytes())], np.int64)]
+
+
+def exact_sample(nbytes: int = 4096, seed: int = 0, delay: float = 0.0) -> ExactSample:
+    return ExactSample(nbytes, seed, delay)

@@ -9,7 +9,7 @@ first ``__iter__`` (after a fork: so each worker gets its own file handles and R
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 
 class UnknownLength(NotImplementedError, TypeError):
@@ -18,6 +18,16 @@ class UnknownLength(NotImplementedError, TypeError):
     A NotImplementedError as in tensorpack, and a TypeError so that ``list(df)`` (which asks
     for a length hint and only tolerates TypeError) still works.
     """
+
+
+@runtime_checkable
+class Indexable(Protocol):
+    """A source exact delivery can cut into work units: it reads any sample by its index
+    (``0 <= i < samples()``), the same bytes every time."""
+
+    def samples(self) -> int: ...
+
+    def sample(self, i: int) -> Any: ...
 
 
 class DataFlow:

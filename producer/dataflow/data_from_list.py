@@ -33,6 +33,13 @@ class DataFromList(DataFlow):
     def reset_state(self) -> None:
         self._epoch = 0
 
+    def sample(self, i: int) -> Any:
+        """Item ``i`` of the whole list: exact delivery's access."""
+        return self.lst[i]
+
+    def samples(self) -> int:
+        return len(self.lst)
+
     def __iter__(self) -> Iterator[Any]:
         idx = list(shard_positions(len(self.lst), self.shard))
         if self.shuffle:

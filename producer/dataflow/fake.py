@@ -57,6 +57,17 @@ class FakeData(DataFlow):
                 out.append((rng.random(shape) * (hi - lo) + lo).astype(dt))
         return out
 
+    def sample(self, i: int) -> list[np.ndarray]:
+        """Datapoint ``i``: a pure function of (seed, i), for exact delivery."""
+        if not self.random:
+            if self._const is None:
+                self._const = self._make(np.random.default_rng(self.seed))
+            return list(self._const)
+        return self._make(np.random.default_rng([self.seed, i]))
+
+    def samples(self) -> int:
+        return self.size
+
     def __iter__(self) -> Iterator[list[np.ndarray]]:
         if self._rng is None:
             self.reset_state()

@@ -112,6 +112,17 @@ class ImageFolder(DataFlow):
     def reset_state(self) -> None:
         self._epoch = 0
 
+    def sample(self, i: int) -> list:
+        """Image ``i`` of the whole (unsharded, unshuffled) list: exact delivery's access."""
+        path = self.paths[i]
+        if not self.read:
+            return [path, self.labels[i]]
+        with open(path, "rb") as f:
+            return [_file_bytes(np.frombuffer(f.read(), np.uint8), path), self.labels[i]]
+
+    def samples(self) -> int:
+        return len(self.paths)
+
     def __iter__(self) -> Iterator[list]:
         idx = list(shard_positions(len(self.paths), self.shard))
         if self.shuffle:

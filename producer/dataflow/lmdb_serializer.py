@@ -169,6 +169,17 @@ class LMDBData(DataFlow):
         self._open()
         self._epoch = 0
 
+    def sample(self, i: int) -> Any:
+        """Datapoint ``i`` of the whole file: exact delivery's access."""
+        with self._open().begin() as txn:
+            value = txn.get(key(i))
+        if value is None:
+            raise KeyError(f"{self.path}: datapoint {i} is missing")
+        return loads(value)
+
+    def samples(self) -> int:
+        return self._size
+
     def __iter__(self) -> Iterator[Any]:
         env = self._open()
         epoch = self._epoch
