@@ -107,7 +107,8 @@ class Broker:
         lim = config.limits
         self.exact = ExactStreams(Path(config.state_dir) if config.state_dir else None)
         self.egress = ConsumerSide(self._sender(self._egress), self.buffer, self.metrics, lim,
-                                   config.max_bytes, config.max_peers, self.instance,
+                                   config.max_bytes, config.max_batches, config.max_peers,
+                                   self.instance,
                                    self._cut_off, self.exact)
         self.ingress = ProducerSide(
             self._sender(self._ingress), sink, self.metrics, lim,

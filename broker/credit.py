@@ -169,14 +169,17 @@ class CreditPlanner:
                     continue
                 if free_b <= 0:
                     break
-                if unit > free_y:
+                if max(0, (p.outstanding + 1) * unit - p.reserved) > free_y:
                     starving = starving or p.outstanding == 0
                     continue
                 if p.outstanding == 0:
                     p.held_since = now
+                # Bytes left over by batches smaller than the unit count towards the new
+                # credit: what it holds stays within (batch credit) x unit.
+                more = max(0, (p.outstanding + 1) * unit - p.reserved)
                 p.granted += 1
-                p.granted_bytes += unit
-                free_b, free_y = free_b - 1, free_y - unit
+                p.granted_bytes += more
+                free_b, free_y = free_b - 1, free_y - more
                 grants[key] = None
                 progress = True
         if free_b <= 0 and any(self._could_use(p) for p in self.producers.values()):
@@ -191,7 +194,10 @@ class CreditPlanner:
     def _revocations(self, now: float) -> list[bytes]:
         out = []
         for key, p in self.producers.items():
-            if p.outstanding > 0 and p.revoking_since is None and now - p.held_since > self.lease:
+            # Batch credit, or bytes left over with none (small batches under a large
+            # declared size), unused for the lease.
+            if (p.outstanding > 0 or p.reserved > 0) and p.revoking_since is None \
+                    and now - p.held_since > self.lease:
                 p.revoking_since = now
                 out.append(key)
         return out

@@ -47,8 +47,8 @@ class Consumer(Peer):
     inflight: deque[Held] = field(default_factory=deque)  # delivered, not yet taken
     inflight_bytes: int = 0
 
-    def room(self, size: int, cap: int) -> bool:
-        if self.delivered - self.taken >= self.window:
+    def room(self, size: int, cap: int, cap_batches: int) -> bool:
+        if self.delivered - self.taken >= min(self.window, cap_batches):
             return False
         return self.inflight_bytes == 0 or self.inflight_bytes + size <= min(self.max_bytes, cap)
 
@@ -67,12 +67,15 @@ class ConsumerSide:
     """Everything the broker does on its egress socket (the socket itself is the loop's)."""
 
     def __init__(self, send: Send, buffer: Buffer, metrics: BrokerMetrics, limits: Limits,
-                 max_bytes: int, capacity: int, instance: int,
+                 max_bytes: int, max_batches: int, capacity: int, instance: int,
                  cut_off: Callable[[int, int, str, str], None],
                  exact: ExactStreams | None = None) -> None:
         self._send, self.buffer, self.metrics, self.limits = send, buffer, metrics, limits
         self.exact = exact if exact is not None else ExactStreams()
-        self.cap = max(1, max_bytes // 2)  # what one consumer may hold in flight
+        # What one consumer may hold in flight: half the budget, so that one that never reads
+        # leaves the rest to the buffer and the other consumers.
+        self.cap = max(1, max_bytes // 2)
+        self.cap_batches = max(1, max_batches // 2)
         self.instance, self._cut_off = instance, cut_off
         self.consumers: PeerTable[Consumer] = PeerTable("consumer", capacity)
         self.orphans: dict[bytes, Orphan] = {}
@@ -245,7 +248,7 @@ class ConsumerSide:
             ident = ring[0]
             ring.rotate(-1)
             c = self.consumers.get(ident)
-            if c is not None and c.room(size, self.cap):
+            if c is not None and c.room(size, self.cap, self.cap_batches):
                 return c
         return None
 
