@@ -295,6 +295,29 @@ class Broker:
         m.peers.labels("consumer").set(len(self.egress.consumers))
         m.consumer_credit.set(sum(max(0, c.window - (c.delivered - c.taken))
                                   for c in self.egress.consumers))
+        self._stream_gauges()
+
+    def _stream_gauges(self) -> None:
+        """Per-stream series: buffered batches, peers, and exact streams' progress."""
+        m = self.metrics
+        peers: dict[tuple[str, str], int] = {}
+        for role, table in (("producer", self.ingress.producers),
+                            ("consumer", self.egress.consumers)):
+            for p in table:
+                key = (p.stream, role)
+                peers[key] = peers.get(key, 0) + 1
+        streams = {s for s, _ in peers} | set(self.buffer.streams()) | set(self.exact.streams)
+        for s in streams:
+            label = m.stream_label.acquire(s)
+            m.stream_buffer.labels(label).set(self.buffer.count(s))
+            for role in ("producer", "consumer"):
+                m.stream_peers.labels(label, role).set(peers.get((s, role), 0))
+            c = self.exact.get(s)
+            if c is not None:
+                m.exact_epoch.labels(label).set(c.epoch)
+                m.exact_units.labels(label, "done").set(len(c.done))
+                m.exact_units.labels(label, "total").set(c.plan.units)
+            m.stream_label.release(label)
 
     # --------------------------------------------------------------------------- close
     def close(self) -> None:

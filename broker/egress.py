@@ -259,6 +259,7 @@ class ConsumerSide:
         c.last_sent = now
         self.metrics.forwarded_batches.inc()
         self.metrics.forwarded_bytes.inc(item.array_bytes)
+        self.metrics.stream_batches.labels(self.metrics.stream_label.label(c.stream)).inc()
 
     # -- liveness -----------------------------------------------------------------------
     def liveness(self, now: float, interval: float, timeout: float) -> None:

@@ -76,10 +76,45 @@ class BrokerMetrics:
             "Credit granted to producers and not yet used.", registry=r)
         self.peers = Gauge(
             "feedline_broker_peers", "Connected peers, by role.", ["role"], registry=r)
+        # Per stream (at most 64 named; beyond: "other"), set every tick by the loop.
+        self.stream_label = BoundedLabel(64, on_evict=self._forget_stream)
+        self.stream_batches = Counter(
+            "feedline_broker_stream_forwarded_batches",
+            "Batches handed to consumers, by stream.", ["stream"], registry=r)
+        self.stream_buffer = Gauge(
+            "feedline_broker_stream_buffer_batches", "Batches waiting in the broker, by stream.",
+            ["stream"], registry=r)
+        self.stream_peers = Gauge(
+            "feedline_broker_stream_peers", "Connected peers, by stream and role.",
+            ["stream", "role"], registry=r)
+        self.exact_epoch = Gauge(
+            "feedline_broker_exact_epoch", "Exact streams: the epoch being served.",
+            ["stream"], registry=r)
+        self.exact_units = Gauge(
+            "feedline_broker_exact_units",
+            "Exact streams: work units of the epoch, done and in all.", ["stream", "state"],
+            registry=r)
         self.consumer_credit = Gauge(
             "feedline_broker_consumer_credit_batches",
             "Batches consumers are ready to take now (demand not met by the buffer).",
             registry=r)
+
+    def _forget_stream(self, label: str) -> None:
+        for metric in (self.stream_batches, self.stream_buffer, self.exact_epoch):
+            try:
+                metric.remove(label)
+            except KeyError:
+                pass
+        for role in ("producer", "consumer"):
+            try:
+                self.stream_peers.remove(label, role)
+            except KeyError:
+                pass
+        for state in ("done", "total"):
+            try:
+                self.exact_units.remove(label, state)
+            except KeyError:
+                pass
 
     def _per_producer(self) -> tuple[Counter, ...]:
         return (self.received_batches, self.received_bytes, self.lost_batches)

@@ -49,6 +49,10 @@ class BoundedLabel:
         self._idle.pop(value, None)
         return value
 
+    def label(self, value: str) -> str:
+        """The label ``value`` has now (without holding it): its own, or "other"."""
+        return value if value in self._holders else self.OTHER
+
     def release(self, label: str) -> None:
         n = self._holders.get(label)
         if n is None:  # "other", or evicted already
