@@ -62,6 +62,7 @@ class LinkConfig:
     linger_ms: int = 0  # on reconnect: drop what was queued for the dead broker
     flush_ms: int = 3000  # on a final close: let queued batches, EOS and BYE go out, bounded
     limits: Limits = DEFAULT_LIMITS
+    credit_warn: float = 30.0  # a producer's batch waiting this long for credit is logged
 
 
 class Backoff:
@@ -324,7 +325,8 @@ class Link:
             self._last_recv = max(self._last_recv, now)
             self._answered_at = max(self._answered_at, now)
         if now - self._last_recv > self.cfg.heartbeat_timeout:
-            self._log.warning("%s: broker %s silent for %.1fs; reconnecting", self.what,
+            self._log.warning("%s: broker %s silent for %.1fs (it stopped, restarted, or the "
+                              "network between us is down); reconnecting", self.what,
                               self.addr, now - self._last_recv)
             self.reconnect()
             return

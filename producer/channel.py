@@ -145,6 +145,8 @@ class ProducerIO:
         self._log = RateLimitedLog(log, interval=10.0)
         self.channels = [self._channel(ctx, addr, cfg, curve) for addr in targets.endpoints()]
         self._head: Item | None = None
+        self._head_since = time.monotonic()
+        self._credit_log = RateLimitedLog(log, interval=60.0)
         self._control_until = 0.0
         self._rr = 0
         self._synced = time.monotonic()
@@ -246,9 +248,11 @@ class ProducerIO:
                     self._head = self.out.items.get_nowait()
                 except queue.Empty:
                     break
+                self._head_since = time.monotonic()
             if not self._send(self._head):
                 break
             self._head = None
+            self._head_since = time.monotonic()
         self.out.credit = sum(ch.credit for ch in self.channels)
         if self._head is None and self.out.items.empty():
             self.out.idle.set()
@@ -258,6 +262,24 @@ class ProducerIO:
     def on_tick(self) -> None:
         self._sync_targets()
         self.on_wake()
+        self._waiting()
+
+    def _waiting(self) -> None:
+        """Say so when a batch has waited long for credit: which side is slow."""
+        now = time.monotonic()
+        if not isinstance(self._head, BatchItem):
+            self._head_since = now
+            return
+        waited = now - self._head_since
+        if waited < self._cfg.credit_warn:
+            return
+        if not any(ch.link.welcomed for ch in self.channels):
+            return  # the link says it cannot reach a broker: that is the story
+        self._credit_log.warning(
+            "%s: no credit for %.0fs: the training side takes batches slower than this "
+            "producer makes them, or no training process is connected to %s (not a fault: "
+            "feedline_producer_credit_wait_seconds shows how often)", self.out.producer_id,
+            waited, ", ".join(ch.link.addr for ch in self.channels))
 
     def _send(self, item: Item) -> bool:
         if isinstance(item, SkipItem):

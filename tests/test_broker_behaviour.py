@@ -314,3 +314,19 @@ def test_a_silent_producer_is_dropped_and_its_credit_returns(thread_broker, endp
         assert dropped == 1
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_producer_says_when_it_waits_long_for_credit_and_why(thread_broker, endpoints,
+                                                               caplog):
+    """No consumer: the buffer fills, the producer's next batch waits for credit. After
+    ``credit_warn`` seconds it says so, once per minute, naming the side that is slow."""
+    thread_broker(max_batches=2)
+    link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5, credit_warn=1.0)
+    stop = threading.Event()
+    with caplog.at_level("WARNING", logger="producer.channel"), \
+            Sender(endpoints.ingress, producer_id="waiting", link=link) as s:
+        for i in range(4):
+            s.send([np.full(4, i, np.int32)], stop=stop)  # 2 go, 1 waits, 1 in the outbox
+        wait_for(lambda: "no credit" in caplog.text, 10, what="the warning")
+    line = next(r.getMessage() for r in caplog.records if "no credit" in r.getMessage())
+    assert "waiting" in line and "training side" in line and endpoints.ingress in line
