@@ -38,7 +38,7 @@ the worker processes and the runner adds their counts to this process's stages.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from producer.dataflow import (
     MultiProcessRunner,
     MultiThreadMapData,
 )
+from producer.dataflow.base import Counted, Shardable, as_dataflow, stages
 from producer.dataflow.map_data import ComponentFunc, reseed
 from producer.dataflow.shard import check_shard
 from producer.pipeline_spec import (
@@ -116,25 +117,19 @@ def _factory(cfg: Mapping[str, Any]) -> DataFlow:
     spec = cfg["factory"]
     fn = load_object(spec, "factory")
     args = cfg.get("args")
-    df = call_with_args(fn, {} if args is None else args, "args", spec)
+    out = call_with_args(fn, {} if args is None else args, "args", spec)
+    if not isinstance(out, Iterable):
+        raise ConfigError(f"factory: {spec} returned a {type(out).__name__}, not a DataFlow "
+                          "or an iterable of datapoints")
+    df = as_dataflow(out)
     # Not introspectable: its output is one stage, and its skips are those of every stage
     # of its chain that counts any.
-    return CountData(df, "factory", skips=[s for s in _chain(df)
-                                           if isinstance(getattr(s, "skipped", None), int)])
+    return CountData(df, "factory", skips=[s for s in stages(df) if isinstance(s, Counted)])
 
 
-def _chain(ds: Any) -> list[Any]:
-    """``ds`` and the stages under it (following ``.ds``), output first."""
-    out = []
-    while ds is not None:
-        out.append(ds)
-        ds = getattr(ds, "ds", None)
-    return out
-
-
-def pipeline_stages(df: Any) -> list[CountData]:
+def pipeline_stages(df: DataFlow) -> list[CountData]:
     """The counted stages of a pipeline :func:`build_pipeline` built, source first."""
-    return [s for s in reversed(_chain(df)) if isinstance(s, CountData)]
+    return [s for s in reversed(list(stages(df))) if isinstance(s, CountData)]
 
 
 def _parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,7 +206,7 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
         index = s.integer("index", required=True, lo=0)
         count = s.integer("count", required=True, lo=1)
         s.done()
-        if not hasattr(ds, "set_shard"):
+        if not isinstance(ds, Shardable):
             raise ConfigError(f"shard: source '{name}' cannot be sharded")
         guarded("shard", lambda: check_shard(index, count))
         ds.set_shard(index, count)

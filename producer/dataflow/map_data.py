@@ -6,17 +6,17 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from producer.dataflow.base import DataFlow, ProxyDataFlow
+from producer.dataflow.base import DataFlow, ProxyDataFlow, Reseedable
 from producer.dataflow.errors import SampleError, check_policy
 
 log = logging.getLogger(__name__)
 
 
 def reseed(func: Any, epoch: int) -> None:
-    """Start pass ``epoch`` for a function that draws random numbers (has ``reseed``)."""
-    hook = getattr(func, "reseed", None)
-    if hook is not None:
-        hook(epoch)
+    """Start pass ``epoch`` for a function that draws random numbers (a
+    :class:`~producer.dataflow.base.Reseedable`); nothing for any other."""
+    if isinstance(func, Reseedable):
+        func.reseed(epoch)
 
 
 def apply(func: Callable[[Any], Any], dp: Any, on_error: str) -> tuple[Any, bool]:
@@ -33,7 +33,8 @@ def apply(func: Callable[[Any], Any], dp: Any, on_error: str) -> tuple[Any, bool
 class MapData(ProxyDataFlow):
     """Yield ``func(dp)`` for each datapoint; a ``None`` result drops the datapoint.
 
-    ``func`` must not modify ``dp`` in place. If ``func`` has ``reseed(epoch)`` it is called
+    ``func`` must not modify ``dp`` in place. If ``func`` is
+    :class:`~producer.dataflow.base.Reseedable`, its ``reseed(epoch)`` is called
     at the start of every pass (randomness is a function of seed, epoch and worker).
     ``on_error="skip"`` drops datapoints whose ``func`` raises
     :class:`~producer.dataflow.errors.SampleError` and counts them in ``skipped``.

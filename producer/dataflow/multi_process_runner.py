@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 
 from producer.dataflow import ipc
-from producer.dataflow.base import DataFlow, ProxyDataFlow
+from producer.dataflow.base import DataFlow, ProxyDataFlow, Shardable, stages
 from producer.dataflow.errors import WorkerError
 from producer.dataflow.shard import compose, source_of
 from producer.dataflow.worker import WorkerInfo, set_worker
@@ -23,17 +23,18 @@ COUNTERS = ("count", "skipped")
 
 
 class _Counters:
-    """The counters of the stages in ``ds``'s chain (following ``.ds``), in chain order: the
-    same list in the parent and in a forked copy, so deltas line up by position. Deltas
-    start from the values at construction (a copy forked after earlier counts sends only its
-    own)."""
+    """The counters of the stages in ``ds``'s chain (:func:`~producer.dataflow.base.stages`),
+    in chain order: the same list in the parent and in a forked copy, so deltas line up by
+    position. A counter is an int instance attribute named in COUNTERS (not a property
+    such as CountData's ``skipped``, which sums other stages'): read and written by name.
+    Deltas start from the values at construction (a copy forked after earlier counts sends
+    only its own)."""
 
-    def __init__(self, ds: Any) -> None:
-        self.slots: list[tuple[Any, str]] = []
-        while ds is not None:
-            attrs = getattr(ds, "__dict__", {})
-            self.slots += [(ds, a) for a in COUNTERS if isinstance(attrs.get(a), int)]
-            ds = getattr(ds, "ds", None)
+    def __init__(self, ds: DataFlow) -> None:
+        self.slots: list[tuple[DataFlow, str]] = []
+        for s in stages(ds):
+            attrs = vars(s)
+            self.slots += [(s, a) for a in COUNTERS if isinstance(attrs.get(a), int)]
         self.last = [getattr(s, a) for s, a in self.slots]
 
     def deltas(self) -> tuple[int, ...] | None:
@@ -75,7 +76,8 @@ def _runner(k: int, n: int, ds: DataFlow, strict: bool, ctl_ep: str, out_ep: str
     try:
         if strict:
             src = source_of(ds)
-            src.set_shard(*compose(getattr(src, "shard", (0, 1)), (k, n)))
+            assert isinstance(src, Shardable)  # checked by MultiProcessRunner.__init__
+            src.set_shard(*compose(src.shard, (k, n)))
         ds.reset_state()
         while True:
             if strict:
@@ -108,9 +110,9 @@ class MultiProcessRunner(ProxyDataFlow):
       is ``len(ds)`` datapoints, so ``ds`` must have a length. Workers never idle at pass
       boundaries.
     - ``strict=True`` (validation): worker ``k`` iterates shard ``k`` of ``num_proc`` of the
-      source under ``ds`` (which must support ``set_shard``: DataFromList, ImageFolder,
-      LMDB), once per pass; a pass ends when every worker has finished, so every datapoint
-      comes exactly once.
+      source under ``ds`` (which must be :class:`~producer.dataflow.base.Shardable`:
+      DataFromList, ImageFolder, LMDB), once per pass; a pass ends when every worker has
+      finished, so every datapoint comes exactly once.
 
     Queues are bounded by ``queue_size`` (ZeroMQ high-water marks). A worker's exception is
     raised here as :class:`~producer.dataflow.errors.WorkerError` with its traceback.
@@ -125,15 +127,16 @@ class MultiProcessRunner(ProxyDataFlow):
         super().__init__(ds)
         if not isinstance(num_proc, int) or num_proc < 1:
             raise ValueError(f"num_proc must be an int >= 1, got {num_proc!r}")
-        if strict and not hasattr(source_of(ds), "set_shard"):
+        source = source_of(self.ds)
+        if strict and not isinstance(source, Shardable):
             raise ValueError(f"strict MultiProcessRunner needs a shardable source, not "
-                             f"{type(source_of(ds)).__name__}")
+                             f"{type(source).__name__}")
         self.num_proc, self.queue_size, self.strict = num_proc, queue_size, strict
         self._procs: list[Any] = []
         self._started = False
         self._gen = 0
         self._pid = os.getpid()
-        self._counters = _Counters(ds)
+        self._counters = _Counters(self.ds)
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -2,14 +2,15 @@
 
 A shard ``(index, count)`` keeps the datapoints at positions ``p`` with ``p % count == index``
 (positions in the source's deterministic order, before any shuffling), so the ``count``
-shards cover the dataset exactly once. Sources that support it have ``set_shard``;
-:func:`source_of` walks ``.ds`` links to find the source under a chain of transforms, and
-:func:`compose` nests a worker's shard inside a producer's.
+shards cover the dataset exactly once. Sources that support it are
+:class:`~producer.dataflow.base.Shardable`; :func:`source_of` finds the source under a chain
+of transforms (:func:`~producer.dataflow.base.stages`), and :func:`compose` nests a worker's
+shard inside a producer's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from producer.dataflow.base import DataFlow, stages
 
 
 def check_shard(index: int, count: int) -> tuple[int, int]:
@@ -27,11 +28,10 @@ def compose(outer: tuple[int, int], inner: tuple[int, int]) -> tuple[int, int]:
     return i + c * k, c * n
 
 
-def source_of(ds: Any) -> Any:
-    """The innermost stage under ``ds`` (following ``.ds``)."""
-    while hasattr(ds, "ds"):
-        ds = ds.ds
-    return ds
+def source_of(ds: DataFlow) -> DataFlow:
+    """The innermost stage under ``ds``: the last of :func:`~producer.dataflow.base.stages`."""
+    *_, source = stages(ds)
+    return source
 
 
 def shard_positions(n: int, shard: tuple[int, int]) -> range:
