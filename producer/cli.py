@@ -128,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args, cfg, df)
     finally:
-        close = getattr(df, "close", None)
-        if close is not None:
-            close()  # stops worker processes, removes their ipc directory
+        df.close()  # stops worker processes, removes their ipc directory
 
 
 def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:

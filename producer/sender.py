@@ -42,6 +42,7 @@ from producer.channel import (
     UnitAsk,
     UnitEnd,
 )
+from producer.dataflow.base import as_dataflow
 from producer.metrics import ProducerMetrics
 from producer.targets import Targets
 
@@ -305,14 +306,14 @@ def send_dataflow(
     times.
 
     ``epochs=None`` sends forever (the training default, as tensorpack's
-    ``send_dataflow_zmq``). Calls ``df.reset_state()`` first if it has one. Logs a rate line
-    every ``log_interval`` seconds (with ``skipped()``, the datapoints the pipeline skipped so
-    far, when given). A pipeline exception is sent to the consumers (with its traceback) and
-    re-raised. Returns when done, or when ``stop`` is set.
+    ``send_dataflow_zmq``). Calls ``df.reset_state()`` first (``df`` is taken as
+    :func:`~producer.dataflow.base.as_dataflow` of it: a list or a generator works too).
+    Logs a rate line every ``log_interval`` seconds (with ``skipped()``, the datapoints the
+    pipeline skipped so far, when given). A pipeline exception is sent to the consumers (with
+    its traceback) and re-raised. Returns when done, or when ``stop`` is set.
     """
-    reset = getattr(df, "reset_state", None)
-    if reset is not None:
-        reset()
+    df = as_dataflow(df)
+    df.reset_state()
     stats = SendStats()
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
                 stream=stream) as sender:

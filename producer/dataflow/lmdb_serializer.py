@@ -9,14 +9,14 @@ Layout (tensorpack-compatible keys): datapoint ``i`` under the key ``b"%08d" % i
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import lmdb
 from tqdm import tqdm
 
-from producer.dataflow.base import DataFlow
+from producer.dataflow.base import DataFlow, as_dataflow
 from producer.dataflow.serialize import dumps, loads
 from producer.dataflow.shard import check_shard, shard_positions
 from producer.dataflow.worker import make_rng
@@ -33,8 +33,8 @@ class LMDBSerializer:
     """``save(df, path)`` and ``load(path, ...)``, as in tensorpack."""
 
     @staticmethod
-    def save(df: Any, path: str | Path, write_frequency: int = 1000, progress: bool = True,
-             overwrite: bool = False) -> int:
+    def save(df: Iterable[Any], path: str | Path, write_frequency: int = 1000,
+             progress: bool = True, overwrite: bool = False) -> int:
         """Write every datapoint of one pass of ``df``; returns the count.
 
         Commits every ``write_frequency`` datapoints (memory stays bounded) and grows the
@@ -51,9 +51,8 @@ class LMDBSerializer:
             raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-        reset = getattr(df, "reset_state", None)
-        if reset is not None:
-            reset()
+        df = as_dataflow(df)
+        df.reset_state()
         try:
             total: int | None = len(df)
         except (NotImplementedError, TypeError):

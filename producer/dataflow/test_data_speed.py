@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from tqdm import tqdm
 
-from producer.dataflow.base import DataFlow
+from producer.dataflow.base import as_dataflow
 
 
 class TestDataSpeed:
@@ -19,11 +20,11 @@ class TestDataSpeed:
 
     __test__ = False
 
-    def __init__(self, ds: DataFlow, size: int = 5000, warmup: int = 0,
+    def __init__(self, ds: Iterable[Any], size: int = 5000, warmup: int = 0,
                  disable_progress: bool = False) -> None:
         if size < 1:
             raise ValueError("size must be >= 1")
-        self.ds, self.size, self.warmup = ds, size, warmup
+        self.ds, self.size, self.warmup = as_dataflow(ds), size, warmup
         self.disable_progress = disable_progress
         self.rate = 0.0
 
@@ -38,9 +39,7 @@ class TestDataSpeed:
 
     def start(self) -> float:
         """Run the test; returns (and stores in ``rate``) datapoints per second."""
-        reset = getattr(self.ds, "reset_state", None)
-        if reset is not None:
-            reset()
+        self.ds.reset_state()
         stream = self._stream()
         for _ in range(self.warmup):
             next(stream)
