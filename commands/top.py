@@ -5,6 +5,9 @@ order: each endpoint is recognised by the metrics it serves). Every ``--interval
 scrapes them all and shows, from the difference between two scrapes:
 
 - per producer (as the broker counts them, by producer id): batches/s and MB/s;
+- per named stream (as the broker serves it): batches/s forwarded, batches buffered,
+  producers and consumers connected and, for an exact stream, the epoch and its work units
+  done out of all;
 - per producer endpoint: how much of its time it waits for credit (the trainer is slower) or
   for its own pipeline (preprocessing is slower);
 - the broker's buffer fill, peers, losses and rejects;
@@ -12,6 +15,10 @@ scrapes them all and shows, from the difference between two scrapes:
 - the verdict: input-bound, model-bound or balanced (see :func:`verdict`), judged over the
   scrapes of the last ``feedline.verdict.WINDOW_SECONDS`` and held until the evidence is
   clear (:class:`feedline.verdict.VerdictTracker`): a steady run does not flap.
+
+An endpoint serving several components' metrics is listed under each: a direct-mode trainer
+(``RemoteDataZMQ(addr, bind=True)``) serves its producers as a broker does and is a training
+process too, so it shows as a broker and as a consumer, and its queue counts in the verdict.
 
 :func:`render` is pure (snapshots in, text out) so that tests can call it on live figures.
 ``--once`` exits 1 when an endpoint is down, naming each on stderr.
@@ -68,6 +75,16 @@ def verdict(occupancy: float | None, wait_share: float | None,
     }[word]
 
 
+ROLES = ("broker", "producer", "consumer")
+
+
+def roles(s: Scrape) -> list[str]:
+    """Every component whose metrics ``s`` serves (a direct-mode trainer: broker and
+    consumer), in :data:`ROLES` order."""
+    names = {n for n, _ in s.samples}
+    return [r for r in ROLES if any(n.startswith(f"feedline_{r}_") for n in names)]
+
+
 def _mb(x: float) -> str:
     return f"{x / 1e6:8.1f}"
 
@@ -82,8 +99,8 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120,
     by_role: dict[str, list[Scrape]] = {"broker": [], "producer": [], "consumer": []}
     down = [s for s in cur.values() if s.error]
     for s in cur.values():
-        if not s.error and s.role in by_role:
-            by_role[s.role].append(s)
+        for role in roles(s) if not s.error else ():
+            by_role[role].append(s)
     interval = max((s.time - prev[u].time for u, s in cur.items() if u in prev), default=0.0)
     lines.append(f"feedline top   {time.strftime('%H:%M:%S')}   "
                  f"{len(cur) - len(down)}/{len(cur)} endpoints up, {interval:.1f}s between scrapes")
@@ -91,7 +108,9 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120,
     for b in by_role["broker"]:
         p = prev.get(b.url)
         lines.append("")
-        lines.append(f"PRODUCERS (as broker {b.url} receives them)")
+        direct = "consumer" in roles(b)  # a trainer serving its producers: direct mode
+        who = f"direct-mode trainer {b.url}" if direct else f"broker {b.url}"
+        lines.append(f"PRODUCERS (as {who} receives them)")
         lines.append(f"  {'producer':<32} {'batches/s':>10} {'MB/s':>8} {'lost':>6}")
         tot_b = tot_y = 0.0
         for labels in sorted(b.series("feedline_broker_received_batches_total")):
@@ -108,14 +127,16 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120,
         fwd = _rate(p, b, "feedline_broker_forwarded_batches_total")
         lines.append("")
         lines.append(
-            f"BROKER  buffer {fill:.0f}/{cap:.0f} batches ({100 * fill / cap if cap else 0:.0f}%)"
-            f" {fill_b / 2**20:.1f} MiB   forwarded {fwd:.1f} batches/s   peers: "
+            f"BROKER{' (direct mode)' if direct else ''}  buffer {fill:.0f}/{cap:.0f} batches"
+            f" ({100 * fill / cap if cap else 0:.0f}%) {fill_b / 2**20:.1f} MiB   forwarded"
+            f" {fwd:.1f} batches/s   peers: "
             f"{b.get('feedline_broker_peers', role='producer') or 0:.0f} producers, "
             f"{b.get('feedline_broker_peers', role='consumer') or 0:.0f} consumers")
         lines.append(
             f"        lost {b.total('feedline_broker_lost_batches_total'):.0f}   rejected "
             f"{b.total('feedline_broker_rejected_messages_total'):.0f}   dropped peers "
             f"{b.total('feedline_broker_dropped_peers_total'):.0f}")
+        lines += _streams(p, b, who)
 
     if by_role["producer"]:
         lines.append("")
@@ -137,7 +158,7 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120,
         lines.append("")
         lines.append("CONSUMERS (training processes)")
         lines.append(f"  {'endpoint':<32} {'batches/s':>10} {'MB/s':>8} {'queue':>9} "
-                     f"{'waiting':>8} {'lost':>6}")
+                     f"{'waiting':>8} {'lost':>6}  stream")
         for s in sorted(by_role["consumer"], key=lambda s: s.url):
             p = prev.get(s.url)
             q = s.get("feedline_consumer_local_queue_batches") or 0.0
@@ -149,14 +170,47 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120,
             ry = _rate(p, s, "feedline_consumer_received_bytes_total")
             ws = min(1.0, _rate(p, s, "feedline_consumer_wait_seconds_sum"))
             lost = s.get("feedline_consumer_lost_batches_total") or 0.0
+            stream = ",".join(sorted(s.by_label("feedline_consumer_stream_info", "stream")))
             lines.append(f"  {_short(s.url):<32} {rb:>10.1f} {_mb(ry)} {q:>4.1f}/{w:<4.0f}"
-                         f"{100 * ws:>7.0f}% {lost:>6.0f}")
+                         f"{100 * ws:>7.0f}% {lost:>6.0f}  {stream or '?'}")
     occ, wait = _window_figures([*(history or [prev]), cur], by_role["consumer"])
     lines.append("")
     lines.append("VERDICT  " + verdict(occ, wait, tracker))
     for s in down:
         lines.append(f"  down: {s.url} ({s.error})")
     return "\n".join(line[:width] for line in lines)
+
+
+def _streams(prev: Scrape | None, b: Scrape, who: str) -> list[str]:
+    """The broker's per-stream lines (none when it exports no per-stream series: a broker
+    older than streams, or a direct-mode trainer)."""
+    peers = b.series("feedline_broker_stream_peers")
+    buffered = b.by_label("feedline_broker_stream_buffer_batches", "stream")
+    forwarded = b.series("feedline_broker_stream_forwarded_batches_total")
+    names = sorted({dict(lab).get("stream", "?") for lab in (*peers, *forwarded)}
+                   | set(buffered))
+    if not names:
+        return []
+    epoch = b.by_label("feedline_broker_exact_epoch", "stream")
+    out = ["", f"STREAMS (as {who} serves them)",
+           f"  {'stream':<24} {'batches/s':>10} {'buffered':>9} {'producers':>10} "
+           f"{'consumers':>10} {'exact epoch':>12} {'units done':>12} {'duplicates':>11}"]
+    for name in names:
+        lab: dict[str, str] = {"stream": name}
+        rate = _rate(prev, b, "feedline_broker_stream_forwarded_batches_total",
+                     tuple(sorted(lab.items())))
+        producers = b.get("feedline_broker_stream_peers", stream=name, role="producer") or 0
+        consumers = b.get("feedline_broker_stream_peers", stream=name, role="consumer") or 0
+        ep, units = "-", "-"
+        if name in epoch:
+            done = b.get("feedline_broker_exact_units", stream=name, state="done") or 0
+            total = b.get("feedline_broker_exact_units", stream=name, state="total") or 0
+            ep, units = f"{epoch[name]:.0f}", f"{done:.0f}/{total:.0f}"
+        dup = b.get("feedline_broker_duplicate_batches_total", stream=name)
+        out.append(f"  {name[:24]:<24} {rate:>10.1f} {buffered.get(name, 0):>9.0f} "
+                   f"{producers:>10.0f} {consumers:>10.0f} {ep:>12} {units:>12} "
+                   f"{'-' if dup is None else f'{dup:.0f}':>11}")
+    return out
 
 
 def _window_figures(window: Sequence[Snapshot], consumers: list[Scrape]

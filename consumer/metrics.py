@@ -35,6 +35,18 @@ class ConsumerMetrics:
             "feedline_consumer_window_batches",
             "Batches this process may hold undelivered to the model (its credit window).",
             registry=r)
+        # Info-style: 1 for the stream this process receives, so that a query can join the
+        # consumer's series to the broker's per-stream ones (``* on (instance)
+        # group_left (stream) feedline_consumer_stream_info``).
+        self.stream_info = Gauge(
+            "feedline_consumer_stream_info",
+            "The named stream this training process receives (value 1).", ["stream"],
+            registry=r)
+
+    def set_stream(self, stream: str) -> None:
+        """The stream this process receives; one at a time (a process has one stream)."""
+        self.stream_info.clear()
+        self.stream_info.labels(stream).set(1)
 
 
 class QueueMetrics:

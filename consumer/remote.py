@@ -134,6 +134,7 @@ class RemoteDataZMQ:
                               self.config.max_bytes, stream, on_error,
                               registry if registry is not None else CollectorRegistry())
         self.metrics = self._shared.metrics
+        self.metrics.set_stream(stream)
         if resume is not None:
             cursor = _as_cursor(resume)
             if cursor.stream != stream:

@@ -28,6 +28,27 @@ DATASOURCE = {"type": "prometheus", "uid": "feedline-prometheus"}
 OUT = Path(__file__).resolve().parent / "dashboards" / "feedline.json"
 
 RI = "$__rate_interval"
+# The dashboard's stream variable (a regex: All is ".*"), in a label matcher of the per-stream
+# panels. A test evaluates a panel's query as Grafana sends it with every stream selected:
+# $__rate_interval -> a duration, $stream -> ".*".
+S = 'stream=~"$stream"'
+STREAM_VARIABLE = {
+    "name": "stream",
+    "label": "stream",
+    "type": "query",
+    "datasource": DATASOURCE,
+    "definition": "label_values(feedline_broker_stream_peers, stream)",
+    "query": {"query": "label_values(feedline_broker_stream_peers, stream)",
+              "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+    "refresh": 2,  # on time range change: streams come and go
+    "sort": 1,
+    "multi": True,
+    "includeAll": True,
+    "allValue": ".*",
+    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+    "options": [],
+    "hide": 0,
+}
 
 # Occupancy forced to 0 ("input-bound") when the loop waits for data >= 10% of its time:
 # the rule of commands.top verdict (feedline.verdict), in PromQL, over the same window as
@@ -71,6 +92,56 @@ def panel(pid: int, kind: str, title: str, desc: str, grid: tuple[int, int, int,
 def thresholds(*steps: tuple[float | None, str]) -> dict[str, Any]:
     return {"mode": "absolute",
             "steps": [{"value": v, "color": c} for v, c in steps]}
+
+
+def stream_panels() -> list[dict[str, Any]]:
+    """Per named stream (the ``stream`` variable picks them): what the broker forwards,
+    buffers, who is connected, the trainers' queues, and exact streams' epoch progress."""
+    return [
+        panel(17, "timeseries", "Throughput by stream (batches/s)",
+              "Batches the broker hands to training processes per second, by stream (at most "
+              "64 named streams; beyond: 'other').",
+              (0, 44, 12, 8),
+              [(f"sum by (stream) (rate(feedline_broker_stream_forwarded_batches_total{{{S}}}"
+                f"[{RI}]))", "{{stream}}")]),
+        panel(18, "timeseries", "Buffered by stream (batches)",
+              "Batches waiting in the broker, by stream: a stream that stays full has "
+              "training processes slower than its producers.",
+              (12, 44, 12, 8),
+              [(f"sum by (stream) (feedline_broker_stream_buffer_batches{{{S}}})",
+                "{{stream}}")], decimals=0),
+        panel(19, "timeseries", "Peers by stream",
+              "Producers and training processes registered with the broker, by stream: a "
+              "stream with consumers and no producers gets nothing.",
+              (0, 52, 12, 8),
+              [(f"sum by (stream, role) (feedline_broker_stream_peers{{{S}}})",
+                "{{stream}} {{role}}s")], decimals=0),
+        panel(20, "timeseries", "Consumer queue occupancy by stream",
+              "Mean of local queue / window over the training processes of each stream "
+              "(joined on feedline_consumer_stream_info). Near 100%: that stream is "
+              "model-bound; near 0%: input-bound.",
+              (12, 52, 12, 8),
+              [("avg by (stream) (feedline_consumer_local_queue_batches"
+                " / feedline_consumer_window_batches"
+                f" * on (instance, job) group_left (stream) feedline_consumer_stream_info{{{S}}})",
+                "{{stream}}")],
+              unit="percentunit", min=0, max=1),
+        panel(21, "stat", "Exact epoch",
+              "Exact-delivery streams: the epoch the broker is serving (it moves on when every "
+              "batch of every work unit of the epoch was taken by a training process).",
+              (0, 60, 6, 8),
+              [(f"max by (stream) (feedline_broker_exact_epoch{{{S}}})", "{{stream}}")],
+              decimals=0),
+        panel(22, "timeseries", "Exact units done",
+              "Exact-delivery streams: work units of the current epoch whose batches were all "
+              "taken, and the units of the epoch in all. Done reaches total, then the epoch "
+              "moves on and done starts again from 0.",
+              (6, 60, 18, 8),
+              [(f'sum by (stream) (feedline_broker_exact_units{{{S},state="done"}})',
+                "{{stream}} done"),
+               (f'sum by (stream) (feedline_broker_exact_units{{{S},state="total"}})',
+                "{{stream}} total")], decimals=0),
+    ]
 
 
 def dashboard() -> dict[str, Any]:
@@ -200,6 +271,7 @@ def dashboard() -> dict[str, Any]:
                 f"(increase(feedline_producer_skipped_datapoints_total[{RI}]))",
                 "{{stage}} {{instance}}")],
               decimals=0),
+        *stream_panels(),
     ]
     return {
         "uid": "feedline",
@@ -212,7 +284,7 @@ def dashboard() -> dict[str, Any]:
         "editable": False,
         "refresh": "5s",
         "time": {"from": "now-15m", "to": "now"},
-        "templating": {"list": []},
+        "templating": {"list": [STREAM_VARIABLE]},
         "annotations": {"list": []},
         "panels": panels,
     }
