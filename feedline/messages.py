@@ -337,11 +337,28 @@ def broker_of(msg: Message) -> int | None:
     return None
 
 
+_Spec = tuple[str, str, Check, Any]  # attribute, wire key, check, default (MISSING: required)
+_SPECS: dict[type, tuple[_Spec, ...]] = {}
+
+
+def _specs(cls: type) -> tuple[_Spec, ...]:
+    """A class's fields, read once (dataclasses.fields costs more than a whole encode)."""
+    specs = _SPECS.get(cls)
+    if specs is None:
+        specs = _SPECS[cls] = tuple(
+            (f.name, f.metadata["key"], f.metadata["check"],
+             f.default if f.default is not dataclasses.MISSING else
+             (f.default_factory if f.default_factory is not dataclasses.MISSING  # type: ignore[misc]
+              else dataclasses.MISSING)) for f in dataclasses.fields(cls))
+    return specs
+
+
 def encode(msg: Message) -> bytes:
     """The one frame of ``msg``."""
     out: dict[str, Any] = {"v": PROTOCOL_VERSION, "k": int(msg.KIND)}  # type: ignore[union-attr]
-    for f in dataclasses.fields(msg):
-        out[f.metadata["key"]] = getattr(msg, f.name)
+    d = msg.__dict__
+    for name, key, _, _ in _specs(type(msg)):
+        out[key] = d[name]
     return packb(out)
 
 
@@ -359,14 +376,13 @@ def from_map(header: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> Message
     if cls is None:
         raise DecodeError("bad_kind", f"{kind.name} is not a control message")
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        key, check = f.metadata["key"], f.metadata["check"]
+    for name, key, check, default in _specs(cls):
         if key not in header:
-            if f.default is dataclasses.MISSING:
+            if default is dataclasses.MISSING:
                 raise DecodeError(f"bad_{kind.name.lower()}", f"missing field {key!r}")
             continue
         try:
-            values[f.name] = check(header[key], limits)
+            values[name] = check(header[key], limits)
         except _Bad:
             raise DecodeError(f"bad_{kind.name.lower()}", f"field {key!r}") from None
     return cls(**values)  # type: ignore[no-any-return]
