@@ -85,8 +85,10 @@ class Cluster:
 
     def __init__(self, net: Network, tmp: Path, *, rate: float = 40.0, nbytes: int = 32768,
                  producer_window: int = 4, max_batches: int = 32, window: int = 4,
-                 heartbeat: tuple[float, float] = (1.0, 5.0)) -> None:
+                 heartbeat: tuple[float, float] = (1.0, 5.0),
+                 broker_args: tuple[str, ...] = ()) -> None:
         self.net, self.tmp = net, tmp
+        self.broker_args = broker_args  # more flags for every broker start (--state-dir DIR)
         self.rate, self.nbytes = rate, nbytes
         self.producer_window, self.max_batches, self.window = producer_window, max_batches, window
         self.heartbeat = heartbeat
@@ -113,7 +115,7 @@ class Cluster:
             "broker", "--ingress", "tcp://0.0.0.0:7878", "--egress", "tcp://0.0.0.0:7879",
             "--insecure", "--metrics-port", "9500", "--producer-window",
             str(self.producer_window), "--max-batches", str(self.max_batches),
-            *self._hb_args(), log_path=log)
+            *self._hb_args(), *self.broker_args, log_path=log)
         b = self.broker
         wait_for(lambda: "broker up" in log.read_text() or not b.alive(), 30, what="broker up")
         assert b.alive(), log.read_text()
