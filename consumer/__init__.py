@@ -14,6 +14,7 @@ __all__ = ["ProducerStats", "RemoteDataZMQ"]
 
 # name -> module, for the TensorFlow-side classes (imported lazily, see __getattr__)
 _LAZY: dict[str, str] = {
+    "InputSource": "consumer.input_source",
     "QueueInput": "consumer.queue_input",
     "StagingInput": "consumer.staging",
     "DummyConstantInput": "consumer.dummy",

@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from consumer.input_source import Occupancy
 from consumer.metrics import QueueMetrics
 from feedline.verdict import VerdictTracker
 
@@ -23,12 +24,21 @@ log = logging.getLogger(__name__)
 
 
 class OccupancyMonitor:
-    """Call :meth:`step` once per training step (or use :meth:`keras_callback`)."""
+    """Call :meth:`step` once per training step (or use :meth:`keras_callback`).
 
-    def __init__(self, input: Any, every: int = 100, alpha: float = 0.05,
+    ``input`` is what holds the batches: an :class:`~consumer.input_source.InputSource`
+    (a QueueInput; a StagingInput's is its input's queue), or anything with ``size()`` and
+    ``capacity`` (:class:`~consumer.input_source.Occupancy`); anything else is a TypeError.
+    A capacity of 0 (a source that holds none) counts as 1.
+    """
+
+    def __init__(self, input: Occupancy, every: int = 100, alpha: float = 0.05,
                  registry: CollectorRegistry | None = None, name: str = "input") -> None:
+        if not isinstance(input, Occupancy):
+            raise TypeError(f"OccupancyMonitor needs an input source with size() and "
+                            f"capacity (a QueueInput), not {type(input).__name__}")
         self.input, self.every, self.alpha = input, every, alpha
-        self.capacity = int(getattr(input, "capacity", 0)) or 1
+        self.capacity = int(input.capacity) or 1
         self.metrics = QueueMetrics(registry if registry is not None else CollectorRegistry(),
                                     name)
         self.metrics.capacity.set(self.capacity)

@@ -13,19 +13,22 @@ from typing import Any
 
 import tensorflow as tf
 
+from consumer.input_source import as_input_source
+
 
 def as_dataset(input: Any, prefetch: int = 2, map_fn: Any = None) -> tf.data.Dataset:
-    """An endless dataset of batches dequeued from ``input`` (a started QueueInput).
+    """An endless dataset of batches dequeued from ``input`` (an
+    :class:`~consumer.input_source.InputSource`, started here if it is not yet; or anything
+    with ``dequeue()`` and ``dtypes``; else a TypeError).
 
     ``map_fn`` (optional) turns a batch into what ``fit`` wants, e.g. ``(x, y)`` or a
     normalisation on the device. ``prefetch`` bounds how many batches tf.data holds ahead.
     """
-    start = getattr(input, "start", None)
-    if start is not None:
-        start()
+    source = as_input_source(input, "as_dataset")
+    source.start()
 
     def take(_: tf.Tensor) -> Any:
-        batch = input.dequeue()
+        batch = source.dequeue()
         return map_fn(batch) if map_fn is not None else batch
 
     ds = tf.data.Dataset.from_tensors(tf.constant(0)).repeat()

@@ -7,22 +7,33 @@ from typing import Any
 
 import tensorflow as tf
 
+from consumer.input_source import InputSource
 
-class DummyConstantInput:
+
+class DummyConstantInput(InputSource):
     """Constant zero tensors of ``shapes`` and ``dtypes``, created once on ``device``.
 
-    Has the interface of :class:`consumer.QueueInput` (``start``, ``dequeue``, ``size``,
-    ``close``), so a training loop can swap it in to measure what the input costs.
+    An :class:`~consumer.input_source.InputSource` like :class:`consumer.QueueInput`
+    (``start``, ``dequeue``, ``size``, ``close``; a flat list, ``capacity`` 0), so a training
+    loop can swap it in to measure what the input costs.
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
                  device: str = "/CPU:0") -> None:
         if len(shapes) != len(dtypes):
             raise ValueError(f"{len(shapes)} shapes for {len(dtypes)} dtypes")
-        self.shapes = [tf.TensorShape(s) for s in shapes]
-        self.dtypes = [tf.as_dtype(d) for d in dtypes]
+        self._shapes = [tf.TensorShape(s) for s in shapes]
+        self._dtypes = [tf.as_dtype(d) for d in dtypes]
         self.device = device
         self._tensors: list[tf.Tensor] | None = None
+
+    @property
+    def dtypes(self) -> list[tf.DType]:
+        return self._dtypes
+
+    @property
+    def shapes(self) -> list[tf.TensorShape]:
+        return self._shapes
 
     def start(self) -> DummyConstantInput:
         if self._tensors is None:
@@ -40,15 +51,8 @@ class DummyConstantInput:
     def size(self) -> tf.Tensor:
         return tf.constant(0, tf.int32)
 
-    @property
-    def element_spec(self) -> list[tf.TensorSpec]:
-        return [tf.TensorSpec(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
-
     def close(self) -> None:
         self._tensors = None
 
     def __enter__(self) -> DummyConstantInput:
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -5,9 +5,12 @@ tensorpack's QueueInput for TensorFlow 2. A background thread takes datapoints f
 one copy into TensorFlow) happens there, hidden behind the model's step. The training step
 dequeues, eagerly or inside ``tf.function``. The queue holds at most ``capacity`` batches.
 
-Dtypes, shapes and the datapoint's structure (list, tuple or dict of arrays) come from the
-first batch unless given. Errors travel: if the source raises (a producer's failure, a
-timeout), the queue is closed and :meth:`dequeue` raises that error, not a bare OutOfRange.
+The source gets the DataFlow contract (:func:`producer.dataflow.base.as_dataflow`): its
+``reset_state()`` runs at :meth:`QueueInput.start` and its ``close()`` at
+:meth:`QueueInput.close`, where it has them. Dtypes, shapes and the datapoint's structure
+(list, tuple or dict of arrays) come from the first batch unless given. Errors travel: if
+the source raises (a producer's failure, a timeout), the queue is closed and
+:meth:`dequeue` raises that error, not a bare OutOfRange.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from consumer.input_source import InputSource
+from producer.dataflow.base import as_dataflow
+
 log = logging.getLogger(__name__)
 
 
@@ -31,7 +37,7 @@ def _leaf_spec(x: Any) -> tuple[tf.DType, tuple[int, ...]]:
     return tf.as_dtype(arr.dtype), tuple(arr.shape)
 
 
-class QueueInput:
+class QueueInput(InputSource):
     """Feeds ``source`` into a FIFOQueue of ``capacity`` batches from a background thread.
 
     Use :meth:`start` (or the ``with`` block) before :meth:`dequeue`; :meth:`close` stops the
@@ -51,10 +57,13 @@ class QueueInput:
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self.source, self.capacity, self.name = source, capacity, name
-        self._dtypes, self._shapes, self._dynamic = dtypes, shapes, dynamic_shapes
+        self.source, self._capacity, self.name = source, capacity, name
+        self._flow = as_dataflow(source)
+        self._want_dtypes, self._want_shapes, self._dynamic = dtypes, shapes, dynamic_shapes
         self.queue: tf.queue.FIFOQueue | None = None
-        self.structure: Any = None  # the first datapoint: the shape of every batch
+        self._structure: Any = None  # the first datapoint: the shape of every batch
+        self._dtypes: list[tf.DType] | None = None
+        self._shapes: list[tf.TensorShape] | None = None
         self._iter: Iterator[Any] | None = None
         self._first: list[Any] | None = None
         self._thread: threading.Thread | None = None
@@ -68,25 +77,25 @@ class QueueInput:
         start the enqueue thread. Idempotent."""
         if self.queue is not None:
             return self
-        reset = getattr(self.source, "reset_state", None)
-        if reset is not None:
-            reset()
-        self._iter = iter(self.source)
+        self._flow.reset_state()
+        self._iter = iter(self._flow)
         first = next(self._iter)  # the structure, and (if not given) dtypes and shapes
-        self.structure = first
+        self._structure = first
         flat = tf.nest.flatten(first)
         specs = [_leaf_spec(x) for x in flat]
-        dtypes = list(self._dtypes) if self._dtypes is not None else [d for d, _ in specs]
+        dtypes = (list(self._want_dtypes) if self._want_dtypes is not None
+                  else [d for d, _ in specs])
+        shapes: list[tf.TensorShape] | None
         if self._dynamic:
             shapes = None
-        elif self._shapes is not None:
-            shapes = [tf.TensorShape(s) for s in self._shapes]
+        elif self._want_shapes is not None:
+            shapes = [tf.TensorShape(s) for s in self._want_shapes]
         else:
             shapes = [tf.TensorShape(s) for _, s in specs]
         if len(dtypes) != len(flat):
             raise ValueError(f"{len(dtypes)} dtypes for a datapoint of {len(flat)} components")
-        self.dtypes = dtypes
-        self.shapes = shapes
+        self._dtypes = dtypes
+        self._shapes = shapes
         with tf.device("/CPU:0"):
             self.queue = tf.queue.FIFOQueue(self.capacity, dtypes, shapes=shapes,
                                             name=self.name)
@@ -122,6 +131,25 @@ class QueueInput:
                 pass
 
     # ------------------------------------------------------------------ training side
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def dtypes(self) -> list[tf.DType]:
+        if self._dtypes is None:
+            raise AttributeError("QueueInput.dtypes: known after start() (from the first "
+                                 "batch)")
+        return self._dtypes
+
+    @property
+    def shapes(self) -> list[tf.TensorShape] | None:
+        return self._shapes
+
+    @property
+    def structure(self) -> Any:
+        return self._structure
+
     def dequeue(self) -> Any:
         """One batch as tensors, in the source's structure. Works inside ``tf.function``."""
         if self.queue is None:
@@ -154,9 +182,7 @@ class QueueInput:
     @property
     def element_spec(self) -> Any:
         assert self.queue is not None
-        shapes = self.shapes or [tf.TensorShape(None)] * len(self.dtypes)
-        specs = [tf.TensorSpec(s, d) for s, d in zip(shapes, self.dtypes, strict=True)]
-        return tf.nest.pack_sequence_as(self.structure, specs)
+        return super().element_spec
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread: cancel a blocked enqueue, close the source, join (bounded)."""
@@ -166,11 +192,10 @@ class QueueInput:
                 self.queue.close(cancel_pending_enqueues=True)
             except Exception:
                 pass
-        close = getattr(self.source, "close", None)
         # RemoteDataZMQ.close() unblocks a thread waiting on the network. A generator cannot
         # be closed while the thread runs it; the thread sees the stop flag at its next item.
-        if close is not None and not inspect.isgenerator(self.source):
-            close()
+        if not inspect.isgenerator(self.source):
+            self._flow.close()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

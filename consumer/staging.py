@@ -18,6 +18,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from consumer.input_source import InputSource, as_input_source
+
 log = logging.getLogger(__name__)
 _names = itertools.count()
 _warned_cpu = False
@@ -34,22 +36,26 @@ def default_device() -> str:
     return "/CPU:0"
 
 
-class StagingInput:
-    """Stages batches from ``input`` (anything with ``dequeue()`` and ``dtypes``) on
-    ``device``, ``nr_stage`` ahead of the step that uses them."""
+class StagingInput(InputSource):
+    """Stages batches from ``input`` on ``device``, ``nr_stage`` ahead of the step that uses
+    them.
+
+    ``input`` is an :class:`~consumer.input_source.InputSource` (started and closed with
+    this one), or anything with ``dequeue()`` and ``dtypes`` (used as it is); anything else
+    is a TypeError. ``dtypes``, ``shapes``, ``structure``, ``capacity`` and ``size()`` are
+    the input's (the occupancy to watch is its queue's); :meth:`dequeue` is :meth:`get`.
+    """
 
     def __init__(self, input: Any, nr_stage: int = 1, device: str | None = None) -> None:
         if nr_stage < 1:
             raise ValueError("nr_stage must be >= 1")
-        self.input, self.nr_stage = input, nr_stage
+        self.input, self.nr_stage = as_input_source(input, "StagingInput"), nr_stage
         self.device = device or default_device()
         self.shared_name = f"feedline_staging_{next(_names)}"
         self._primed = False
 
     def start(self) -> StagingInput:
-        start = getattr(self.input, "start", None)
-        if start is not None:
-            start()
+        self.input.start()
         self.prime()
         return self
 
@@ -77,24 +83,38 @@ class StagingInput:
         with tf.device(self.device):
             out = tf.raw_ops.Unstage(dtypes=dtypes, shared_name=self.shared_name)
         self._stage()  # the next batch's copy runs while the model works on `out`
-        shapes = getattr(self.input, "shapes", None)
+        shapes = self.input.shapes
         if shapes is not None and not tf.executing_eagerly():
             for t, s in zip(out, shapes, strict=True):
                 t.set_shape(s)
-        structure = getattr(self.input, "structure", None)
+        structure = self.input.structure
         return tf.nest.pack_sequence_as(structure, list(out)) if structure else list(out)
+
+    def dequeue(self) -> Any:
+        """:meth:`get`: a staged batch, so that a StagingInput is an input source too."""
+        return self.get()
 
     @property
     def dtypes(self) -> list[tf.DType]:
         return list(self.input.dtypes)
 
+    @property
+    def shapes(self) -> list[tf.TensorShape] | None:
+        return self.input.shapes
+
+    @property
+    def structure(self) -> Any:
+        return self.input.structure
+
+    @property
+    def capacity(self) -> int:
+        return self.input.capacity
+
+    def size(self) -> Any:
+        return self.input.size()
+
     def close(self) -> None:
-        close = getattr(self.input, "close", None)
-        if close is not None:
-            close()
+        self.input.close()
 
     def __enter__(self) -> StagingInput:
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
