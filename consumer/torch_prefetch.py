@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from consumer.torch_input import to_torch
+from producer.dataflow.base import as_dataflow
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class CudaPrefetcher:
     copy). ``depth``: batches copied ahead of the one the model uses (1..64). Device tensors are
     new per batch and writable; the frames and staging buffers are not exposed. Iterate from
     the thread that runs the model (its current stream is the one that waits). Closing it (or
-    leaving ``with``) closes ``iterable`` when that has a ``close()``.
+    leaving ``with``) closes ``iterable`` as a DataFlow
+    (:func:`~producer.dataflow.base.as_dataflow`: its ``close()``, where it has one).
     """
 
     def __init__(self, iterable: Iterable[Any], device: torch.device | str | int | None = None,
@@ -149,6 +151,7 @@ class CudaPrefetcher:
         if not 1 <= depth <= 64:
             raise ValueError("depth must be in 1..64")
         self.iterable, self.depth = iterable, depth
+        self._flow = as_dataflow(iterable)  # its close() is ours
         self.device = resolve_device(device)
         if device is None and self.device.type == "cpu":
             log.info("CudaPrefetcher: no CUDA device; batches pass through on the CPU")
@@ -162,9 +165,7 @@ class CudaPrefetcher:
                              self.depth)
 
     def close(self) -> None:
-        close = getattr(self.iterable, "close", None)
-        if close is not None:
-            close()
+        self._flow.close()
 
     def __enter__(self) -> CudaPrefetcher:
         return self
