@@ -1,10 +1,22 @@
 """The DataFlow library: sources, transforms and parallel stages, one module each.
 
 Names follow tensorpack's, so its users recognise them. Every stage is a plain iterable
-with an optional ``__len__`` and ``reset_state()`` (see :mod:`producer.dataflow.base`).
+with an optional ``__len__``, ``reset_state()`` and ``close()`` (see
+:mod:`producer.dataflow.base`: also :func:`as_dataflow` for a plain iterable, :func:`stages`
+to walk a pipeline, and the Protocols of what some stages offer).
 """
 
-from producer.dataflow.base import DataFlow, ProxyDataFlow
+from producer.dataflow.base import (
+    Counted,
+    DataFlow,
+    DataFromIterable,
+    Indexable,
+    ProxyDataFlow,
+    Reseedable,
+    Shardable,
+    as_dataflow,
+    stages,
+)
 from producer.dataflow.batch_data import BatchData
 from producer.dataflow.count_data import CountData
 from producer.dataflow.data_from_generator import DataFromGenerator
@@ -26,12 +38,15 @@ from producer.dataflow.worker import WorkerInfo, get_worker, make_rng
 __all__ = [
     "BatchData",
     "CountData",
+    "Counted",
     "DataFlow",
     "DataFromGenerator",
+    "DataFromIterable",
     "DataFromList",
     "FakeData",
     "FilterData",
     "ImageFolder",
+    "Indexable",
     "LMDBData",
     "LMDBSerializer",
     "LocallyShuffleData",
@@ -42,10 +57,14 @@ __all__ = [
     "MultiThreadMapData",
     "ProxyDataFlow",
     "RepeatedData",
+    "Reseedable",
     "SampleError",
+    "Shardable",
     "TestDataSpeed",
     "WorkerError",
     "WorkerInfo",
+    "as_dataflow",
     "get_worker",
     "make_rng",
+    "stages",
 ]
