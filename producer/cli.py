@@ -69,13 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def decoder_info() -> str:
     """Which JPEG decoder the image steps run, in words (the start-up line, --version)."""
     try:
-        from producer import image
+        from producer.image import decoder_info as info
 
-        info = getattr(image, "decoder_info", None)
-        if info is None:
-            from producer.image import turbo
-
-            info = turbo.decoder_info
         return str(info())
     except Exception:  # an optional extension that does not load: the presets use OpenCV
         try:
