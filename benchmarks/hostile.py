@@ -558,9 +558,11 @@ def measure(name: str, rounds: int, seconds: float, batch_bytes: int, rate: floa
             t1 = time.monotonic()
             sent = attacker.stop()
             with_ = cluster.rate(t0, t1)
+            settled = cluster.settle()
+            # Counted once the broker has got through what the attacker sent (a message of a
+            # million frames takes longer to read than a window) and has dropped it.
             after = refusals(cluster.scrape())
             delta = {k: after[k] - before[k] for k in after if after[k] - before[k]}
-            settled = cluster.settle()
             result["without"].append(without)
             result["with"].append(with_)
             result["sent"].append(sent)
@@ -571,7 +573,14 @@ def measure(name: str, rounds: int, seconds: float, batch_bytes: int, rate: floa
                   f"{sent}; broker {delta}{'' if settled else '; DID NOT SETTLE'}",
                   flush=True)
             if not cluster.alive():
-                print(f"  {name}: a process died; see {work / name}", flush=True)
+                roles = {"broker": cluster.broker, "producer": cluster.producer,
+                         "consumer": cluster.consumer}
+                dead = [role for role, c in roles.items() if not c.alive()]
+                last = cluster.broker.log_text().strip().splitlines()[-1:]
+                result["died"] = {"processes": dead, "broker_exit": cluster.broker.proc.poll(),
+                                  "broker_last_line": last[0] if last else ""}
+                print(f"  {name}: {', '.join(dead)} died (broker: {result['died']}); logs in "
+                      f"{work / name}", flush=True)
                 break
     finally:
         result["alive"] = cluster.alive()
@@ -586,12 +595,16 @@ def measure(name: str, rounds: int, seconds: float, batch_bytes: int, rate: floa
 
 def table(results: list[dict]) -> str:
     lines = ["| attacker | without (batches/s) | with (batches/s) | with / without | each round "
-             "(with / without) | the broker, per attack window |", "|---|---|---|---|---|---|"]
+             "(with / without) | refused, cut off or dropped by the broker (middle round) |",
+             "|---|---|---|---|---|---|"]
     for r in results:
         rounds = " / ".join(f"{a / w:.2f}" if w else "-" for w, a in zip(r["without"], r["with"],
                                                                          strict=True))
         ref = r["refused"][len(r["refused"]) // 2] if r["refused"] else {}
         what = ", ".join(f"{k} {v:.0f}" for k, v in ref.items()) or "-"
+        if "died" in r:
+            what = (f"**{', '.join(r['died']['processes'])} died** (exit "
+                    f"{r['died']['broker_exit']}: {r['died']['broker_last_line'][:80]})")
         lines.append(f"| {r['scenario']} | {r['median_without']:.0f} | {r['median_with']:.0f} | "
                      f"**{r['ratio']:.2f}x** | {rounds} | {what} |")
     return "\n".join(lines)
