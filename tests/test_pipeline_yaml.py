@@ -13,6 +13,7 @@ import yaml
 from consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from producer.dataflow import BatchData, DataFromList, MapData, MultiProcessMapData
+from producer.exact import build_exact
 from producer.image import ImageNetVal
 from producer.pipeline import ConfigError, build_pipeline, load_config
 from tests.jpeg_data import make_folder
@@ -268,51 +269,45 @@ def test_errors_name_the_field(cfg: dict, field: str) -> None:
 
 
 def test_example_configs_build(images: Path, tmp_path: Path) -> None:
-    for name in ("imagenet_train", "imagenet_val"):
-        cfg = load_config(ROOT / "examples" / f"{name}.yaml")
-        cfg["source"]["image_folder"]["root"] = str(images)
-        cfg["steps"][-1]["batch"]["batch_size"] = 4
-        [batches] = run(cfg)
-        assert batches[0][0].shape == (4, 224, 224, 3) and batches[0][0].dtype == np.uint8
-        total = sum(len(b[1]) for b in batches)
-        assert total == (12 if name == "imagenet_train" else 15)
+    cfg = load_config(ROOT / "examples" / "imagenet_train.yaml")
+    cfg["source"]["image_folder"]["root"] = str(images)
+    cfg["steps"][-1]["batch"]["batch_size"] = 4
+    [batches] = run(cfg)
+    assert batches[0][0].shape == (4, 224, 224, 3) and batches[0][0].dtype == np.uint8
+    assert sum(len(b[1]) for b in batches) == 12  # remainder: false
+    # The validation example is exact delivery: built unit by unit, every image once.
+    cfg = load_config(ROOT / "examples" / "imagenet_val.yaml")
+    cfg["source"]["image_folder"]["root"] = str(images)
+    cfg["steps"][-1]["batch"]["batch_size"] = 4
+    pipe = build_exact(cfg)
+    assert pipe.stream == "val" and pipe.spec.dataset_size == 15
+    batches = [b for unit in range(-(-15 // pipe.unit_size)) for _, b in pipe.batches(0, unit)]
+    assert batches[0][0].shape == (4, 224, 224, 3) and batches[0][0].dtype == np.uint8
+    assert labels(batches) == [0] * 5 + [1] * 5 + [2] * 5  # the last batch short: kept
 
 
 def test_producer_cli_runs_the_val_example_against_a_real_broker(
     images: Path, tmp_path: Path, broker_proc, daemons, endpoints
 ) -> None:
-    """Two producer processes, one shard each, strict workers: epoch 0 of the two producers
-    together is every image exactly once, as the model would see it."""
+    """Two producer processes of the exact-delivery example (units of 4 images here), its
+    dataset given by --data: epoch 0, as the training process's epoch() yields it, is every
+    image exactly once, as the model would see it."""
     broker_proc()
-    example = yaml.safe_load((ROOT / "examples" / "imagenet_val.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "examples" / "imagenet_val.yaml").read_text())
+    cfg["exact"] = {"unit_size": 4}
+    cfg["steps"] = [{"imagenet_val": {"size": 64, "resize": 72}},
+                    {"batch": {"batch_size": 3}}]
+    (tmp_path / "val.yaml").write_text(yaml.safe_dump(cfg))
     for i in range(2):
-        cfg = dict(example)
-        cfg["source"] = {"image_folder": {"root": str(images), "shuffle": False}}
-        cfg["shard"] = {"index": i, "count": 2}
-        cfg["steps"] = [{"imagenet_val": {"size": 64, "resize": 72}},
-                        {"batch": {"batch_size": 4, "remainder": True}}]
-        # Keep sending (epochs: forever): a producer that exits right after its last batch
-        # may lose it with the link's zero linger; epoch 0 is complete once epoch 1 starts.
-        cfg["epochs"] = None
-        (tmp_path / f"p{i}.yaml").write_text(yaml.safe_dump(cfg))
-        daemons("producer", "--config", tmp_path / f"p{i}.yaml", "--broker", endpoints.ingress,
-                "--id", f"p{i}", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
-                name=f"producer-{i}")
-    got: dict[str, list] = {"p0": [], "p1": []}
-    later: set[str] = set()
-    with RemoteDataZMQ(endpoints.egress, timeout=60, link=FAST, return_meta=True) as src:
-        for batch in src:
-            if batch.epoch > 0:
-                later.add(batch.producer)
-                if later == {"p0", "p1"}:
-                    break
-                continue
-            imgs, labs = batch.datapoint
-            got[batch.producer] += [(img.tobytes(), int(lab)) for img, lab in
-                                    zip(imgs, labs, strict=True)]
+        daemons("producer", "--config", tmp_path / "val.yaml", "--data", images,
+                "--broker", endpoints.ingress, "--id", f"p{i}", "--heartbeat-interval", "0.2",
+                "--heartbeat-timeout", "1.5", name=f"producer-{i}")
+    got: list = []
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=60, link=FAST) as src:
+        for imgs, labs in src.epoch():
+            got += [(img.tobytes(), int(lab)) for img, lab in zip(imgs, labs, strict=True)]
     val = ImageNetVal(64, 72)
     expected = []
     for k, d in enumerate(sorted(images.iterdir())):
         expected += [(val(np.fromfile(p, np.uint8)).tobytes(), k) for p in sorted(d.iterdir())]
-    assert len(got["p0"]) == 8 and len(got["p1"]) == 7
-    assert sorted(got["p0"] + got["p1"]) == sorted(expected)
+    assert sorted(got) == sorted(expected)
