@@ -47,8 +47,17 @@ class Consumer(Peer):
     inflight: deque[Held] = field(default_factory=deque)  # delivered, not yet taken
     inflight_bytes: int = 0
 
-    def room(self, size: int, cap: int, cap_batches: int) -> bool:
-        if self.delivered - self.taken >= min(self.window, cap_batches):
+    def room(self, size: int, cap: int, cap_batches: int, orphan: Orphan | None = None) -> bool:
+        """Room for a batch of ``size`` within its window and byte budget, and within the
+        caps of one connection (what an earlier registration of it left in flight counts)."""
+        held = self.delivered - self.taken
+        if held >= self.window:
+            return False
+        if orphan is not None:
+            if held + orphan.batches >= cap_batches or \
+                    self.inflight_bytes + orphan.nbytes + size > cap:
+                return False
+        elif held >= cap_batches:
             return False
         return self.inflight_bytes == 0 or self.inflight_bytes + size <= min(self.max_bytes, cap)
 
@@ -248,7 +257,8 @@ class ConsumerSide:
             ident = ring[0]
             ring.rotate(-1)
             c = self.consumers.get(ident)
-            if c is not None and c.room(size, self.cap, self.cap_batches):
+            if c is not None and c.room(size, self.cap, self.cap_batches,
+                                        self.orphans.get(ident)):
                 return c
         return None
 
