@@ -34,8 +34,8 @@ Attackers (hand-played sockets, as a peer that does not run feedline's code woul
 
     python benchmarks/hostile.py --rounds 3 --seconds 4 [--only garbage,hog] [--json out]
 
-Needs nothing outside the repository (no root, no tensorpack). About 40 s per attacker with
-the defaults.
+Needs nothing outside the repository (no root, no tensorpack). About 50 s per attacker with
+the defaults (7 minutes for all eight).
 """
 
 from __future__ import annotations
