@@ -75,6 +75,34 @@ class Buffer:
             self.nbytes -= item.nbytes
         return item
 
+    def by_stream(self) -> dict[str, tuple[int, int]]:
+        """(batches, bytes) buffered per stream."""
+        out = {}
+        for s, q in self._streams.items():
+            items = [h for h in q if not h.broadcast]
+            out[s] = (len(items), sum(h.nbytes for h in items))
+        return out
+
+    def evict(self, stream: str, max_batches: int, max_bytes: int) -> list[Held]:
+        """Drop the oldest batches of ``stream`` until it holds at most that much; returns
+        them (control messages stay, in order)."""
+        q = self._streams.get(stream)
+        out: list[Held] = []
+        if not q:
+            return out
+        keep: deque[Held] = deque()
+        b, y = self.by_stream().get(stream, (0, 0))
+        for h in q:
+            if not h.broadcast and (b > max_batches or y > max_bytes):
+                out.append(h)
+                b, y = b - 1, y - h.nbytes
+                self.batches -= 1
+                self.nbytes -= h.nbytes
+            else:
+                keep.append(h)
+        self._streams[stream] = keep
+        return out
+
     def items(self, stream: str) -> list[Held]:
         return list(self._streams.get(stream, ()))
 

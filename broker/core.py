@@ -61,6 +61,16 @@ class _Sink:
         b, y = self._b.egress.inflight()
         return self._b.buffer.batches + b, self._b.buffer.nbytes + y
 
+    def read(self, stream: str) -> bool:
+        return self._b.egress.demand(stream)
+
+    def held_by_stream(self) -> dict[str, tuple[int, int]]:
+        out = {s: (b, y) for s, (b, y) in self._b.buffer.by_stream().items()}
+        for s, (b, y) in self._b.egress.inflight_by_stream().items():
+            b0, y0 = out.get(s, (0, 0))
+            out[s] = (b0 + b, y0 + y)
+        return out
+
     def accept(self, stream: str, item: Held) -> bool:
         ok = self._b.buffer.push(stream, item)
         if ok and not item.broadcast:
@@ -228,6 +238,7 @@ class Broker:
                     self.egress.liveness(now, self.cfg.heartbeat_interval,
                                          self.cfg.heartbeat_timeout)
                     self._update_gauges()
+                    self._enforce_shares()
                     self.exact.commit()
                     next_tick = now + tick
         finally:
@@ -296,6 +307,26 @@ class Broker:
         m.consumer_credit.set(sum(max(0, c.window - (c.delivered - c.taken))
                                   for c in self.egress.consumers))
         self._stream_gauges()
+
+    def _enforce_shares(self) -> None:
+        """With several streams, one that nobody reads keeps at most half its share buffered:
+        the oldest batches beyond it are dropped and counted (an exact stream's are produced
+        again later), so that it cannot hold the budget the others need."""
+        streams = {p.stream for p in self.ingress.producers}
+        if len(streams) < 2:
+            return
+        cap_b = max(1, self.cfg.max_batches // (2 * len(streams)))
+        cap_y = max(1, self.cfg.max_bytes // (2 * len(streams)))
+        held = self.buffer.by_stream()
+        for s in streams:
+            b, y = held.get(s, (0, 0))
+            if (b <= cap_b and y <= cap_y) or self.egress.demand(s):
+                continue
+            coord = self.exact.get(s)
+            for item in self.buffer.evict(s, cap_b, cap_y):
+                self.metrics.evicted.labels(self.metrics.stream_label.label(s)).inc()
+                if coord is not None and item.batch is not None:
+                    coord.lost(item.batch.key)
 
     def _stream_gauges(self) -> None:
         """Per-stream series: buffered batches, peers, and exact streams' progress."""

@@ -42,6 +42,7 @@ class ProducerCredit:
     revoking_since: float | None = None
     idle: bool = False  # gave its credit back: more only when it asks
     held_since: float = 0.0  # when it last started holding credit, or last used it
+    stream: str = "default"
 
     @property
     def outstanding(self) -> int:
@@ -76,8 +77,9 @@ class CreditPlanner:
         self._rr = 0
 
     # -- what happened ------------------------------------------------------------------
-    def join(self, key: bytes, declared: int) -> ProducerCredit:
-        p = self.producers[key] = ProducerCredit(declared=min(declared, self.max_bytes))
+    def join(self, key: bytes, declared: int, stream: str = "default") -> ProducerCredit:
+        p = self.producers[key] = ProducerCredit(declared=min(declared, self.max_bytes),
+                                                 stream=stream)
         return p
 
     def leave(self, key: bytes) -> ProducerCredit | None:
@@ -129,11 +131,35 @@ class CreditPlanner:
         return (sum(p.outstanding for p in self.producers.values()),
                 sum(p.reserved for p in self.producers.values()))
 
-    def plan(self, now: float, held_batches: int, held_bytes: int) -> Plan:
-        """Grant what the room allows; ask idle holders back if someone waits for room."""
+    def _stream_room(self, by_stream: dict[str, tuple[int, int]],
+                     unread: set[str]) -> dict[str, list[int]]:
+        """Free [batches, bytes] of each stream's share. With k streams producing, a stream
+        may hold at most 1/k of the budget (held and granted), and one no consumer reads (its
+        trainer not started yet, or gone) half of that, so it cannot fill what the others
+        need. One stream alone may use all of it (buffering across a trainer restart)."""
+        streams = {p.stream for p in self.producers.values()}
+        k = max(1, len(streams))
+        room = {}
+        for s in streams:
+            share = 2 * k if s in unread and k > 1 else k
+            b, y = by_stream.get(s, (0, 0))
+            mine = [p for p in self.producers.values() if p.stream == s]
+            room[s] = [max(1, self.max_batches // share) - b - sum(p.outstanding for p in mine),
+                       max(1, self.max_bytes // share) - y - sum(p.reserved for p in mine)]
+        return room
+
+    def plan(self, now: float, held_batches: int, held_bytes: int,
+             by_stream: dict[str, tuple[int, int]] | None = None,
+             unread: set[str] | None = None) -> Plan:
+        """Grant what the room allows; ask idle holders back if someone waits for room.
+        ``by_stream``: what is held of each stream (one stream if not given); ``unread``:
+        the streams no consumer reads now."""
         out_b, out_y = self.outstanding()
         free_b = self.max_batches - held_batches - out_b
         free_y = self.max_bytes - held_bytes - out_y
+        if by_stream is None:
+            by_stream = {p.stream: (held_batches, held_bytes) for p in self.producers.values()}
+        room = self._stream_room(by_stream, unread or set())
         grants: dict[bytes, None] = {}
         starving = False
         keys = list(self.producers)
@@ -146,10 +172,12 @@ class CreditPlanner:
             if not p.wanting or p.revoking_since is not None:
                 continue
             need_b = 1 if p.short_batch else 0
-            if need_b <= free_b and p.short_bytes <= free_y:
+            sr = room[p.stream]
+            if need_b <= min(free_b, sr[0]) and p.short_bytes <= min(free_y, sr[1]):
                 p.granted += need_b
                 p.granted_bytes += p.short_bytes
                 free_b, free_y = free_b - need_b, free_y - p.short_bytes
+                sr[0], sr[1] = sr[0] - need_b, sr[1] - p.short_bytes
                 if p.outstanding == need_b:
                     p.held_since = now
                 p.short_bytes, p.short_batch = 0, False
@@ -169,7 +197,10 @@ class CreditPlanner:
                     continue
                 if free_b <= 0:
                     break
-                if max(0, (p.outstanding + 1) * unit - p.reserved) > free_y:
+                sr = room[p.stream]
+                if sr[0] <= 0:
+                    continue
+                if max(0, (p.outstanding + 1) * unit - p.reserved) > min(free_y, sr[1]):
                     starving = starving or p.outstanding == 0
                     continue
                 if p.outstanding == 0:
@@ -180,6 +211,7 @@ class CreditPlanner:
                 p.granted += 1
                 p.granted_bytes += more
                 free_b, free_y = free_b - 1, free_y - more
+                sr[0], sr[1] = sr[0] - 1, sr[1] - more
                 grants[key] = None
                 progress = True
         if free_b <= 0 and any(self._could_use(p) for p in self.producers.values()):

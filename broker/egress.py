@@ -101,6 +101,16 @@ class ConsumerSide:
         return (b + sum(o.batches for o in self.orphans.values()),
                 y + sum(o.nbytes for o in self.orphans.values()))
 
+    def inflight_by_stream(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        for c in self.consumers:
+            b, y = out.get(c.stream, (0, 0))
+            out[c.stream] = (b + c.delivered - c.taken, y + c.inflight_bytes)
+        for o in self.orphans.values():
+            b, y = out.get(o.stream, (0, 0))
+            out[o.stream] = (b + o.batches, y + o.nbytes)
+        return out
+
     def demand(self, stream: str) -> bool:
         return any(c.stream == stream for c in self.consumers)
 

@@ -46,6 +46,14 @@ class Sink(Protocol):
         """(batches, bytes) held: buffered, and in flight to consumers."""
         ...
 
+    def held_by_stream(self) -> dict[str, tuple[int, int]]:
+        """The same, per stream."""
+        ...
+
+    def read(self, stream: str) -> bool:
+        """Some consumer reads ``stream`` now."""
+        ...
+
     def accept(self, stream: str, item: Held) -> bool:
         """Take a batch (always: credit reserved its room) or a control message (False if
         there is no room for it)."""
@@ -207,7 +215,7 @@ class ProducerSide:
             self.metrics.lost_batches.labels(label).inc(lost)
             self._warn.warning("producer %s registered again: %d batches it sent never "
                                "arrived (counted as lost)", msg.producer, lost)
-        self.planner.join(ident, msg.max_batch_bytes)
+        self.planner.join(ident, msg.max_batch_bytes, msg.stream)
         self._info.info("producer %s joined stream %s (%d connected)", msg.producer,
                         msg.stream, len(self.producers))
         self._welcome(p)
@@ -292,7 +300,9 @@ class ProducerSide:
     # -- credit and liveness ------------------------------------------------------------
     def plan(self, now: float) -> None:
         held_b, held_y = self.sink.held()
-        plan = self.planner.plan(now, held_b, held_y)
+        streams = {p.stream for p in self.producers}
+        plan = self.planner.plan(now, held_b, held_y, self.sink.held_by_stream(),
+                                 {s for s in streams if not self.sink.read(s)})
         for ident in plan.grants:
             p = self.producers.get(ident)
             if p is not None:

@@ -87,6 +87,11 @@ class BrokerMetrics:
         self.stream_peers = Gauge(
             "feedline_broker_stream_peers", "Connected peers, by stream and role.",
             ["stream", "role"], registry=r)
+        self.evicted = Counter(
+            "feedline_broker_evicted_batches",
+            "Batches of a stream nobody reads dropped so that another stream gets room "
+            "(with several streams, an unread one keeps half its share), by stream.",
+            ["stream"], registry=r)
         self.exact_epoch = Gauge(
             "feedline_broker_exact_epoch", "Exact streams: the epoch being served.",
             ["stream"], registry=r)
@@ -100,7 +105,7 @@ class BrokerMetrics:
             registry=r)
 
     def _forget_stream(self, label: str) -> None:
-        for metric in (self.stream_batches, self.stream_buffer, self.exact_epoch):
+        for metric in (self.stream_batches, self.stream_buffer, self.exact_epoch, self.evicted):
             try:
                 metric.remove(label)
             except KeyError:

@@ -60,6 +60,12 @@ class _LocalSink:
         with s.lock:
             return s.queue.qsize(), s.queued_bytes
 
+    def read(self, stream: str) -> bool:
+        return True  # the trainer itself
+
+    def held_by_stream(self) -> dict[str, tuple[int, int]]:
+        return {self.shared.stream: self.held()}
+
     def accept(self, stream: str, item: Held) -> bool:
         s = self.shared
         if item.broadcast:

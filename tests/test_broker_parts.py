@@ -215,3 +215,31 @@ def test_the_buffer_counts_bytes_per_stream_and_bounds_control_messages():
     item = b.pop("train")
     b.requeue("train", item)
     assert b.peek("train") is item and b.nbytes == 110
+
+
+def test_streams_share_the_budget_and_an_unread_one_keeps_half_its_share():
+    cp = planner(max_batches=32, window=32)
+    cp.join(b"train", declared=100, stream="train")
+    cp.join(b"val", declared=100, stream="val")
+    cp.plan(0.0, 0, 0, {}, unread=set())
+    assert cp.producers[b"train"].outstanding == 16 and cp.producers[b"val"].outstanding == 16
+    cp2 = planner(max_batches=32, window=32)
+    cp2.join(b"train", declared=100, stream="train")
+    cp2.join(b"orphan", declared=100, stream="val")
+    cp2.plan(0.0, 0, 0, {}, unread={"val"})
+    assert cp2.producers[b"orphan"].outstanding == 8, "unread: half of its 16"
+    assert cp2.producers[b"train"].outstanding == 16
+    cp3 = planner(max_batches=32, window=32)
+    cp3.join(b"alone", declared=100, stream="val")
+    cp3.plan(0.0, 0, 0, {}, unread={"val"})
+    assert cp3.producers[b"alone"].outstanding == 32, "one stream alone: all of it"
+
+
+def test_the_buffer_evicts_the_oldest_batches_of_a_stream():
+    b = Buffer()
+    for i in range(5):
+        b.push("val", Held([bytes([i])], 10, 10, 1, 0))
+    b.push("val", Held([b"eos"], 0, 0, 1, 0, broadcast=True))
+    gone = b.evict("val", 2, 1000)
+    assert [h.frames[0] for h in gone] == [b"\0", b"\1", b"\2"]
+    assert (b.batches, b.nbytes, b.controls) == (2, 20, 1)

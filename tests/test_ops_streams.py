@@ -270,9 +270,6 @@ def test_consumer_exports_its_stream() -> None:
         remote.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the broker's credit is one budget for all streams "
-                   "(broker/credit.py knows no stream): a stream nobody takes fills "
-                   "--max-batches and every other stream's producers get no credit")
 def test_a_stream_without_consumers_does_not_starve_another(tmp_path: Path, endpoints,
                                                             broker_proc, daemons) -> None:
     """A producer of stream `default` whose training process has not started yet (or has
