@@ -49,6 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "tcp://0.0.0.0:7878; producers give it as their --broker)")
     p.add_argument("--window", type=int, default=4,
                    help="batches this process may hold ahead of the model")
+    p.add_argument("--stream", default="default",
+                   help="the stream to receive (producers declare theirs)")
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="simulated model step per batch (0: as fast as batches come)")
     p.add_argument("--duration", type=float, default=None,
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     # A short receive timeout only so that SIGTERM is noticed while no batch comes.
     with RemoteDataZMQ(addr, window=args.window, timeout=0.5, consumer_id=args.id,
                        return_meta=True, registry=registry, curve=curve,
-                       bind=args.bind is not None, insecure=args.insecure) as source:
+                       bind=args.bind is not None, insecure=args.insecure,
+                       stream=args.stream) as source:
         while not stop.is_set() and (end is None or time.monotonic() < end):
             try:
                 for batch in source:

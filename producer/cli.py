@@ -135,6 +135,13 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
     if args.epochs is not None:
         pipe.epochs = args.epochs
     stop = stop_on_signals()
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    try:
+        serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
+    except endpoints.AddressError as e:
+        raise SystemExit(f"feedline producer: {e}") from None
     producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
     log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream %s, exact "
              "delivery over %d samples in units of %d, %s", __version__, producer_id,
@@ -145,7 +152,7 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
                       heartbeat_timeout=args.heartbeat_timeout)
     try:
         sent = send_exact(pipe, args.broker, producer_id=producer_id, link=link, curve=curve,
-                          stop=stop)
+                          stop=stop, registry=registry)
     except (FeedlineError, EncodeError) as e:
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
     log.info("sent %d batches", sent)

@@ -1,8 +1,8 @@
 """Exact delivery, the producer's side: work units made of a pipeline file, byte for byte.
 
 A pipeline file with ``delivery: exact`` is run unit by unit instead of as one endless
-stream. The source must be indexable (``image_folder``, ``lmdb``, ``list``, ``fake``, or a
-factory's object with ``samples()`` and ``sample(i)``). The broker hands out units; a unit
+stream. The source must be indexable (``image_folder``, ``lmdb``, ``list``, ``fake``: any
+source with ``samples()`` and ``sample(i)``). The broker hands out units; a unit
 ``u`` is the samples ``[u * unit_size, (u + 1) * unit_size)`` of the dataset, in an order that
 is a pure function of ``(seed, epoch, unit)``, and each sample's augmentation randomness is a
 pure function of ``(seed, epoch, sample)``: a unit run again, by this producer or another,
@@ -10,8 +10,9 @@ yields the same bytes, which is how the broker can drop what it already has. Bat
 straddle units: batch ``j`` of a unit holds the ``j``-th ``batch_size`` of its samples (the
 last batch of a unit may be short); a unit started at batch ``j`` reads nothing before it.
 
-Map steps run in ``threads`` threads when the file's ``parallel`` asks for workers (each
-thread has its own copy of the functions: per-sample reseeding must not be shared). Samples
+Map steps run in ``parallel.workers`` threads, whatever ``parallel.mode`` says (each thread
+has its own copy of the functions: per-sample reseeding must not be shared; decoding releases
+the GIL); ``mode: runner`` is refused (it runs whole pipelines in workers). Samples
 an ``on_error: skip`` policy drops leave their batch smaller; a batch with none left is not
 sent, and its index is reported with the unit's end so that the epoch still completes.
 
@@ -149,6 +150,12 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
     x.done()
     par = Args(cfg.get("parallel") or {}, "parallel")
     workers = par.integer("workers", 1, lo=1)
+    if par.text("mode", "none", choices=("none", "thread", "process", "runner")) == "runner":
+        raise ConfigError("parallel.mode: runner runs whole pipelines in workers; with "
+                          "delivery: exact use thread or process (map steps in threads)")
+    par.get("strict")
+    par.get("buffer_size")
+    par.done()
     source = top.get("source", required=True)
     name, args = one_key(source, "source", SOURCES)
     a = Args(args, f"source.{name}")

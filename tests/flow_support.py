@@ -65,9 +65,9 @@ def producer_hello(pid: str, session: int, n: int = 0) -> bytes:
                                     max_batch_bytes=RAW_BATCH_BYTES, registration=1))
 
 
-def consumer_hello(cid: str, window: int) -> bytes:
+def consumer_hello(cid: str, window: int, registration: int = 1) -> bytes:
     return m.encode(m.ConsumerHello(consumer=cid, session=1, window=window,
-                                    max_bytes=1 << 40, registration=1))
+                                    max_bytes=1 << 40, registration=registration))
 
 
 def batch_header(pid: str, session: int, seq: int, datapoint: Any,
@@ -256,13 +256,17 @@ class RawPeer:
         self.sock.rcvhwm = rcvhwm
         self.sock.connect(addr)
         self.granted = 0  # the largest credit granted (absolute)
+        self.registrations = 0
         self.sent = self.sent_bytes = 0  # batches sent (honest peers answer REVOKE with it)
 
     def hello_producer(self, pid: str, session: int, n: int = 0) -> None:
         self.sock.send(producer_hello(pid, session, n))
 
     def hello_consumer(self, cid: str, window: int) -> None:
-        self.sock.send(consumer_hello(cid, window))
+        """Register as a consumer; each call is a new registration (as a restarted iterator's
+        would be), not a repeat of the last one."""
+        self.registrations += 1
+        self.sock.send(consumer_hello(cid, window, self.registrations))
 
     def heartbeat(self) -> None:
         self.sock.send(m.encode(m.Heartbeat()), zmq.NOBLOCK)
