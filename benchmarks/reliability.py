@@ -2,8 +2,11 @@
 
     sudo python benchmarks/reliability.py --rounds 3 --json docs/reliability.json \\
         --plot docs/reliability.png
+    sudo python benchmarks/reliability.py --exact --rounds 3 \\
+        --json docs/reliability_exact.json --plot docs/reliability_exact.png
 
-Runs ``tests/test_faults_netns.py`` (root: network namespaces) ``--rounds`` times with
+Runs ``tests/test_faults_netns.py`` (with ``--exact``: ``tests/test_faults_exact_netns.py``,
+exact delivery) (root: network namespaces) ``--rounds`` times with
 ``FEEDLINE_RELIABILITY_OUT`` set, so every scenario appends its measurements; then prints a
 markdown table (median recovery time per scenario, and every round's) and, with ``--plot``,
 draws each scenario's throughput over time with the fault shaded (needs matplotlib:
@@ -25,15 +28,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(rounds: int, out: Path, keep: Path) -> int:
+TRAINING, EXACT = "tests/test_faults_netns.py", "tests/test_faults_exact_netns.py"
+
+
+def run(rounds: int, out: Path, keep: Path, tests: str = TRAINING) -> int:
     """Run the scenario file ``rounds`` times; returns how many rounds had a failure (their
     logs stay under ``keep``)."""
     failed = 0
     for r in range(rounds):
         print(f"round {r + 1}/{rounds}", flush=True)
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            f"--basetemp={keep / f'round-{r + 1}'}",
-                            "tests/test_faults_netns.py"], cwd=ROOT,
+                            f"--basetemp={keep / f'round-{r + 1}'}", tests], cwd=ROOT,
                            env={**os.environ, "FEEDLINE_RELIABILITY_OUT": str(out)})
         failed += p.returncode != 0
     return failed
@@ -60,6 +65,39 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _median(xs: list[float | None]) -> str:
+    got = [x for x in xs if x is not None]
+    return f"{statistics.median(got):.2f} s" if got else "-"
+
+
+def _each(xs: list[float | None]) -> str:
+    return " / ".join("-" if x is None else f"{x:.2f}" for x in xs)
+
+
+def exact_table(results: list[dict]) -> str:
+    """Exact delivery: recovery, how long an interrupted unit waited for another producer,
+    the longest the consumers waited for a batch, and the ledger's verdict per round."""
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in results:
+        by[r["scenario"]].append(r)
+    lines = ["| scenario | recovery (median) | each round | unit taken over after (median) "
+             "| longest wait for a batch (median) | job | lost / duplicated / foreign / bytes "
+             "differ, per round | dropped as duplicate by the broker |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, rs in by.items():
+        verdict = " ; ".join("{lost}/{duplicated}/{foreign}/{mismatched}".format(**r["ledger"])
+                             for r in rs)
+        dropped = " / ".join("-" if r.get("broker_dropped_duplicates") is None
+                             else f"{r['broker_dropped_duplicates']:.0f}" for r in rs)
+        job = statistics.median(r["job_s"] for r in rs)
+        lines.append(f"| {name} | {_median([r['recovery_s'] for r in rs])} | "
+                     f"{_each([r['recovery_s'] for r in rs])} | "
+                     f"{_median([r['takeover_s'] for r in rs])} | "
+                     f"{_median([r['longest_wait_s'] for r in rs])} | {job:.1f} s | "
+                     f"{verdict} | {dropped} |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -81,8 +119,10 @@ def plot(results: list[dict], path: Path) -> None:
                 pt, pv = zip(*series, strict=True)
                 ax.plot(pt, pv, lw=0.8, label=p, alpha=0.8)
         ax.axvspan(r["fault_at"], r["healed_at"], color="red", alpha=0.12, lw=0)
-        ax.axvline(r["healed_at"] + r["recovery_s"], color="green", ls="--", lw=0.8)
-        ax.set_title(f"{name}: recovery {r['recovery_s']:.1f} s", fontsize=9)
+        rec = r["recovery_s"]
+        if rec is not None:
+            ax.axvline(r["healed_at"] + rec, color="green", ls="--", lw=0.8)
+        ax.set_title(f"{name}: recovery {'-' if rec is None else f'{rec:.1f} s'}", fontsize=9)
         ax.set_ylim(bottom=0)
         ax.set_ylabel("batches/s", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -98,6 +138,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="runs of the whole scenario file")
+    ap.add_argument("--exact", action="store_true",
+                    help=f"exact delivery's scenarios ({EXACT}) instead of training mode's")
     ap.add_argument("--json", type=Path, help="write all measurements here")
     ap.add_argument("--plot", type=Path, help="write the throughput plot here (PNG)")
     ap.add_argument("--from-json", type=Path,
@@ -108,13 +150,14 @@ def main() -> None:
     else:
         keep = Path(tempfile.mkdtemp(prefix="feedline-reliability-"))
         out = keep / "results.jsonl"
-        failed = run(a.rounds, out, keep)
+        failed = run(a.rounds, out, keep, EXACT if a.exact else TRAINING)
         results = [json.loads(line) for line in out.read_text().splitlines()]
         if failed:
             print(f"{failed} round(s) had failures; their logs are under {keep}")
     if a.json:
         a.json.write_text(json.dumps(results))
-    print(table(results))
+    exact = a.exact or any(r.get("mode") == "exact" for r in results)
+    print(exact_table(results) if exact else table(results))
     if a.plot:
         plot(results, a.plot)
 
