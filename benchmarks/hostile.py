@@ -113,10 +113,14 @@ class RawPeer:
         self.registration = 1
 
     def hello_producer(self, pid: str, session: int, declared: int = RAW_BATCH_BYTES) -> None:
+        """Register, and ask for credit for a batch of ``declared`` bytes at once (a new
+        registration gets none until it asks): an attacker that holds credit asks for it."""
         self.granted = self.sent = self.sent_bytes = 0
         self.sock.send(m.encode(m.ProducerHello(producer=pid, session=session, next_seq=0,
                                                 max_batch_bytes=declared,
                                                 registration=self.registration)))
+        self.sock.send(m.encode(m.Want(sent=0, sent_bytes=0, size=declared,
+                                       registration=self.registration)))
 
     def hello_consumer(self, cid: str, window: int, session: int = 1) -> None:
         self.sock.send(m.encode(m.ConsumerHello(consumer=cid, session=session, window=window,

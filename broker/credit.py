@@ -13,10 +13,14 @@ The rules, each a bound:
   a refused batch used its credit, the room it did not fill is planned anew, which is how
   its credit comes back). ``held + Σ outstanding <= max_batches`` and
   ``held_bytes + Σ reserved <= max_bytes`` always.
+- A new registration gets nothing until it asks (WANT, which an honest producer sends once
+  it has a batch ready): a peer that registers and never asks holds no credit, however
+  often it registers. Producers that have not sent a batch yet hold at most a quarter of
+  the budget together (at least one batch), so a flood of registrations that ask and never
+  send cannot take what the producers that do send need; they start a few at a time.
 - A credit is worth ``unit`` bytes: the largest of the size the producer declared in its
-  HELLO, the largest batch it sent, and what it asked for (WANT). A producer whose size is
-  not known yet (0) gets nothing until it asks. A batch larger than ``max_bytes`` can never
-  be granted: its WANT is refused (``batch_too_large``).
+  HELLO, the largest batch it sent, and what it asked for (WANT). A batch larger than
+  ``max_bytes`` can never be granted: its WANT is refused (``batch_too_large``).
 - At most ``window`` batches outstanding per producer; fewest-outstanding first, ties
   rotated, producers that asked first of all.
 - Credit unused for ``lease`` seconds while another producer waits for room is asked back
@@ -40,7 +44,7 @@ class ProducerCredit:
     short_bytes: int = 0  # WANT: bytes its next batch needs beyond its byte credit
     short_batch: bool = False  # WANT: ... and it has no batch credit either
     revoking_since: float | None = None
-    idle: bool = False  # gave its credit back: more only when it asks
+    idle: bool = False  # new, or gave its credit back: more only when it asks
     held_since: float = 0.0  # when it last started holding credit, or last used it
     stream: str = "default"
 
@@ -79,7 +83,7 @@ class CreditPlanner:
     # -- what happened ------------------------------------------------------------------
     def join(self, key: bytes, declared: int, stream: str = "default") -> ProducerCredit:
         p = self.producers[key] = ProducerCredit(declared=min(declared, self.max_bytes),
-                                                 stream=stream)
+                                                 stream=stream, idle=True)
         return p
 
     def leave(self, key: bytes) -> ProducerCredit | None:
@@ -160,6 +164,7 @@ class CreditPlanner:
         if by_stream is None:
             by_stream = {p.stream: (held_batches, held_bytes) for p in self.producers.values()}
         room = self._stream_room(by_stream, unread or set())
+        fresh = self._fresh_room()
         grants: dict[bytes, None] = {}
         starving = False
         keys = list(self.producers)
@@ -173,7 +178,8 @@ class CreditPlanner:
                 continue
             need_b = 1 if p.short_batch else 0
             sr = room[p.stream]
-            if need_b <= min(free_b, sr[0]) and p.short_bytes <= min(free_y, sr[1]):
+            if need_b <= min(free_b, sr[0]) and p.short_bytes <= min(free_y, sr[1]) \
+                    and self._fits_fresh(p, fresh, need_b, p.short_bytes):
                 p.granted += need_b
                 p.granted_bytes += p.short_bytes
                 free_b, free_y = free_b - need_b, free_y - p.short_bytes
@@ -200,14 +206,16 @@ class CreditPlanner:
                 sr = room[p.stream]
                 if sr[0] <= 0:
                     continue
-                if max(0, (p.outstanding + 1) * unit - p.reserved) > min(free_y, sr[1]):
-                    starving = starving or p.outstanding == 0
-                    continue
-                if p.outstanding == 0:
-                    p.held_since = now
                 # Bytes left over by batches smaller than the unit count towards the new
                 # credit: what it holds stays within (batch credit) x unit.
                 more = max(0, (p.outstanding + 1) * unit - p.reserved)
+                if more > min(free_y, sr[1]):
+                    starving = starving or p.outstanding == 0
+                    continue
+                if not self._fits_fresh(p, fresh, 1, more):
+                    continue
+                if p.outstanding == 0:
+                    p.held_since = now
                 p.granted += 1
                 p.granted_bytes += more
                 free_b, free_y = free_b - 1, free_y - more
@@ -218,6 +226,24 @@ class CreditPlanner:
             starving = True
         revokes = self._revocations(now) if starving else []
         return Plan(list(grants), revokes)
+
+    def _fresh_room(self) -> list[int]:
+        """[batches, bytes, holds nothing] left of the quarter of the budget that producers
+        which have not sent a batch yet may hold together."""
+        fresh = [p for p in self.producers.values() if p.received == 0]
+        b, y = sum(p.outstanding for p in fresh), sum(p.reserved for p in fresh)
+        return [max(1, self.max_batches // 4) - b, self.max_bytes // 4 - y, int(b == y == 0)]
+
+    @staticmethod
+    def _fits_fresh(p: ProducerCredit, fresh: list[int], batches: int, nbytes: int) -> bool:
+        """Take ``batches``/``nbytes`` from the fresh room if ``p`` has not sent yet; one
+        batch of any size fits while no fresh producer holds anything."""
+        if p.received > 0:
+            return True
+        if batches > fresh[0] or (nbytes > fresh[1] and not fresh[2]):
+            return False
+        fresh[0], fresh[1], fresh[2] = fresh[0] - batches, fresh[1] - nbytes, 0
+        return True
 
     def _could_use(self, p: ProducerCredit) -> bool:
         return (p.outstanding == 0 and not p.idle and p.revoking_since is None

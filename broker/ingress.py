@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ from feedline.codec import DecodeError, Limits
 from feedline.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
+_HELLO_RATE = 10  # new registrations per second from one connection, at most
 
 Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
 
@@ -98,6 +100,7 @@ class ProducerSide:
                                      cfg.credit_lease)
         self.gaps = GapTracker(4 * cfg.capacity)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
+        self._hellos: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self._warn = RateLimitedLog(log, interval=10.0, burst=5)
 
     def _control(self, ident: bytes, msg: m.Message) -> int:
@@ -190,6 +193,11 @@ class ProducerSide:
             self._welcome(old)  # a repeated HELLO of a registration we know: a no-op
             self._grant(old, now)
             return
+        if self._registering_too_often(ident, now):
+            # An honest peer registers again after a restart or a reconnect, not ten times a
+            # second: a flood would cost the broker a registration each (tables, metric
+            # series). The HELLO is refused and counted; what is registered stays.
+            raise DecodeError("hello_flood", f"producer {msg.producer}")
         if old is not None:
             self.drop(ident, "registered_again")
         if self.producers.full():
@@ -219,6 +227,16 @@ class ProducerSide:
         self._info.info("producer %s joined stream %s (%d connected)", msg.producer,
                         msg.stream, len(self.producers))
         self._welcome(p)
+
+    def _registering_too_often(self, ident: bytes, now: float) -> bool:
+        """More than ``_HELLO_RATE`` new registrations in a second from one connection."""
+        start, n = self._hellos.pop(ident, (now, 0))
+        if now - start >= 1.0:
+            start, n = now, 0
+        self._hellos[ident] = (start, n + 1)
+        while len(self._hellos) > 4 * self.cfg.capacity:
+            self._hellos.popitem(last=False)
+        return n + 1 > _HELLO_RATE
 
     def _check_delivery(self, ident: bytes, msg: m.ProducerHello) -> None:
         """A stream is exact or not, for every producer of it, with one plan."""

@@ -47,7 +47,7 @@ VERSION = wire.PROTOCOL_VERSION
 K = wire.Kind
 HELLO = -1  # either hello kind (FakeBroker.wait_for_kind)
 BATCH, CREDIT, HEARTBEAT, DELIVER, BYE = K.BATCH, K.GRANT, K.HEARTBEAT, K.DELIVER, K.BYE
-RAW_BATCH_BYTES = MiB  # what hand-played producers declare: they get credit without asking
+RAW_BATCH_BYTES = MiB  # what hand-played producers declare (and ask for)
 
 
 def pack(kind: int, **fields: Any) -> bytes:
@@ -259,8 +259,12 @@ class RawPeer:
         self.registrations = 0
         self.sent = self.sent_bytes = 0  # batches sent (honest peers answer REVOKE with it)
 
-    def hello_producer(self, pid: str, session: int, n: int = 0) -> None:
+    def hello_producer(self, pid: str, session: int, n: int = 0, ask: bool = True) -> None:
+        """Register as a producer of RAW_BATCH_BYTES batches and (``ask``) ask for credit at
+        once: a new registration holds none until it asks."""
         self.sock.send(producer_hello(pid, session, n))
+        if ask:
+            self.want(RAW_BATCH_BYTES)
 
     def hello_consumer(self, cid: str, window: int) -> None:
         """Register as a consumer; each call is a new registration (as a restarted iterator's

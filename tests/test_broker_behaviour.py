@@ -162,6 +162,8 @@ def test_hostile_messages_are_refused_counted_and_the_stream_goes_on(thread_brok
         hello = m.encode(m.ProducerHello(producer="evil", session=1, max_batch_bytes=1024,
                                          registration=1))
         bad.send(hello)
+        # No credit until it asks.
+        bad.send(m.encode(m.Want(sent=0, sent_bytes=0, size=1024, registration=1)))
         wait_for(lambda: bad.poll(100), 10, what="credit for the hostile peer")
         header = msgpack.unpackb(wire.encode_batch([np.zeros(4, np.uint8)], producer="evil",
                                                    session=1, seq=0)[0])
@@ -288,12 +290,15 @@ def test_help_documents_every_flag_with_its_default(monkeypatch):
 
 
 def test_a_silent_producer_is_dropped_and_its_credit_returns(thread_broker, endpoints):
-    tb = thread_broker(max_batches=4, producer_window=4)  # heartbeat timeout 1.5 s
+    # One batch of room: a producer that has not sent yet may hold it (a quarter of the
+    # budget, at least one batch). Heartbeat timeout 1.5 s.
+    tb = thread_broker(max_batches=1, producer_window=1)
     ctx = zmq.Context()
     try:
         mute = _raw_dealer(ctx, endpoints.ingress)
         mute.send(m.encode(m.ProducerHello(producer="mute", session=5, max_batch_bytes=64,
                                            registration=1)))
+        mute.send(m.encode(m.Want(sent=0, sent_bytes=0, size=64, registration=1)))
 
         def grant() -> m.Grant | None:
             while mute.poll(100):
@@ -303,7 +308,7 @@ def test_a_silent_producer_is_dropped_and_its_credit_returns(thread_broker, endp
             return None
 
         credit = wait_for(grant, 10, what="credit for the mute producer")
-        assert credit.batches == 4  # it holds all the room
+        assert credit.batches == 1  # it holds all the room
         with Sender(endpoints.ingress, producer_id="live", link=FAST) as live:
             # No room is left until the broker gives up on the mute peer and takes back its
             # credit; then the live producer gets it. Nothing but heartbeats moves it.

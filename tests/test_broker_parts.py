@@ -23,13 +23,22 @@ def totals(cp: CreditPlanner) -> tuple[int, int]:
     return cp.outstanding()
 
 
+def start(cp: CreditPlanner, key: bytes, declared: int, stream: str = "default") -> None:
+    """A running producer: registered, its first batch sent and taken (so the rules for
+    producers that have not sent yet do not apply), asking for credit for the next."""
+    c = cp.join(key, declared=declared, stream=stream)
+    c.granted = c.received = 1
+    c.granted_bytes = c.received_bytes = c.largest = declared
+    cp.want(key, sent=1, sent_bytes=declared, size=declared)
+
+
 # --------------------------------------------------------------------------- credit planner
 
 
 def test_credit_never_exceeds_the_budget_in_batches_or_bytes():
     cp = planner(max_batches=32, max_bytes=64 * MiB)
     for i in range(8):  # eight producers declaring 16 MiB batches: 4 fit, not 32
-        cp.join(bytes([i]), declared=16 * MiB)
+        start(cp, bytes([i]), 16 * MiB)
     plan = cp.plan(0.0, held_batches=0, held_bytes=0)
     batches, nbytes = totals(cp)
     assert nbytes <= 64 * MiB and batches == 4
@@ -38,9 +47,43 @@ def test_credit_never_exceeds_the_budget_in_batches_or_bytes():
 
 def test_what_is_held_already_counts_against_the_budget():
     cp = planner(max_batches=10, max_bytes=10 * MiB)
-    cp.join(b"p", declared=MiB)
+    start(cp, b"p", MiB)
     cp.plan(0.0, held_batches=8, held_bytes=8 * MiB)
     assert totals(cp) == (2, 2 * MiB)
+
+
+def test_a_new_registration_holds_no_credit_until_it_asks():
+    """A peer that registers and never asks (a HELLO flood, a producer whose pipeline has
+    not made its first batch) holds nothing; a running producer gets its window."""
+    cp = planner(max_batches=32, window=4)
+    for i in range(50):
+        cp.join(bytes([i]), declared=MiB)
+    assert cp.plan(0.0, 0, 0).grants == [] and totals(cp) == (0, 0)
+    start(cp, b"honest", MiB)
+    assert cp.plan(0.0, 0, 0).grants == [b"honest"]
+    assert cp.producers[b"honest"].outstanding == 4
+    assert totals(cp) == (4, 4 * MiB)
+
+
+def test_producers_that_never_sent_hold_a_quarter_of_the_budget_together():
+    """50 registrations that ask and never send (a flood that asks for credit) hold at most
+    a quarter of --max-batches and --max-bytes; the running producers get the rest. A fresh
+    producer's first batch fits even when it is larger than a quarter of the bytes."""
+    cp = planner(max_batches=32, max_bytes=64 * MiB, window=4)
+    for i in range(50):
+        cp.join(bytes([i]), declared=MiB)
+        cp.want(bytes([i]), sent=0, sent_bytes=0, size=MiB)
+    for k in (b"run1", b"run2", b"run3", b"run4", b"run5", b"run6"):
+        start(cp, k, MiB)
+    cp.plan(0.0, 0, 0)
+    fresh = sum(c.outstanding for c in cp.producers.values() if c.received == 0)
+    assert fresh == 8, fresh
+    assert [cp.producers[k].outstanding for k in (b"run1", b"run6")] == [4, 4]
+    big = planner(max_batches=32, max_bytes=16 * MiB)
+    big.join(b"new", declared=10 * MiB)
+    big.want(b"new", sent=0, sent_bytes=0, size=10 * MiB)
+    assert big.plan(0.0, 0, 0).grants == [b"new"]
+    assert big.producers[b"new"].outstanding == 1
 
 
 def test_a_producer_of_unknown_size_gets_credit_only_when_it_asks():
@@ -63,20 +106,20 @@ def test_a_batch_larger_than_the_whole_budget_is_refused_not_granted():
 
 def test_a_want_tops_up_bytes_when_the_batch_credit_is_there():
     cp = planner(window=1)
-    cp.join(b"p", declared=MiB)
+    start(cp, b"p", MiB)
     cp.plan(0.0, 0, 0)
     c = cp.producers[b"p"]
-    assert (c.granted, c.granted_bytes) == (1, MiB)
-    cp.want(b"p", sent=0, sent_bytes=0, size=3 * MiB)  # its next batch is bigger
+    assert (c.outstanding, c.reserved) == (1, MiB)
+    cp.want(b"p", sent=1, sent_bytes=MiB, size=3 * MiB)  # its next batch is bigger
     cp.plan(0.0, 0, 0)
-    assert (c.granted, c.granted_bytes) == (1, 3 * MiB), "bytes topped up, no extra batch"
+    assert (c.outstanding, c.reserved) == (1, 3 * MiB), "bytes topped up, no extra batch"
 
 
 def test_a_refused_batch_returns_its_credit():
     """The refused batch counts as received (both sides agree on the totals); the room it
     did not fill is planned anew, so the producer gets credit back."""
     cp = planner(max_batches=4, window=4)
-    cp.join(b"p", declared=1000)
+    start(cp, b"p", 1000)
     cp.plan(0.0, 0, 0)
     assert cp.producers[b"p"].outstanding == 4
     for _ in range(4):
@@ -88,12 +131,12 @@ def test_a_refused_batch_returns_its_credit():
 
 def test_sending_beyond_the_grant_is_a_breach():
     cp = planner(window=1)
-    cp.join(b"p", declared=1000)
+    start(cp, b"p", 1000)
     cp.plan(0.0, 0, 0)
     assert cp.batch(b"p", 1000, 0.1) is None
     assert cp.batch(b"p", 1000, 0.1) == "no_credit"
     cp2 = planner(window=1)
-    cp2.join(b"q", declared=1000)
+    start(cp2, b"q", 1000)
     cp2.plan(0.0, 0, 0)
     assert cp2.batch(b"q", 5000, 0.1) == "over_credit"
 
@@ -101,9 +144,9 @@ def test_sending_beyond_the_grant_is_a_breach():
 def test_idle_credit_is_revoked_only_when_someone_waits_and_the_lease_ran_out():
     cp = planner(max_batches=8, window=4, lease=2.0)
     for k in (b"a", b"b"):
-        cp.join(k, declared=1000)
+        start(cp, k, 1000)
     cp.plan(0.0, 0, 0)  # a and b hold all 8
-    cp.join(b"busy", declared=1000)
+    start(cp, b"busy", 1000)
     assert cp.plan(1.0, 0, 0).revokes == [], "within the lease"
     plan = cp.plan(3.0, 0, 0)
     assert sorted(plan.revokes) == [b"a", b"b"]
@@ -122,25 +165,25 @@ def test_idle_credit_is_revoked_only_when_someone_waits_and_the_lease_ran_out():
 
 def test_no_revocation_when_nobody_waits():
     cp = planner(max_batches=32, window=4, lease=0.5)
-    cp.join(b"slow", declared=1000)
+    start(cp, b"slow", 1000)
     cp.plan(0.0, 0, 0)
     assert cp.plan(100.0, 0, 0).revokes == [], "a slow pipeline keeps its credit"
 
 
 def test_a_returned_without_revoke_is_ignored_and_a_late_one_cannot_mint_credit():
     cp = planner(window=2)
-    cp.join(b"p", declared=1000)
+    start(cp, b"p", 1000)
     cp.plan(0.0, 0, 0)
     assert not cp.returned(b"p", sent=5, sent_bytes=5000)
     c = cp.producers[b"p"]
-    assert (c.granted, c.granted_bytes) == (2, 2000)
+    assert (c.outstanding, c.reserved) == (2, 2000)
 
 
 def test_unanswered_revocations_are_reported_for_cutting_off():
     cp = planner(max_batches=4, window=4, lease=1.0)
-    cp.join(b"mute", declared=1000)
+    start(cp, b"mute", 1000)
     cp.plan(0.0, 0, 0)
-    cp.join(b"other", declared=1000)
+    start(cp, b"other", 1000)
     cp.plan(2.0, 0, 0)
     assert cp.unanswered(3.0, timeout=5.0) == []
     assert cp.unanswered(7.5, timeout=5.0) == [b"mute"]
@@ -151,7 +194,7 @@ def test_grants_are_fair_among_many_producers():
     cp = planner(max_batches=32, window=4)
     keys = [i.to_bytes(2, "big") for i in range(64)]
     for k in keys:
-        cp.join(k, declared=100)
+        start(cp, k, 100)
     served = dict.fromkeys(keys, 0)
     for t in range(200):
         cp.plan(float(t), 0, 0)
@@ -219,18 +262,18 @@ def test_the_buffer_counts_bytes_per_stream_and_bounds_control_messages():
 
 def test_streams_share_the_budget_and_an_unread_one_keeps_half_its_share():
     cp = planner(max_batches=32, window=32)
-    cp.join(b"train", declared=100, stream="train")
-    cp.join(b"val", declared=100, stream="val")
+    start(cp, b"train", 100, stream="train")
+    start(cp, b"val", 100, stream="val")
     cp.plan(0.0, 0, 0, {}, unread=set())
     assert cp.producers[b"train"].outstanding == 16 and cp.producers[b"val"].outstanding == 16
     cp2 = planner(max_batches=32, window=32)
-    cp2.join(b"train", declared=100, stream="train")
-    cp2.join(b"orphan", declared=100, stream="val")
+    start(cp2, b"train", 100, stream="train")
+    start(cp2, b"orphan", 100, stream="val")
     cp2.plan(0.0, 0, 0, {}, unread={"val"})
     assert cp2.producers[b"orphan"].outstanding == 8, "unread: half of its 16"
     assert cp2.producers[b"train"].outstanding == 16
     cp3 = planner(max_batches=32, window=32)
-    cp3.join(b"alone", declared=100, stream="val")
+    start(cp3, b"alone", 100, stream="val")
     cp3.plan(0.0, 0, 0, {}, unread={"val"})
     assert cp3.producers[b"alone"].outstanding == 32, "one stream alone: all of it"
 

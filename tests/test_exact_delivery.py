@@ -20,7 +20,6 @@ import pytest
 import yaml
 
 from consumer import RemoteDataZMQ
-from feedline.cursor import Cursor
 from feedline.link import LinkConfig
 from feedline.procs import wait_for
 from producer.exact import build_exact

@@ -46,7 +46,7 @@ def _send_forever(addr: str, name: str, nbytes: int, stop: threading.Event) -> t
 
 def test_byte_credit_left_over_by_small_batches_comes_back(thread_broker, endpoints):
     """Claim: a hand-played producer declares 1 MiB batches (HELLO), is granted its window
-    (4 batches, 4 x 1 MiB), spends the 4 batch credits on 1 KiB batches and then only
+    (4 batches, 4 x 1 MiB, once it has sent), spends 4 batch credits on 1 KiB batches and then only
     heartbeats. A real producer of 1 MiB batches next to it gets batches through (>= 20
     within 10 s): the ~4 MiB of byte credit left over, with no batch credit to use it, is
     asked back like any credit unused for --credit-lease.
@@ -61,9 +61,9 @@ def test_byte_credit_left_over_by_small_batches_comes_back(thread_broker, endpoi
     stop = threading.Event()
     consumer = CountingConsumer(endpoints.egress)
     try:
-        idle.hello_producer("tiny", 42)  # declares RAW_BATCH_BYTES, 1 MiB
-        assert idle.wait_credit(3, 10), idle.granted
-        for seq in range(idle.granted):
+        idle.hello_producer("tiny", 42)  # declares RAW_BATCH_BYTES, 1 MiB, and asks
+        for seq in range(4):  # a new producer starts with one credit, then gets its window
+            assert idle.wait_credit(seq, 10), idle.granted
             idle.send([batch_header("tiny", 42, seq, [ARRAY(0)], [("|u1", [1024])]),
                        np.zeros(1024, np.uint8)])
         wait_for(lambda: consumer.counts.get("tiny", 0) == 4, 10, what="the 4 tiny batches")

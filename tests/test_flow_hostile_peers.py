@@ -93,12 +93,17 @@ def test_a_message_of_a_million_empty_frames(side, broker_proc, daemons, endpoin
 def test_a_hello_flood_keeps_the_log_short(broker_proc, endpoints):
     """Claim: 50,000 HELLOs with new producer ids and sessions (n > 0), from 50 DEALERs: the
     broker's log stays short (< 200 lines; repeated lines are rate-limited with a count of
-    what was suppressed), its RSS grows by at most 48 MiB, and an honest round passes after.
+    what was suppressed), its RSS grows by at most 48 MiB, an honest round passes after, and
+    a connection registers at most 10 times a second: the rest of its HELLOs are refused and
+    counted (feedline_broker_rejected_messages_total, reason "hello_flood"), so the flood
+    does not cost the broker a registration (tables, metric series) per message.
 
-    Before: a "producer floodN joined" line per HELLO: 50,056 lines."""
-    broker, _ = start_broker(broker_proc)
+    Before: a "producer floodN joined" line per HELLO: 50,056 lines; then every HELLO was a
+    registration (~270 us of broker CPU each)."""
+    broker, metrics = start_broker(broker_proc)
     ctx = zmq.Context()
     peers = [RawPeer(ctx, endpoints.ingress) for _ in range(50)]
+    t0 = time.monotonic()
     with RssSampler(broker.pid, limit=OVERHEAD) as rss:
         try:
             for i in range(1000):
@@ -112,7 +117,18 @@ def test_a_hello_flood_keeps_the_log_short(broker_proc, endpoints):
                 sizes.append(len(broker.log_text()))
                 return sizes[-1] == sizes[-2]
 
-            wait_for(settled, 60, interval=1.0, what="the broker to get through the flood")
+            wait_for(settled, 60, interval=1.0, what="the broker's log to settle")
+            # The log is rate-limited, so it settles before the broker has read every HELLO:
+            # the count of refused ones is what must stop growing.
+            refused = [-1.0]
+
+            def counted() -> bool:
+                refused.append(metrics.by_label("feedline_broker_rejected_messages_total",
+                                                "reason").get("hello_flood", 0))
+                return refused[-1] == refused[-2]
+
+            wait_for(counted, 60, interval=1.0, what="the broker to get through the flood")
+            elapsed = time.monotonic() - t0
         finally:
             for p in peers:
                 p.close()
@@ -120,6 +136,11 @@ def test_a_hello_flood_keeps_the_log_short(broker_proc, endpoints):
     lines = broker.log_text().splitlines()
     assert len(lines) < 200, f"{len(lines)} log lines; last: {lines[-3:]}"
     assert rss.peak_growth <= OVERHEAD, f"broker grew {rss.mib()} MiB"
+    rejected = metrics.by_label("feedline_broker_rejected_messages_total", "reason")
+    # 50 connections at 10 registrations a second for as long as the flood and the honest
+    # round took: the rest of the 50,000 HELLOs are refused (with no limit, none is).
+    accepted = 50_000 - rejected.get("hello_flood", 0)
+    assert accepted <= 50 * 10 * (elapsed + 1), (rejected, f"{elapsed:.1f} s")
 
 
 # ------------------------------------------------------------------------------ dtypes

@@ -114,6 +114,8 @@ class RawProducer:
         """Register and wait for the first credit; returns the batches granted."""
         self.sock.send(m.encode(m.ProducerHello(producer="raw", session=99,
                                                 max_batch_bytes=1 << 20, registration=1)))
+        # A new registration holds no credit until it asks.
+        self.sock.send(m.encode(m.Want(sent=0, sent_bytes=0, size=1 << 20, registration=1)))
         wait_for(lambda: self._read(100) > 0, 20, what="credit")
         return self.granted
 
