@@ -59,6 +59,7 @@ def clean_run(cfg: Path, epoch: int) -> dict[int, bytes]:
     out: dict[int, bytes] = {}
     for unit in range(-(-N // UNIT)):
         for _, batch in pipe.batches(epoch, unit):
+            assert batch is not None, "the test pipeline skips no sample"
             data, meta = batch
             out.update({int(meta[k][0]): data[k].tobytes() for k in range(len(meta))})
     return out
