@@ -1,25 +1,29 @@
 """Pipeline benchmark: feedline's ImageNet-style train preprocessing against tf.data's.
 
-Both read the same JPEG files (``benchmarks/make_jpegs.py``) and produce batches of 64
-224x224x3 uint8 images:
+Both read the same JPEG files (``benchmarks/make_jpegs.py``: an ImageNet-sized set and a
+high-resolution one) and produce batches of 64 224x224x3 uint8 images:
 
 - ``tf.data``: ``read_file -> extract_jpeg_shape -> sample_distorted_bounding_box (area
   0.08-1, ratio 3/4-4/3) -> decode_and_crop_jpeg -> resize 224 (bilinear) ->
   random_flip_left_right -> cast uint8 -> batch 64``, one thread (intra/inter-op 1, private
   threadpool 1, autotune off): the canonical TF ImageNet input on one core.
 - ``feedline``: ``ImageFolder -> MapDataComponent(ImageNetTrain(224)) -> BatchData(64)`` in
-  one process (OpenCV single-threaded): decode (reduced DCT scale when the crop allows) ->
-  RandomResizedCrop -> flip.
+  one process: the fused decoder (only the crop's region, at a DCT scale M/8) ->
+  resize -> flip (OpenCV single-threaded).
+- ``feedline-opencv``: the same with ``decoder="opencv"`` (a whole-image OpenCV decode, at
+  1/2, 1/4 or 1/8 when the crop allows): the decoder before the fused one.
 - ``feedline-mp1`` / ``feedline-mp2``: the map in 1 / 2 ``MultiProcessMapData`` workers
   (ZeroMQ IPC), the reading and batching in the parent.
 
 Each variant runs in its own fresh process (so TensorFlow's threads never share a process with
-forked workers); rounds alternate between variants. Reported per variant: images/s (wall) and
-images per CPU-second of the whole process tree (user+sys, workers included): the per-core
-figure, independent of how many cores were free on a shared machine.
+forked workers); rounds alternate between variants and sets. Reported per set and variant:
+images/s (wall) and images per CPU-second of the whole process tree (user+sys, workers
+included): the per-core figure, independent of how many cores were free on a shared machine.
 
     python benchmarks/make_jpegs.py data/bench-jpeg --count 1024
-    python benchmarks/pipeline.py --data data/bench-jpeg --rounds 3 --batches 30
+    python benchmarks/make_jpegs.py data/bench-jpeg-hr --count 512 --set highres
+    python benchmarks/pipeline.py --data imagenet=data/bench-jpeg,highres=data/bench-jpeg-hr \
+        --rounds 3 --batches 30 --json docs/pipeline_benchmark.json
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ["tf.data", "feedline", "feedline-mp1", "feedline-mp2"]
+VARIANTS = ["tf.data", "feedline", "feedline-opencv", "feedline-mp1", "feedline-mp2"]
+PROCS = {"feedline": 0, "feedline-opencv": 0, "feedline-mp1": 1, "feedline-mp2": 2}
 BATCH = 64
 
 
@@ -80,7 +85,7 @@ def tf_iter(files: list[str]):
     return iter(ds), None
 
 
-def feedline_iter(root: str, procs: int):
+def feedline_iter(root: str, procs: int, decoder: str):
     import cv2
 
     from producer.dataflow import (
@@ -95,7 +100,7 @@ def feedline_iter(root: str, procs: int):
 
     cv2.setNumThreads(1)
     src = RepeatedData(ImageFolder(root, shuffle=True), -1)
-    aug = ImageNetTrain(224, seed=0)
+    aug = ImageNetTrain(224, seed=0, decoder=decoder)
     if procs == 0:
         df = BatchData(MapDataComponent(src, aug, 0), BATCH)
     else:
@@ -110,8 +115,8 @@ def measure(variant: str, data: str, batches: int, warmup: int) -> dict:
     if variant == "tf.data":
         it, df = tf_iter(files)
     else:
-        procs = {"feedline": 0, "feedline-mp1": 1, "feedline-mp2": 2}[variant]
-        it, df = feedline_iter(data, procs)
+        decoder = "opencv" if variant == "feedline-opencv" else "auto"
+        it, df = feedline_iter(data, PROCS[variant], decoder)
     for _ in range(warmup):
         next(it)
     c0, t0 = cpu_seconds(), time.perf_counter()
@@ -122,14 +127,41 @@ def measure(variant: str, data: str, batches: int, warmup: int) -> dict:
     if df is not None:
         df.close()
     n = batches * BATCH
-    return {"variant": variant, "images": n, "wall_s": wall, "cpu_s": cpu,
+    from producer.image import decoder_info
+
+    return {"decoder": "tf.io.decode_and_crop_jpeg" if df is None else (
+                "OpenCV" if variant == "feedline-opencv" else decoder_info()),
+            "variant": variant, "images": n, "wall_s": wall, "cpu_s": cpu,
             "images_per_s": n / wall, "images_per_cpu_s": n / cpu, "shape": list(shape)}
+
+
+def parse_sets(spec: str) -> dict[str, str]:
+    """``name=folder,name=folder`` (or one folder, named ``imagenet``)."""
+    sets = {}
+    for part in spec.split(","):
+        name, _, folder = part.rpartition("=")
+        sets[name or "imagenet"] = folder
+    return sets
+
+
+def summarise(runs: list[dict], variants: list[str]) -> dict[str, dict]:
+    summary: dict[str, dict] = {}
+    for v in variants:
+        rs = [x for x in runs if x["variant"] == v]
+        summary[v] = {"images_per_s": statistics.median(x["images_per_s"] for x in rs),
+                      "images_per_cpu_s": statistics.median(x["images_per_cpu_s"] for x in rs)}
+    base = summary.get("tf.data")
+    for s in summary.values():
+        s["per_core_vs_tf"] = (s["images_per_cpu_s"] / base["images_per_cpu_s"]
+                               if base else float("nan"))
+    return summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="data/bench-jpeg", help="folder from make_jpegs.py")
+    ap.add_argument("--data", default="imagenet=data/bench-jpeg,highres=data/bench-jpeg-hr",
+                    help="name=folder[,name=folder...] of make_jpegs.py sets")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=30, help="timed batches of 64 per run")
     ap.add_argument("--warmup", type=int, default=3, help="untimed batches first")
@@ -140,39 +172,40 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.one, args.data, args.batches, args.warmup)))
         return
-    if not any(Path(args.data).rglob("*.jpg")):
-        raise SystemExit(f"no JPEGs under {args.data}: run benchmarks/make_jpegs.py first")
+    sets = parse_sets(args.data)
+    for name, folder in sets.items():
+        if not any(Path(folder).rglob("*.jpg")):
+            raise SystemExit(f"no JPEGs under {folder} ({name}): run benchmarks/make_jpegs.py")
     variants = args.variants.split(",")
     runs: list[dict] = []
     for r in range(args.rounds):
-        for v in variants:
-            out = subprocess.run(
-                [sys.executable, __file__, "--one", v, "--data", args.data,
-                 "--batches", str(args.batches), "--warmup", str(args.warmup)],
-                capture_output=True, text=True, check=False, timeout=900)
-            if out.returncode != 0:
-                raise SystemExit(f"{v} failed:\n{out.stderr[-3000:]}")
-            res = json.loads(out.stdout.strip().splitlines()[-1])
-            res["round"] = r
-            runs.append(res)
-            print(f"round {r}: {v:<13} {res['images_per_s']:7.0f} img/s  "
-                  f"{res['images_per_cpu_s']:7.0f} img/CPU-s  ({res['cpu_s']:.1f} CPU-s "
-                  f"in {res['wall_s']:.1f} s)", flush=True)
-    summary = {}
-    for v in variants:
-        rs = [x for x in runs if x["variant"] == v]
-        summary[v] = {"images_per_s": statistics.median(x["images_per_s"] for x in rs),
-                      "images_per_cpu_s": statistics.median(x["images_per_cpu_s"] for x in rs)}
-    base = summary.get("tf.data")
-    print(f"\n{'variant':<14}{'img/s':>8}{'img/CPU-s':>11}{'vs tf.data per core':>21}")
-    for v, s in summary.items():
-        ratio = s["images_per_cpu_s"] / base["images_per_cpu_s"] if base else float("nan")
-        s["per_core_vs_tf"] = ratio
-        print(f"{v:<14}{s['images_per_s']:>8.0f}{s['images_per_cpu_s']:>11.0f}{ratio:>20.2f}x")
+        for name, folder in sets.items():
+            for v in variants:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--one", v, "--data", folder,
+                     "--batches", str(args.batches), "--warmup", str(args.warmup)],
+                    capture_output=True, text=True, check=False, timeout=900)
+                if out.returncode != 0:
+                    raise SystemExit(f"{v} on {name} failed:\n{out.stderr[-3000:]}")
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                res.update(round=r, set=name)
+                runs.append(res)
+                print(f"round {r}: {name:<9} {v:<16} {res['images_per_s']:7.0f} img/s  "
+                      f"{res['images_per_cpu_s']:7.0f} img/CPU-s  ({res['cpu_s']:.1f} CPU-s "
+                      f"in {res['wall_s']:.1f} s)", flush=True)
+    results = {}
+    for name, folder in sets.items():
+        set_runs = [x for x in runs if x["set"] == name]
+        summary = summarise(set_runs, variants)
+        results[name] = {"data": folder, "runs": set_runs, "summary": summary}
+        print(f"\n{name} ({folder})\n{'variant':<17}{'img/s':>8}{'img/CPU-s':>11}"
+              f"{'vs tf.data per core':>21}")
+        for v, s in summary.items():
+            print(f"{v:<17}{s['images_per_s']:>8.0f}{s['images_per_cpu_s']:>11.0f}"
+                  f"{s['per_core_vs_tf']:>20.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary,
-                                               "batches": args.batches, "data": args.data},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"sets": results, "batches": args.batches,
+                                               "rounds": args.rounds}, indent=1))
 
 
 if __name__ == "__main__":

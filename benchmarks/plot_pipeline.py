@@ -24,22 +24,25 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
-    summary, runs = data["summary"], data["runs"]
-    names = list(summary)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in [(axes[0], "images_per_cpu_s", "images per CPU-second (per core)"),
-                           (axes[1], "images_per_s", "images per second (wall, 2 shared cores)")]:
+    sets = data["sets"]
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    key = "images_per_cpu_s"
+    for ax, (name, res) in zip(axes[0], sets.items()):
+        summary, runs = res["summary"], res["runs"]
+        names = list(summary)
         vals = [summary[n][key] for n in names]
         colors = ["#888888" if n == "tf.data" else "#2a6fb0" for n in names]
         ax.bar(names, vals, color=colors)
         for i, n in enumerate(names):
             pts = [r[key] for r in runs if r["variant"] == n]
             ax.scatter([i] * len(pts), pts, color="black", s=10, zorder=3)
-            ax.text(i, vals[i], f"{vals[i]:.0f}", ha="center", va="bottom", fontsize=9)
-        ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", labelsize=8)
+            ax.text(i, vals[i], f"{vals[i]:.0f}\n{summary[n]['per_core_vs_tf']:.2f}x",
+                    ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{name} photos: images per CPU-second", fontsize=10)
+        ax.set_ylim(0, max(vals) * 1.25)
+        ax.tick_params(axis="x", labelsize=7, rotation=15)
     fig.suptitle("ImageNet train preprocessing (decode, RandomResizedCrop 224, flip, batch 64):"
-                 " median of rounds, dots = rounds", fontsize=10)
+                 " median of rounds, dots = rounds, ratio = per core vs tf.data", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)
     print(f"wrote {args.out}")
