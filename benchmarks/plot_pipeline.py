@@ -27,7 +27,7 @@ def main() -> None:
     sets = data["sets"]
     fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
     key = "images_per_cpu_s"
-    for ax, (name, res) in zip(axes[0], sets.items()):
+    for ax, (name, res) in zip(axes[0], sets.items(), strict=True):
         summary, runs = res["summary"], res["runs"]
         names = list(summary)
         vals = [summary[n][key] for n in names]
