@@ -140,8 +140,11 @@ class Broker:
         # A producer has at most its window of batches in flight, plus a few controls.
         self._ingress = self._bind(zmq.ROUTER, cfg.ingress, rcvhwm=cfg.producer_window + 16,
                                    maxmsg=batch_max)
+        # No ZMTP heartbeats towards consumers: a paused consumer's connection must outlive
+        # its registration, so that what was sent to it is still there when it wakes (it
+        # takes it, then registers again). A dead one's kernel closes the connection.
         self._egress = self._bind(zmq.ROUTER, cfg.egress, rcvhwm=1000,
-                                  maxmsg=lim.max_header_bytes)
+                                  maxmsg=lim.max_header_bytes, heartbeats=False)
         self._tp_sock: zmq.Socket | None = None
         if cfg.tensorpack_ingress:
             # tensorpack's PUSH cannot speak CURVE: this port is plain (the CLI keeps it
@@ -154,7 +157,7 @@ class Broker:
                                     if self._tp_sock is not None else None)
 
     def _bind(self, kind: int, addr: str, rcvhwm: int, maxmsg: int,
-              curve: bool = True) -> zmq.Socket:
+              curve: bool = True, heartbeats: bool = True) -> zmq.Socket:
         s = self.ctx.socket(kind)
         self._sockets.append(s)
         s.setsockopt(zmq.LINGER, self.cfg.linger_ms)
@@ -164,9 +167,9 @@ class Broker:
         if kind == zmq.ROUTER:
             # Sending to a peer that is gone raises instead of dropping silently.
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if kind == zmq.ROUTER and heartbeats:
             # libzmq's own heartbeats close a connection whose peer stopped answering (dead,
-            # paused, partitioned): what was queued for it is freed, and a probe to it fails,
-            # which is how the broker knows its in-flight batches are gone.
+            # paused, partitioned): what was queued for it is freed, and a probe to it fails.
             s.setsockopt(zmq.HEARTBEAT_IVL, int(self.cfg.heartbeat_interval * 1000))
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.cfg.heartbeat_timeout * 1000))
         if curve and self.cfg.curve is not None:
