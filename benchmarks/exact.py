@@ -186,7 +186,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pipeline", choices=("fake", "jpeg"), default="fake")
-    ap.add_argument("--data", type=Path, default=None, help="JPEG folder (--pipeline jpeg)")
+    ap.add_argument("--data", type=lambda s: Path(s).resolve(), default=None,
+                    help="JPEG folder (--pipeline jpeg; the producers run in a work directory)")
     ap.add_argument("--samples", type=int, default=16384,
                     help="dataset size of the fake pipeline (samples per epoch)")
     ap.add_argument("--batch", type=int, default=64, help="samples per batch")

@@ -181,7 +181,9 @@ class Sender:
                 raise Stopped("stopped while waiting for a unit")
             if stop is None:
                 time.sleep(delay)
-            delay = min(1.0, delay * 2)
+            # At most a quarter of a second: the next epoch starts when the last unit of this
+            # one is taken, and a producer asleep for a second past that is a second lost.
+            delay = min(0.25, delay * 2)
 
     def unit_done(self, epoch: int, unit: int, batches: int, empty: tuple[int, ...] = ()) -> None:
         """Exact delivery: every batch of the unit was handed over (UNIT_DONE goes after);
