@@ -92,7 +92,9 @@ CONSUMER = textwrap.dedent("""
         # Direct mode: its window is every batch in flight (queued here or granted); plain
         # ZeroMQ holds HWM batches at each end: the same depth is 2 x HWM.
         window = 2 * 4 if kind == "feedline-direct" else 4
-        src = RemoteDataZMQ(addr, timeout=60, window=window, bind=kind == "feedline-direct")
+        # bind= only where it is needed: --before may be a checkout that predates it.
+        extra = {"bind": True} if kind == "feedline-direct" else {}
+        src = RemoteDataZMQ(addr, timeout=60, window=window, **extra)
         it = iter(src)
         def one():
             images, labels = next(it)
