@@ -23,6 +23,7 @@ from consumer import (  # noqa: E402
     StagingInput,
     as_dataset,
 )
+from feedline.procs import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.tf
 
@@ -92,6 +93,9 @@ def test_staging_input_is_an_input_source_over_its_input() -> None:
     with QueueInput({"x": b[0], "y": b[1]} for b in _batches(10)) as q:
         st = StagingInput(q, nr_stage=1, device="/CPU:0").start()
         assert st.structure is q.structure and st.shapes == q.shapes
+        # The feeding thread may still be filling the queue: compare once it holds all ten
+        # but the one the staging area took at start.
+        wait_for(lambda: int(q.size()) == 9, 30, what="the queue to take the finite input")
         assert int(st.size()) == int(q.size())
         got = st.dequeue()  # what get() returns
         assert set(got) == {"x", "y"} and int(got["y"][0]) == 0
