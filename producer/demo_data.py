@@ -85,7 +85,9 @@ def build(out: str | Path, count: int = 256, seed: int = 0, progress: bool = Tru
         ok, enc = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, quality])
         if not ok:
             raise RuntimeError("JPEG encoding failed")
-        tmp = out / name / f".{i:06d}.jpg.tmp"
+        # Two processes may build the same set at once (tests in parallel, two demos): each
+        # writes its own temporary file; the bytes are the same, the last rename wins.
+        tmp = out / name / f".{i:06d}.{os.getpid()}.jpg.tmp"
         tmp.write_bytes(enc.tobytes())
         os.replace(tmp, out / name / f"{i:06d}.jpg")
     marker.write_text(f"{count} {seed}\n")

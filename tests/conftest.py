@@ -21,6 +21,16 @@ from feedline.procs import Daemon, free_port, wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``, see pyproject.toml) a module's tests stay on
+    one worker, so its module fixtures (a compose stack, a Prometheus server) start once;
+    modules that name a group (the fault scenarios) share a worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_processes() -> Iterator[None]:
     """Fail a test that leaves a child process running."""

@@ -31,7 +31,8 @@ from tests import netns
 from tests.exact_cluster import ExactCluster, run_scenario
 from tests.exact_ledger import ExactAudit, exact_config
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+# One at a time, on one pytest-xdist worker: fault scenarios measure rates and recovery.
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.xdist_group("netns")]
 
 _WHY = netns.unavailable()
 if _WHY:

@@ -34,7 +34,8 @@ from feedline.procs import wait_for
 from tests import netns
 from tests.fault_cluster import Audit, Cluster, rate_series, record, recovery_seconds
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+# One at a time, on one pytest-xdist worker: fault scenarios measure rates and recovery.
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.xdist_group("netns")]
 
 _WHY = netns.unavailable()
 if _WHY:

@@ -39,6 +39,7 @@ from tests.ops_support import (
     Prometheus,
     compose_config,
     http_get,
+    http_ok,
     needs_compose,
     needs_prometheus,
     needs_promtool,
@@ -284,6 +285,7 @@ def test_dockerfile_healthcheck_probes_the_metrics_port(native: NativeCompose) -
 def test_promtool_check_metrics_on_every_component(native: NativeCompose) -> None:
     roles = set()
     for r in native.all_replicas():
+        wait_for(lambda r=r: http_ok(r.metrics_url), 30, what=f"{r.service}'s metrics")
         text = http_get(r.metrics_url)
         out = promtool_check(text)
         assert out.returncode == 0, (r.service, out.stdout, out.stderr)
