@@ -201,6 +201,10 @@ class CreditPlanner:
                 if (p.idle or p.revoking_since is not None or unit == 0
                         or p.outstanding >= self.window):
                     continue
+                if p.received == 0 and p.outstanding >= 1:
+                    # Slow start: one credit until its first batch arrives, so that the first
+                    # of many new producers to ask cannot take the quarter they share.
+                    continue
                 if free_b <= 0:
                     break
                 sr = room[p.stream]

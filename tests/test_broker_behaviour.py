@@ -162,22 +162,33 @@ def test_hostile_messages_are_refused_counted_and_the_stream_goes_on(thread_brok
         hello = m.encode(m.ProducerHello(producer="evil", session=1, max_batch_bytes=1024,
                                          registration=1))
         bad.send(hello)
-        # No credit until it asks.
-        bad.send(m.encode(m.Want(sent=0, sent_bytes=0, size=1024, registration=1)))
-        wait_for(lambda: bad.poll(100), 10, what="credit for the hostile peer")
+
+        def with_credit(frames: list[bytes]) -> None:
+            # A producer that has not sent a good batch holds one credit at a time (slow
+            # start), and a refused batch returns it: ask, wait for it, then send.
+            bad.send(m.encode(m.Want(sent=0, sent_bytes=0, size=1024, registration=1)))
+            got: list[m.Message] = []
+
+            def credited() -> bool:
+                while bad.poll(100):
+                    got.append(m.decode(bad.recv_multipart()[-1]))
+                return any(isinstance(x, m.Grant) for x in got)
+
+            wait_for(credited, 10, what="credit for the hostile peer")
+            bad.send_multipart(frames)
+
         header = msgpack.unpackb(wire.encode_batch([np.zeros(4, np.uint8)], producer="evil",
                                                    session=1, seq=0)[0])
         lying = dict(header, a=[["|u1", [1 << 20]]])
         objdt = dict(header, a=[["|O", [4]]])
-        bad.send(b"\xc1garbage")
-        bad.send_multipart([msgpack.packb(lying), b"\0" * 4])
-        bad.send_multipart([msgpack.packb(objdt), b"\0" * 32])
-        bad.send_multipart([msgpack.packb({"v": 99, "k": 2}), b""])
+        with_credit([msgpack.packb(lying), b"\0" * 4])
+        with_credit([b"\xc1garbage"])  # a one-frame batch: its header is not msgpack
+        with_credit([msgpack.packb(objdt), b"\0" * 32])
+        with_credit([msgpack.packb({"v": 99, "k": 2}), b""])
         # the same pickle payload msgpack-numpy would unpickle, in a header: never executed
         pickled = f"__import__('pathlib').Path({str(marker)!r}).touch()"
-        bad.send_multipart([msgpack.packb(dict(header, d={b"nd": True, b"kind": b"O",
-                                                           b"data": pickled.encode()})),
-                            b"\0" * 4])
+        with_credit([msgpack.packb(dict(header, d={b"nd": True, b"kind": b"O",
+                                                    b"data": pickled.encode()})), b"\0" * 4])
         wait_for(lambda: sum(tb.broker.stats.rejected.values()) >= 4, 10, what="rejections")
         rejected = tb.broker.stats.rejected
         assert rejected.get("bad_msgpack") == 1 and rejected.get("shape_mismatch") == 1
