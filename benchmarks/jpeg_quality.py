@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.image import ImageNetTrain, ImageNetVal  # noqa: E402
+from producer.image import ImageNetTrain, ImageNetVal, turbo  # noqa: E402
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -69,8 +69,6 @@ def measure(folder: Path, images: int, crops: int, with_tf: bool) -> dict[str, l
             out["fused"].append(psnr(a, r))
             out["opencv-reduced"].append(psnr(b, r))
             if with_tf:
-                from producer.image import turbo
-
                 h, w = turbo.header(buf)
                 box = boxes.crop.sample_box(h, w, boxes.rng)
                 t = tf_crop(data, box)

@@ -19,7 +19,6 @@ JPEG quality 75-95, in two sets:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.demo_data import MARKER, build, load_photos  # noqa: E402
+from producer.demo_data import build  # noqa: E402
 
 
 def highres_image(src: np.ndarray, rng: np.random.Generator, grain: float) -> np.ndarray:
@@ -54,26 +53,8 @@ def highres_image(src: np.ndarray, rng: np.random.Generator, grain: float) -> np
 
 def build_highres(out: Path, count: int, seed: int, grain: float) -> None:
     """``count`` high-resolution JPEGs under ``out/<photo>/`` (skipped if already made)."""
-    marker = out / MARKER
-    key = f"highres {count} {seed} {grain}"
-    if marker.exists() and marker.read_text().strip() == key:
-        return
-    photos = load_photos()
-    names = sorted(photos)
-    rng = np.random.default_rng(seed)
-    for name in names:
-        (out / name).mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        name = names[i % len(names)]
-        img = highres_image(photos[name], rng, grain)
-        quality = int(rng.integers(75, 96))
-        ok, enc = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, quality])
-        if not ok:
-            raise RuntimeError("JPEG encoding failed")
-        tmp = out / name / f".{i:06d}.jpg.tmp"
-        tmp.write_bytes(enc.tobytes())
-        os.replace(tmp, out / name / f"{i:06d}.jpg")
-    marker.write_text(key + "\n")
+    build(out, count=count, seed=seed, tag=f"highres {grain}",
+          make=lambda src, rng: highres_image(src, rng, grain))
 
 
 def main() -> None:

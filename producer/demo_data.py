@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import cv2
@@ -65,22 +66,26 @@ def make_image(src: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return img
 
 
-def build(out: str | Path, count: int = 256, seed: int = 0, progress: bool = True) -> Path:
+def build(out: str | Path, count: int = 256, seed: int = 0, progress: bool = True,
+          make: Callable[[np.ndarray, np.random.Generator], np.ndarray] = make_image,
+          tag: str = "") -> Path:
     """Write ``count`` JPEGs under ``out/<photo>/``; returns ``out``. Skips the work if a
-    complete dataset of that count is already there."""
+    complete dataset of that count is already there. ``make(photo, rng)`` draws one image
+    from a photo (the demo's recipe by default; ``tag`` names another in the marker)."""
     out = Path(out)
     marker = out / MARKER
-    if marker.exists() and marker.read_text().strip() == f"{count} {seed}":
+    key = f"{tag} {count} {seed}" if tag else f"{count} {seed}"
+    if marker.exists() and marker.read_text().strip() == key:
         return out
     photos = load_photos()
     names = sorted(photos)
     rng = np.random.default_rng(seed)
     for name in names:
         (out / name).mkdir(parents=True, exist_ok=True)
-    for i in tqdm(range(count), desc=f"making {count} demo JPEGs", unit="img",
+    for i in tqdm(range(count), desc=f"making {count} {tag or 'demo'} JPEGs", unit="img",
                   disable=not progress):
         name = names[i % len(names)]
-        img = make_image(photos[name], rng)
+        img = make(photos[name], rng)
         quality = int(rng.integers(75, 96))
         ok, enc = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, quality])
         if not ok:
@@ -90,7 +95,7 @@ def build(out: str | Path, count: int = 256, seed: int = 0, progress: bool = Tru
         tmp = out / name / f".{i:06d}.{os.getpid()}.jpg.tmp"
         tmp.write_bytes(enc.tobytes())
         os.replace(tmp, out / name / f"{i:06d}.jpg")
-    marker.write_text(f"{count} {seed}\n")
+    marker.write_text(key + "\n")
     return out
 
 
