@@ -102,6 +102,11 @@ class ProducerSide:
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
         self._hellos: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self._warn = RateLimitedLog(log, interval=10.0, burst=5)
+        # Something happened that a plan may answer with credit (a control message, a refused
+        # or duplicate batch, a producer's first batch, a departure). An accepted batch of a
+        # running producer only moves a credit from granted to held: it frees no room, so a
+        # caller may skip planning after one (direct mode does, once per batch).
+        self.dirty = True
 
     def _control(self, ident: bytes, msg: m.Message) -> int:
         return self._send(ident, [m.encode(msg)])
@@ -123,6 +128,7 @@ class ProducerSide:
         if header["k"] == wire.Kind.BATCH:
             self._batch(ident, header, frames, now)
             return
+        self.dirty = True
         if len(frames) != 1:
             raise DecodeError("bad_envelope", "a control message with payload frames")
         msg = m.from_map(header, self.limits)
@@ -269,6 +275,8 @@ class ProducerSide:
         p.last_seen = now
         nbytes = sum(len(f) for f in frames)
         self._charge(p, nbytes, now)
+        if self.planner.producers[ident].received == 1:
+            self.dirty = True  # its first: slow start is over, it may get more credit
         seq = header.get("s")
         try:
             # The whole decoder, structure included (array views only, no payload read): a
@@ -288,6 +296,7 @@ class ProducerSide:
                 # Already here or settled (a re-run unit), or of another epoch: dropped; it
                 # was charged to its credit, which the next plan gives back.
                 self.metrics.duplicates.labels(p.stream).inc()
+                self.dirty = True
                 self.gaps.batch(p.session, batch.seq)
                 return
         gap = self.gaps.batch(p.session, batch.seq)
@@ -311,6 +320,7 @@ class ProducerSide:
             raise DecodeError(breach, f"producer {p.name}")
 
     def _refuse(self, p: Producer, e: DecodeError, seq: int) -> None:
+        self.dirty = True  # its credit comes back with the next plan
         self.metrics.refused.labels(p.label, e.reason).inc()
         self._control(p.ident, m.Refused(broker=self.instance, reason=e.reason, seq=seq,
                                          detail=str(e)[: self.limits.max_text_len]))
@@ -354,6 +364,7 @@ class ProducerSide:
         p = self.producers.remove(ident)
         if p is None:
             return
+        self.dirty = True
         credit = self.planner.leave(ident)
         c = self.exact.get(p.stream)
         if c is not None:

@@ -39,6 +39,7 @@ from feedline.security import ServerKeys
 
 log = logging.getLogger(__name__)
 _BUDGET = 256  # messages handled per loop turn
+_PLAN_EVERY = 0.05  # seconds: the longest a credit plan waits when nothing was taken
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,8 @@ class DirectIO:
         self._sink = sink
         shared.collect_keys = True  # exact streams settle here as the model takes batches
         self._next_tick = 0.0
+        self._next_plan = 0.0
+        self._planned_taken = -1
         self._last = time.monotonic()
         shared.answered = True  # nobody to answer us: we serve
         log.info("serving producers directly on %s%s", self.endpoint,
@@ -222,8 +225,7 @@ class DirectIO:
         self.ingress.liveness(time.monotonic(), self.link_cfg.heartbeat_interval, float("inf"))
 
     def on_wake(self) -> None:
-        self._settle()
-        self.ingress.plan(time.monotonic())
+        pass  # on_tick follows in the same turn of the loop: one plan per turn is enough
 
     def _settle(self) -> None:
         s = self.shared
@@ -250,8 +252,15 @@ class DirectIO:
             self.metrics.peers.labels("producer").set(len(self.ingress.producers))
             self._next_tick = now + cfg.heartbeat_interval / 4
             self.ingress.exact.commit()
-        self._settle()
-        self.ingress.plan(now)
+        # Plan when the model took a batch (room freed), when something else happened, and
+        # every 50 ms (credit leases run on the clock); not after every batch that arrives.
+        taken = self.shared.taken
+        if self.ingress.dirty or taken != self._planned_taken or now >= self._next_plan:
+            self.ingress.dirty = False
+            self._planned_taken = taken
+            self._next_plan = now + _PLAN_EVERY
+            self._settle()
+            self.ingress.plan(now)
 
     def on_close(self) -> None:
         for sock in self._socks:

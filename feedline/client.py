@@ -143,16 +143,20 @@ class ClientLoop:
                 ctx.term()
 
     def _loop(self, role: Role) -> None:
+        poller = zmq.Poller()
+        polled: tuple[object, ...] = ()
         while not self.stopping.is_set():
             links = role.links()
-            poller = zmq.Poller()
-            poller.register(self.waker.fileno(), zmq.POLLIN)
-            for link in links:
-                for sock in link.poll_sockets():
-                    poller.register(sock, zmq.POLLIN)
             own = role.sockets()
-            for sock in own:
-                poller.register(sock, zmq.POLLIN)
+            # A new poller only when the sockets change (a reconnect, a new target), not for
+            # every turn: a batch takes two turns, and each one's work shows in throughput.
+            want = (*(s for link in links for s in link.poll_sockets()), *own)
+            if len(want) != len(polled) or any(a is not b for a, b in zip(want, polled,
+                                                                          strict=True)):
+                poller, polled = zmq.Poller(), want
+                poller.register(self.waker.fileno(), zmq.POLLIN)
+                for sock in want:
+                    poller.register(sock, zmq.POLLIN)
             timeout = min((link.poll_timeout_ms() for link in links), default=100)
             events = dict(poller.poll(timeout))
             if self.waker.fileno() in events:

@@ -120,6 +120,7 @@ class Channel:
     def reset_credit(self) -> None:
         self.granted = self.granted_bytes = self.sent = self.sent_bytes = 0
         self.asked = 0  # the size of the last WANT, until a grant answers it
+        self.largest_sent = 0  # the largest batch sent since the broker last marked us idle
 
     @property
     def credit(self) -> int:
@@ -127,6 +128,15 @@ class Channel:
 
     def covers(self, size: int) -> bool:
         return self.credit > 0 and self.sent_bytes + size <= self.granted_bytes
+
+    def granted_unasked(self, size: int) -> bool:
+        """The broker grants this batch's credit without a WANT: it gives a producer that
+        has sent since it registered (or gave credit back) one credit as room frees, worth
+        at least the largest batch it sent (broker/credit.py). So a producer that keeps up
+        with its trainer does not ask for every batch (a message each way per batch, and
+        work for the trainer's I/O thread in direct mode). Byte credit short of a larger
+        batch, and a producer the broker holds idle, still ask."""
+        return self.credit <= 0 and 0 < size <= self.largest_sent
 
     def too_small(self, size: int) -> bool:
         """The broker said it can never take a batch of ``size`` bytes."""
@@ -218,6 +228,7 @@ class ProducerIO:
         elif isinstance(msg, m.Revoke):
             if msg.registration == link.registration:
                 ch.granted, ch.granted_bytes, ch.asked = ch.sent, ch.sent_bytes, 0
+                ch.largest_sent = 0  # idle at the broker now: more credit only when asked
                 link.send_msg(m.Returned(sent=ch.sent, sent_bytes=ch.sent_bytes,
                                          registration=link.registration))
         elif isinstance(msg, m.Refused):
@@ -230,7 +241,8 @@ class ProducerIO:
                     pass
         else:
             self.out.metrics.rejected.labels("unexpected_kind").inc()
-        self.on_wake()
+        # No on_wake here: the loop's on_tick, later in the same turn, sends what a grant
+        # allows (once for all the messages read, not once for each).
 
     def _refused(self, ch: Channel, msg: m.Refused) -> None:
         self.out.metrics.refused.labels(msg.reason).inc()
@@ -254,10 +266,12 @@ class ProducerIO:
             self._head = None
             self._head_since = time.monotonic()
         self.out.credit = sum(ch.credit for ch in self.channels)
+        idle = self.out.idle
         if self._head is None and self.out.items.empty():
-            self.out.idle.set()
-        else:
-            self.out.idle.clear()
+            if not idle.is_set():
+                idle.set()
+        elif idle.is_set():
+            idle.clear()
 
     def on_tick(self) -> None:
         self._sync_targets()
@@ -308,7 +322,7 @@ class ProducerIO:
                 return True  # dropped: the owner raises
             for ch in self.channels:
                 if ch.link.welcomed and ch.asked != size and not ch.covers(size) \
-                        and not ch.too_small(size):
+                        and not ch.too_small(size) and not ch.granted_unasked(size):
                     if ch.link.send_msg(m.Want(sent=ch.sent, sent_bytes=ch.sent_bytes,
                                                size=size, registration=ch.link.registration)):
                         ch.asked = size
@@ -323,7 +337,10 @@ class ProducerIO:
             return False  # not connected or pipe full: keep it, the link recovers
         ch.seq += 1
         ch.sent += 1
-        ch.sent_bytes += size
+        # What the broker counts: the bytes sent, not the bound that credit had to cover (the
+        # difference, a few bytes a batch, would add up to a WANT for every batch).
+        ch.sent_bytes += len(frames[0]) + item.prepared.nbytes
+        ch.largest_sent = max(ch.largest_sent, size)
         self.out.metrics.sent_batches.inc()
         self.out.metrics.sent_bytes.inc(item.prepared.nbytes)
         return True

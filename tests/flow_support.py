@@ -47,6 +47,7 @@ VERSION = wire.PROTOCOL_VERSION
 K = wire.Kind
 HELLO = -1  # either hello kind (FakeBroker.wait_for_kind)
 BATCH, CREDIT, HEARTBEAT, DELIVER, BYE = K.BATCH, K.GRANT, K.HEARTBEAT, K.DELIVER, K.BYE
+WANT = K.WANT
 RAW_BATCH_BYTES = MiB  # what hand-played producers declare (and ask for)
 
 
@@ -96,6 +97,18 @@ def broker_credit(instance: int, total: int, registration: int) -> bytes:
     """A GRANT of ``total`` batches of up to 1 MiB each."""
     return m.encode(m.Grant(broker=instance, batches=total, nbytes=total * MiB,
                             registration=registration))
+
+
+def broker_grant(instance: int, batches: int, nbytes: int, registration: int) -> bytes:
+    """A GRANT of absolute totals: ``batches`` batches, ``nbytes`` bytes."""
+    return m.encode(m.Grant(broker=instance, batches=batches, nbytes=nbytes,
+                            registration=registration))
+
+
+def want_of(header: dict[str, Any]) -> tuple[int, int]:
+    """A WANT's (bytes sent so far, size of the next batch): it asks for bytes up to their
+    sum."""
+    return int(header["y"]), int(header["z"])
 
 
 def broker_heartbeat(instance: int) -> bytes:

@@ -24,15 +24,19 @@ from tests.flow_support import (
     BATCH,
     FAST,
     HELLO,
+    WANT,
     CountingConsumer,
     FakeBroker,
     RawPeer,
     batch_header,
     broker_credit,
+    broker_grant,
     broker_heartbeat,
     fake_yaml,
     start_broker,
     start_producer,
+    unpack,
+    want_of,
     welcome,
 )
 
@@ -205,3 +209,71 @@ def test_a_late_credit_of_a_replaced_broker_is_ignored():
     assert not failure, failure
     assert batches == 2, f"{batches} batches sent to instance B, which granted 2"
 
+
+
+def test_a_running_producer_does_not_ask_for_every_batch():
+    """Claim: a producer that has sent under its registration gets its next credit unasked
+    (broker/credit.py grants a running producer one credit as room frees, worth its largest
+    batch), so it sends WANT only to start and when a batch outgrows that: not one WANT per
+    batch. Played here by a broker that grants as the planner does: one more credit for each
+    batch received, bytes = what it received + one unit (the largest batch, or what a WANT
+    asked for), counted as the bytes that arrived.
+
+    Before: 210 WANTs for 20 batches. A Sender counted the bound its credit had to cover,
+    not the bytes it sent, so its byte credit ran short by a few bytes a batch, and it asked
+    whenever its batch credit was used up, which, with a trainer that keeps up, is always.
+    Each WANT was a message each way, and work for a direct-mode trainer's I/O
+    thread, for every batch."""
+    fake = FakeBroker()
+    inst, n = 3333, 20
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with Sender(fake.addr, producer_id="steady", link=FAST) as s:
+                for i in range(n):
+                    s.send([np.full(1000, i, np.int32)], stop=stop)
+                s.flush(10)
+        except Stopped:
+            pass
+        except BaseException as e:  # surfaces in the test thread
+            failure.append(e)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    wants = batches = received_bytes = unit = granted_bytes = 0
+    try:
+        reg = fake.wait_for_kind(HELLO, 10)["r"]
+        fake.send(welcome(inst, reg))
+        end = time.monotonic() + 20
+        while batches < n and time.monotonic() < end:
+            if not fake.sock.poll(200):
+                fake.send(broker_heartbeat(inst))
+                continue
+            ident, first, *arrays = fake.sock.recv_multipart()
+            h = unpack(first)
+            if h.get("k") == WANT:
+                wants += 1
+                sent_bytes, size = want_of(h)
+                unit = max(unit, size)
+                granted_bytes = max(granted_bytes, sent_bytes + size)
+            elif h.get("k") == BATCH:
+                batches += 1
+                size = len(first) + sum(len(a) for a in arrays)
+                received_bytes += size
+                unit = max(unit, size)
+            else:
+                continue
+            # As the planner: room for one batch more than received, worth one unit.
+            granted_bytes = max(granted_bytes, received_bytes + unit)
+            fake.send(broker_grant(inst, batches + 1, granted_bytes, reg))
+    finally:
+        stop.set()
+        t.join(10)
+        fake.close()
+    assert not failure, failure
+    assert batches == n, f"{batches} of {n} batches arrived"
+    # The first batch asks (nothing granted yet); one more if the first grant, sized by the
+    # bytes that arrived, is short of the bound a batch's credit must cover.
+    assert wants <= 2, f"{wants} WANTs for {n} batches"
