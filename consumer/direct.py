@@ -40,6 +40,7 @@ from feedline.security import ServerKeys
 log = logging.getLogger(__name__)
 _BUDGET = 256  # messages handled per loop turn
 _PLAN_EVERY = 0.05  # seconds: the longest a credit plan waits when nothing was taken
+_STREAMING = 0.02  # seconds since the last batch arrived: more are on the way
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class DirectIO:
         shared.collect_keys = True  # exact streams settle here as the model takes batches
         self._next_tick = 0.0
         self._next_plan = 0.0
+        self._arrived = 0.0  # when a batch last arrived
         self._planned_taken = -1
         self._last = time.monotonic()
         shared.answered = True  # nobody to answer us: we serve
@@ -192,13 +194,16 @@ class DirectIO:
     def on_ready(self, ready: list[zmq.Socket]) -> None:
         if self.sock in ready:
             self._drain()
+            self._arrived = time.monotonic()
         tp = self.tensorpack
         if tp is not None and tp.sock in ready:
             tp.drain(self.ingress.outstanding()[1], self._reject)
 
     def _drain(self) -> None:
         limits: Limits = self.limits
-        for _ in range(_BUDGET):
+        for n in range(_BUDGET):
+            if n and not int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                return  # cheaper than a read of nothing, which raises
             try:
                 frames = recv_message(self.sock, limits.max_frames + 1,
                                       keepalive=self._keepalive)
@@ -254,13 +259,21 @@ class DirectIO:
             self.ingress.exact.commit()
         # Plan when the model took a batch (room freed), when something else happened, and
         # every 50 ms (credit leases run on the clock); not after every batch that arrives.
-        taken = self.shared.taken
-        if self.ingress.dirty or taken != self._planned_taken or now >= self._next_plan:
-            self.ingress.dirty = False
-            self._planned_taken = taken
-            self._next_plan = now + _PLAN_EVERY
-            self._settle()
-            self.ingress.plan(now)
+        s = self.shared
+        while True:
+            taken = s.taken
+            if self.ingress.dirty or taken != self._planned_taken or now >= self._next_plan:
+                self.ingress.dirty = False
+                self._planned_taken = taken
+                self._next_plan = now + _PLAN_EVERY
+                self._settle()
+                self.ingress.plan(now)
+            # Takes need not wake us while batches stream in (Shared.expecting); a take that
+            # read the old flag is seen here, as ``taken`` has grown since.
+            s.expecting = (now - self._arrived < _STREAMING
+                           and self.ingress.planner.outstanding()[0] > 0)
+            if s.taken == taken:
+                break
 
     def on_close(self) -> None:
         for sock in self._socks:

@@ -98,6 +98,11 @@ class Shared:
         self.resume: Cursor | None = None
         self.collect_keys = False
         self.taken_keys: list[tuple[int, int, int]] = []
+        # Direct mode: batches are granted and arriving, so the I/O thread runs again soon
+        # and plans for what was taken meanwhile: a take need not wake it (a turn of its loop
+        # for every batch taken, besides the one for every batch that arrives). Written by
+        # the I/O thread before it reads ``taken`` again; read here after ``taken`` grew.
+        self.expecting = False
 
     def fresh(self) -> Shared:
         """A new run (iterating again after close): same identity and metrics, new state;
@@ -131,7 +136,7 @@ class Shared:
                 self.cursor.add(b.unit, b.index)
                 if self.collect_keys:
                     self.taken_keys.append(b.key)
-        if self.waker is not None:
+        if self.waker is not None and not self.expecting:
             self.waker.wake()  # the I/O thread reports it taken (TAKEN) now
         return True
 

@@ -102,6 +102,11 @@ class Outbox:
     error: BaseException | None = None  # raised in the owner's next send
     credit: int = 0  # batches the brokers would take now (for the owner's eyes only)
     largest: int = 0  # the largest batch prepared so far (declared in HELLOs)
+    # The I/O thread holds an item it could not send yet (no credit): a new one queues
+    # behind it, so handing one over needs no wake (the grant that frees the held one wakes
+    # the loop, which then takes the next). Written before the I/O thread looks at the
+    # queue again, read by the owner after it put: one of them sees the other.
+    holding: bool = False
     waker: Waker | None = None
     loop: ClientLoop | None = None
     exact: ExactSpec | None = None
@@ -241,8 +246,8 @@ class ProducerIO:
                     pass
         else:
             self.out.metrics.rejected.labels("unexpected_kind").inc()
-        # No on_wake here: the loop's on_tick, later in the same turn, sends what a grant
-        # allows (once for all the messages read, not once for each).
+        # Nothing sent from here: on_tick, later in the same turn, sends what a grant allows
+        # (once for all the messages read, not once for each).
 
     def _refused(self, ch: Channel, msg: m.Refused) -> None:
         self.out.metrics.refused.labels(msg.reason).inc()
@@ -254,16 +259,22 @@ class ProducerIO:
                           f" ({msg.detail})" if msg.detail else "")
 
     def on_wake(self) -> None:
+        pass  # on_tick follows in the same turn of the loop, after the messages: it sends
+
+    def _pump(self) -> None:
+        """Send what was handed over, in order, as far as credit allows."""
         while True:
             if self._head is None:
                 try:
                     self._head = self.out.items.get_nowait()
                 except queue.Empty:
                     break
+                self.out.holding = True
                 self._head_since = time.monotonic()
             if not self._send(self._head):
                 break
             self._head = None
+            self.out.holding = False  # before looking at the queue again (Outbox.holding)
             self._head_since = time.monotonic()
         self.out.credit = sum(ch.credit for ch in self.channels)
         idle = self.out.idle
@@ -275,7 +286,7 @@ class ProducerIO:
 
     def on_tick(self) -> None:
         self._sync_targets()
-        self.on_wake()
+        self._pump()
         self._waiting()
 
     def _waiting(self) -> None:

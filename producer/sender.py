@@ -197,13 +197,15 @@ class Sender:
         try:
             out.idle.clear()
             out.items.put_nowait(item)
-            out.waker.wake()
+            if not out.holding:  # read after the put: see Outbox.holding
+                out.waker.wake()
             return
         except queue.Full:
             pass
         t0 = time.monotonic()
         while True:
-            out.waker.wake()
+            if not out.holding:
+                out.waker.wake()
             try:
                 out.items.put(item, timeout=_POLL)
                 break
@@ -212,7 +214,8 @@ class Sender:
             self._raise_pending()
             if stop is not None and stop.is_set():
                 raise Stopped("stopped while waiting for credit")
-        out.waker.wake()
+        if not out.holding:
+            out.waker.wake()
         waited = time.monotonic() - t0
         self.credit_wait_seconds += waited
         self.metrics.credit_wait.observe(waited)
