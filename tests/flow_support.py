@@ -28,10 +28,11 @@ import zmq
 from consumer import RemoteDataZMQ
 from feedline import messages as m
 from feedline import wire
-from feedline.errors import ReceiveTimeout
+from feedline.errors import ReceiveTimeout, Stopped
 from feedline.link import LinkConfig
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.scrape import Scrape, scrape
+from producer import Sender
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 MiB = 1 << 20
@@ -373,6 +374,28 @@ def run_script(code: str, log: Path, env: dict[str, str] | None = None) -> subpr
 def log_lines(text: str, level: str, *words: str) -> list[str]:
     """Lines of a daemon log at ``level`` that contain every one of ``words``."""
     return [ln for ln in text.splitlines() if f" {level} " in ln and all(w in ln for w in words)]
+
+
+def send_in_thread(addr: str, producer_id: str, datapoints: list[Any],
+                   stop: threading.Event) -> tuple[threading.Thread, list[BaseException]]:
+    """A real Sender in a thread sending ``datapoints`` (then flushing), until ``stop``;
+    what it raises, other than being stopped, lands in the list for the test to assert."""
+    failure: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with Sender(addr, producer_id=producer_id, link=FAST) as s:
+                for dp in datapoints:
+                    s.send(dp, stop=stop)
+                s.flush(10)
+        except Stopped:
+            pass
+        except BaseException as e:  # surfaces in the test thread
+            failure.append(e)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    return t, failure
 
 
 class FakeBroker:

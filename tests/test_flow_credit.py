@@ -17,7 +17,6 @@ import pytest
 import zmq
 
 from feedline import wire
-from feedline.errors import Stopped
 from producer import Sender
 from tests.flow_support import (
     ARRAY,
@@ -33,6 +32,7 @@ from tests.flow_support import (
     broker_grant,
     broker_heartbeat,
     fake_yaml,
+    send_in_thread,
     start_broker,
     start_producer,
     unpack,
@@ -174,20 +174,8 @@ def test_a_late_credit_of_a_replaced_broker_is_ignored():
     fake = FakeBroker()
     a, b = 1111, 2222
     stop = threading.Event()
-    failure: list[BaseException] = []
-
-    def produce() -> None:
-        try:
-            with Sender(fake.addr, producer_id="late", link=FAST) as s:
-                for i in range(20):
-                    s.send([np.full(4, i, np.int32)], stop=stop)
-        except Stopped:
-            pass
-        except BaseException as e:  # surfaces in the test thread
-            failure.append(e)
-
-    t = threading.Thread(target=produce, daemon=True)
-    t.start()
+    t, failure = send_in_thread(fake.addr, "late", [[np.full(4, i, np.int32)] for i in range(20)],
+                                stop)
     try:
         reg = fake.wait_for_kind(HELLO, 10)["r"]
         fake.send(welcome(a, reg))
@@ -227,21 +215,8 @@ def test_a_running_producer_does_not_ask_for_every_batch():
     fake = FakeBroker()
     inst, n = 3333, 20
     stop = threading.Event()
-    failure: list[BaseException] = []
-
-    def produce() -> None:
-        try:
-            with Sender(fake.addr, producer_id="steady", link=FAST) as s:
-                for i in range(n):
-                    s.send([np.full(1000, i, np.int32)], stop=stop)
-                s.flush(10)
-        except Stopped:
-            pass
-        except BaseException as e:  # surfaces in the test thread
-            failure.append(e)
-
-    t = threading.Thread(target=produce, daemon=True)
-    t.start()
+    t, failure = send_in_thread(fake.addr, "steady",
+                                [[np.full(1000, i, np.int32)] for i in range(n)], stop)
     wants = batches = received_bytes = unit = granted_bytes = 0
     try:
         reg = fake.wait_for_kind(HELLO, 10)["r"]
