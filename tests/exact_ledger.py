@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +33,7 @@ STREAM = "val"
 
 class PacedSample(ExactSample):
     """:class:`ExactSample` at most ``rate`` samples/s (paced against a schedule: time spent
-    waiting for a unit or for credit is not made up later in a burst).
-
-    Its base payload is drawn from ``[seed, id, 0xFEED]``, not ``ExactSample``'s
-    ``[seed, id]``: NumPy's SeedSequence ignores trailing zeros, so ``[seed, id]`` is the very
-    generator ``make_rng(seed, sample_key(0, id))`` gives the augmentation in epoch 0 (worker
-    0), and ExactSample's epoch-0 payloads are all zeros, every sample's bytes alike."""
+    waiting for a unit or for credit is not made up later in a burst); the same bytes."""
 
     def __init__(self, nbytes: int = 4096, seed: int = 0, rate: float = 0.0) -> None:
         super().__init__(nbytes, seed)
@@ -50,11 +44,7 @@ class PacedSample(ExactSample):
         if self.rate:
             self._due = max(self._due + 1 / self.rate, time.monotonic())
             time.sleep(max(0.0, self._due - time.monotonic()))
-        index = int(i)  # type: ignore[call-overload]
-        base = np.random.default_rng([self.seed, index, 0xFEED]).integers(
-            0, 256, self.nbytes, dtype=np.uint8)
-        data = base ^ self.rng.integers(0, 256, self.nbytes, dtype=np.uint8)
-        return [data, np.array([index, zlib.crc32(data.tobytes())], np.int64)]
+        return self.sample(int(i))  # type: ignore[call-overload]
 
 
 def paced_sample(nbytes: int = 4096, seed: int = 0, rate: float = 0.0) -> PacedSample:

@@ -67,10 +67,13 @@ def make(count: int | None = None, nbytes: int = 4096, seed: int = 0,
 class ExactSample:
     """A map step for exact-delivery tests: sample id -> ``[payload, meta [id, crc32]]``.
 
-    The payload is pseudo-random from (seed, id), then XOR-ed with bytes drawn from the
-    generator its ``reseed`` hook set: in exact mode that generator is a pure function of
-    (seed, epoch, sample), so a unit produced again, anywhere, must give the same bytes (an
-    "augmentation" the tests can check for determinism).
+    The payload is pseudo-random from ``[seed, id, 0xFEED]``, then XOR-ed with bytes drawn
+    from the generator its ``reseed`` hook set: in exact mode that generator is a pure
+    function of (seed, epoch, sample), so a unit produced again, anywhere, must give the same
+    bytes (an "augmentation" the tests can check for determinism). Not from ``[seed, id]``:
+    NumPy's SeedSequence ignores trailing zeros, so that is the very generator
+    ``make_rng(seed, sample_key(0, id))`` gives the augmentation in epoch 0 (worker 0), and
+    every epoch-0 payload came out all zeros: a swap of two samples' bytes could not show.
     """
 
     def __init__(self, nbytes: int = 4096, seed: int = 0, delay: float = 0.0) -> None:
@@ -83,11 +86,14 @@ class ExactSample:
         self.rng = make_rng(self.seed, epoch)
 
     def __call__(self, i: object) -> list:
-        index = int(i)  # type: ignore[call-overload]
         if self.delay:
             time.sleep(self.delay)  # a slow decode: faults can land mid-unit
-        noise = self.rng.integers(0, 256, self.nbytes, dtype=np.uint8)
-        data = payload(self.seed, index, self.nbytes) ^ noise
+        return self.sample(int(i))  # type: ignore[call-overload]
+
+    def sample(self, index: int) -> list:
+        base = np.random.default_rng([self.seed, index, 0xFEED]).integers(
+            0, 256, self.nbytes, dtype=np.uint8)
+        data = base ^ self.rng.integers(0, 256, self.nbytes, dtype=np.uint8)
         return [data, np.array([index, zlib.crc32(data.tobytes())], np.int64)]
 
 

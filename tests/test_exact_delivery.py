@@ -70,6 +70,8 @@ def assert_exactly_once(seen: list[tuple[int, bytes]], cfg: Path, epoch: int) ->
     assert ids == list(range(N)), f"lost {set(range(N)) - set(ids)}, " \
         f"duplicated {[i for i in set(ids) if ids.count(i) > 1]}"
     expected = clean_run(cfg, epoch)
+    # Every sample's bytes differ from every other's, so a swap would show below.
+    assert len(set(expected.values())) == len(expected), "samples with the same bytes"
     assert all(expected[i] == b for i, b in seen), "contents differ from a clean run"
 
 
