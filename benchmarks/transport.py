@@ -256,11 +256,13 @@ def main() -> None:
                       f"{gbps * 1e3 / mb:7.1f} batches/s", flush=True)
                 time.sleep(0.5)  # let the previous round's sockets go
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"\n{'variant':<11} {'median GB/s':>12} {'batches/s':>10} {'vs relay':>9} {'vs raw':>7}")
+    print(f"\n{'variant':<11} {'median GB/s':>12} {'batches/s':>10} {'vs relay':>9} "
+          f"{'vs raw':>7} {'vs tensorpack':>14}")
     for k, v in med.items():
-        rel = f"{v / med['relay']:.2f}x" if "relay" in med else "-"
-        rawr = f"{v / med['raw']:.2f}x" if "raw" in med else "-"
-        print(f"{k:<11} {v:>12.2f} {v * 1e3 / mb:>10.1f} {rel:>9} {rawr:>7}")
+        ratios = [f"{v / med[ref]:.2f}x" if med.get(ref) else "-"
+                  for ref in ("relay", "raw", "tensorpack")]
+        print(f"{k:<11} {v:>12.2f} {v * 1e3 / mb:>10.1f} {ratios[0]:>9} {ratios[1]:>7} "
+              f"{ratios[2]:>14}")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results, "median": med}, indent=2))
 
