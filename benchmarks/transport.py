@@ -10,6 +10,9 @@ a consumer process (each side its own process, every variant the same):
                  it was, measured in the same run (a change must not make this slower)
 - ``relay``:     PUSH -> tcp -> ``zmq.proxy`` (PULL/PUSH, own process) -> ipc -> PULL
 - ``raw``:       PUSH -> tcp -> PULL, one hop, the cheapest framing there is
+- ``raw-threads``: the same with feedline's thread layout and nothing else: at each end the
+                 socket is owned by an I/O thread, and batches pass through a bounded queue
+                 to or from the owner thread (what the protocol adds is absent)
 - ``tensorpack``: tensorpack's ``send_dataflow_zmq`` -> tcp -> its ``RemoteDataZMQ`` (msgpack)
 
 The consumers turn every batch into numpy arrays (views where the library gives views) and
@@ -55,6 +58,26 @@ SENDER = textwrap.dedent("""
     s.connect(addr)
     while True:
         s.send_multipart([header, images, labels], copy=False)
+""")
+
+# The same, with feedline's thread layout and nothing else: the batch goes from the owner
+# thread to an I/O thread that owns the socket (a bounded queue between them), at both ends.
+SENDER_THREADS = textwrap.dedent("""
+    import queue, sys, threading, numpy as np, zmq
+    addr, n, side, HWM = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    images = np.zeros((n, side, side, 3), np.uint8)
+    labels = np.zeros(n, np.int32)
+    q = queue.Queue(maxsize=1)
+    def io():
+        s = zmq.Context().socket(zmq.PUSH)
+        s.setsockopt(zmq.SNDHWM, HWM)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        while True:
+            s.send_multipart(q.get(), copy=False)
+    threading.Thread(target=io, daemon=True).start()
+    while True:
+        q.put([b"batch", images, labels])
 """)
 
 RELAY = textwrap.dedent("""
@@ -108,15 +131,24 @@ CONSUMER = textwrap.dedent("""
             images, labels = next(it)
             return images.nbytes + labels.nbytes
     else:
-        import numpy as np, zmq
+        import numpy as np, queue, threading, zmq
         sock = zmq.Context().socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, 4)
-        (sock.bind if kind == "plain-bind" else sock.connect)(addr)
-        def one():
+        (sock.bind if kind.startswith("plain-bind") else sock.connect)(addr)
+        def recv():
             f = sock.recv_multipart(copy=False)
             a = np.frombuffer(f[1].buffer, np.uint8).reshape(n, side, side, 3)
             b = np.frombuffer(f[2].buffer, np.int32)
             return a.nbytes + b.nbytes
+        if kind == "plain-bind-threads":  # an I/O thread owns the socket, a queue between
+            q = queue.Queue(maxsize=8)
+            def io():
+                while True:
+                    q.put(recv())
+            threading.Thread(target=io, daemon=True).start()
+            one = q.get
+        else:
+            one = recv
     for _ in range(10):  # warm up: connections made, pipes full
         one()
     count, nbytes, t0 = 0, 0, time.perf_counter()
@@ -205,6 +237,12 @@ def raw(run: Run) -> float:
     return run.consume("plain-bind", addr)
 
 
+def raw_threads(run: Run) -> float:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    run.python(SENDER_THREADS, [addr, str(run.n), str(run.side), str(HWM)], "sender")
+    return run.consume("plain-bind-threads", addr)
+
+
 def tensorpack(run: Run) -> float:
     addr = f"tcp://127.0.0.1:{free_port()}"
     run.python(TP_SENDER, [addr, str(run.n), str(run.side)], "tp-sender")
@@ -218,6 +256,7 @@ def variants(before: Path | None) -> dict[str, Callable[[Run], float]]:
     out["direct"] = direct
     out["relay"] = relay
     out["raw"] = raw
+    out["raw-threads"] = raw_threads
     if importlib.util.find_spec("tensorpack") is not None:
         out["tensorpack"] = tensorpack
     return out
