@@ -37,7 +37,7 @@ from broker.metrics import BrokerMetrics
 from broker.peers import cut_off
 from broker.tensorpack import TensorpackIngress
 from feedline.codec import DecodeError
-from feedline.framing import TooManyFrames, recv_message
+from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,9 @@ class Broker:
     def _drain(self, sock: zmq.Socket, side: str) -> None:
         handler = (self.ingress if side == "ingress" else self.egress).on_message
         max_frames = self.cfg.limits.max_frames + 1  # the peer identity, then the message
-        for _ in range(_BUDGET):
+        for n in range(_BUDGET):
+            if n and not waiting(sock):
+                return
             try:
                 frames = recv_message(sock, max_frames, keepalive=self._keepalive)
             except zmq.Again:

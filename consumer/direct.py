@@ -32,7 +32,7 @@ from consumer.io import Delivery, EpochMark, Marker, Shared
 from feedline import messages as m
 from feedline.codec import DecodeError, Limits
 from feedline.errors import ProducerError
-from feedline.framing import TooManyFrames, recv_message
+from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.link import LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ServerKeys
@@ -202,8 +202,8 @@ class DirectIO:
     def _drain(self) -> None:
         limits: Limits = self.limits
         for n in range(_BUDGET):
-            if n and not int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
-                return  # cheaper than a read of nothing, which raises
+            if n and not waiting(self.sock):
+                return
             try:
                 frames = recv_message(self.sock, limits.max_frames + 1,
                                       keepalive=self._keepalive)
@@ -271,7 +271,7 @@ class DirectIO:
             # Takes need not wake us while batches stream in (Shared.expecting); a take that
             # read the old flag is seen here, as ``taken`` has grown since.
             s.expecting = (now - self._arrived < _STREAMING
-                           and self.ingress.planner.outstanding()[0] > 0)
+                           and self.ingress.outstanding()[0] > 0)
             if s.taken == taken:
                 break
 

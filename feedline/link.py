@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from feedline import messages as m
 from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits
-from feedline.framing import recv_message
+from feedline.framing import recv_message, waiting
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
@@ -231,9 +231,7 @@ class Link:
             self._read_monitor()
         n = 0
         while self.socket is not None and n < budget:
-            # After the first (the poll said one is there): ask before reading, as a read of
-            # nothing raises, which costs more than asking.
-            if n and not int(self.socket.get(zmq.EVENTS)) & zmq.POLLIN:
+            if n and not waiting(self.socket):  # the first: the poll said one is there
                 break
             try:
                 frames = recv_message(self.socket, self.cfg.limits.max_frames)

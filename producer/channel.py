@@ -112,6 +112,12 @@ class Outbox:
     exact: ExactSpec | None = None
     units: queue.Queue[m.Unit | m.UnitWait] = field(default_factory=lambda: queue.Queue(8))
 
+    def nudge(self) -> None:
+        """Wake the I/O thread for what the owner hands over, unless it holds an item that
+        the new one queues behind (call after the put: see :attr:`holding`)."""
+        if not self.holding and self.waker is not None:
+            self.waker.wake()
+
 
 class Channel:
     """Credit and sequence numbers towards one broker."""

@@ -197,15 +197,13 @@ class Sender:
         try:
             out.idle.clear()
             out.items.put_nowait(item)
-            if not out.holding:  # read after the put: see Outbox.holding
-                out.waker.wake()
+            out.nudge()
             return
         except queue.Full:
             pass
         t0 = time.monotonic()
         while True:
-            if not out.holding:
-                out.waker.wake()
+            out.nudge()  # unless it holds a batch: then only a grant makes room
             try:
                 out.items.put(item, timeout=_POLL)
                 break
@@ -214,8 +212,7 @@ class Sender:
             self._raise_pending()
             if stop is not None and stop.is_set():
                 raise Stopped("stopped while waiting for credit")
-        if not out.holding:
-            out.waker.wake()
+        out.nudge()
         waited = time.monotonic() - t0
         self.credit_wait_seconds += waited
         self.metrics.credit_wait.observe(waited)
