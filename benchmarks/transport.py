@@ -13,6 +13,10 @@ a consumer process (each side its own process, every variant the same):
 - ``raw-threads``: the same with feedline's thread layout and nothing else: at each end the
                  socket is owned by an I/O thread, and batches pass through a bounded queue
                  to or from the owner thread (what the protocol adds is absent)
+- ``raw-credit``: raw-threads plus a credit loop: the consumer grants batches back over the
+                 same connection (ROUTER <- DEALER), one small message per batch, and the
+                 sender sends only what was granted; windows as direct mode's (8 in the
+                 consumer, 4 per sender). What credit flow control costs by itself
 - ``tensorpack``: tensorpack's ``send_dataflow_zmq`` -> tcp -> its ``RemoteDataZMQ`` (msgpack)
 
 The consumers turn every batch into numpy arrays (views where the library gives views) and
@@ -80,6 +84,39 @@ SENDER_THREADS = textwrap.dedent("""
         q.put([b"batch", images, labels])
 """)
 
+# The same with a credit loop: the I/O thread sends only what the consumer granted (a DEALER
+# that says hello, then reads grants: ASCII counts), as feedline's producers do.
+SENDER_CREDIT = textwrap.dedent("""
+    import queue, sys, threading, numpy as np, zmq
+    addr, n, side = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    images = np.zeros((n, side, side, 3), np.uint8)
+    labels = np.zeros(n, np.int32)
+    q = queue.Queue(maxsize=1)
+    def io():
+        s = zmq.Context().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        s.send(b"hello")
+        poller = zmq.Poller()
+        poller.register(s, zmq.POLLIN)
+        credit, head = 0, None
+        while True:
+            while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                credit += int(s.recv())
+            while credit > 0:
+                if head is None:
+                    try:
+                        head = q.get_nowait()
+                    except queue.Empty:
+                        break
+                s.send_multipart(head, copy=False)
+                head, credit = None, credit - 1
+            poller.poll(5)
+    threading.Thread(target=io, daemon=True).start()
+    while True:
+        q.put([b"batch", images, labels])
+""")
+
 RELAY = textwrap.dedent("""
     import sys, zmq
     ctx = zmq.Context()
@@ -121,6 +158,35 @@ CONSUMER = textwrap.dedent("""
         it = iter(src)
         def one():
             images, labels = next(it)
+            return images.nbytes + labels.nbytes
+    elif kind == "plain-credit":  # an I/O thread grants what the queue has room for
+        import numpy as np, queue, threading, zmq
+        WINDOW, PER_SENDER = 8, 4  # direct mode's: the trainer's window, a producer's
+        q = queue.Queue(maxsize=WINDOW)
+        def io():
+            sock = zmq.Context().socket(zmq.ROUTER)
+            sock.setsockopt(zmq.RCVHWM, WINDOW + 16)
+            sock.bind(addr)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            sender, granted = None, 0  # granted: not arrived yet
+            while True:
+                poller.poll(5)
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    f = sock.recv_multipart(copy=False)
+                    sender = f[0].bytes
+                    if len(f) == 4:
+                        granted -= 1
+                        q.put_nowait((np.frombuffer(f[2].buffer, np.uint8)
+                                      .reshape(n, side, side, 3),
+                                      np.frombuffer(f[3].buffer, np.int32)))
+                room = min(WINDOW - q.qsize() - granted, PER_SENDER - granted)
+                if sender is not None and room > 0:
+                    sock.send_multipart([sender, str(room).encode()])
+                    granted += room
+        threading.Thread(target=io, daemon=True).start()
+        def one():
+            images, labels = q.get()
             return images.nbytes + labels.nbytes
     elif kind == "tensorpack":
         from tensorpack.dataflow.remote import RemoteDataZMQ as TPRemote
@@ -243,6 +309,12 @@ def raw_threads(run: Run) -> float:
     return run.consume("plain-bind-threads", addr)
 
 
+def raw_credit(run: Run) -> float:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    run.python(SENDER_CREDIT, [addr, str(run.n), str(run.side)], "sender")
+    return run.consume("plain-credit", addr)
+
+
 def tensorpack(run: Run) -> float:
     addr = f"tcp://127.0.0.1:{free_port()}"
     run.python(TP_SENDER, [addr, str(run.n), str(run.side)], "tp-sender")
@@ -257,6 +329,7 @@ def variants(before: Path | None) -> dict[str, Callable[[Run], float]]:
     out["relay"] = relay
     out["raw"] = raw
     out["raw-threads"] = raw_threads
+    out["raw-credit"] = raw_credit
     if importlib.util.find_spec("tensorpack") is not None:
         out["tensorpack"] = tensorpack
     return out
