@@ -50,11 +50,25 @@ from feedline.procs import Child, free_port, wait_for  # noqa: E402
 
 HWM = 4  # plain ZeroMQ queues as deep as feedline's credit windows, so memory is comparable
 
-SENDER = textwrap.dedent("""
-    import sys, numpy as np, zmq
-    addr, n, side, HWM = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+# Every plain ZeroMQ sender: its arguments and the constant batch (ADDR N SIDE [HWM]).
+_BATCH = """
+    import queue, sys, threading, numpy as np, zmq
+    addr, n, side = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    HWM = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     images = np.zeros((n, side, side, 3), np.uint8)
     labels = np.zeros(n, np.int32)
+"""
+
+# With feedline's thread layout: the owner thread hands each batch to an I/O thread that owns
+# the socket (``io``, defined before this), through a bounded queue.
+_OWNER = """
+    q = queue.Queue(maxsize=1)
+    threading.Thread(target=io, daemon=True).start()
+    while True:
+        q.put([b"batch", images, labels])
+"""
+
+SENDER = textwrap.dedent(_BATCH + """
     header = b"batch"  # plain ZeroMQ: no real header, the cheapest possible framing
     s = zmq.Context().socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, HWM)
@@ -64,14 +78,8 @@ SENDER = textwrap.dedent("""
         s.send_multipart([header, images, labels], copy=False)
 """)
 
-# The same, with feedline's thread layout and nothing else: the batch goes from the owner
-# thread to an I/O thread that owns the socket (a bounded queue between them), at both ends.
-SENDER_THREADS = textwrap.dedent("""
-    import queue, sys, threading, numpy as np, zmq
-    addr, n, side, HWM = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    images = np.zeros((n, side, side, 3), np.uint8)
-    labels = np.zeros(n, np.int32)
-    q = queue.Queue(maxsize=1)
+# The same, with feedline's thread layout and nothing else (at both ends).
+SENDER_THREADS = textwrap.dedent(_BATCH + """
     def io():
         s = zmq.Context().socket(zmq.PUSH)
         s.setsockopt(zmq.SNDHWM, HWM)
@@ -79,19 +87,11 @@ SENDER_THREADS = textwrap.dedent("""
         s.connect(addr)
         while True:
             s.send_multipart(q.get(), copy=False)
-    threading.Thread(target=io, daemon=True).start()
-    while True:
-        q.put([b"batch", images, labels])
-""")
+""" + _OWNER)
 
 # The same with a credit loop: the I/O thread sends only what the consumer granted (a DEALER
 # that says hello, then reads grants: ASCII counts), as feedline's producers do.
-SENDER_CREDIT = textwrap.dedent("""
-    import queue, sys, threading, numpy as np, zmq
-    addr, n, side = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    images = np.zeros((n, side, side, 3), np.uint8)
-    labels = np.zeros(n, np.int32)
-    q = queue.Queue(maxsize=1)
+SENDER_CREDIT = textwrap.dedent(_BATCH + """
     def io():
         s = zmq.Context().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
@@ -112,10 +112,7 @@ SENDER_CREDIT = textwrap.dedent("""
                 s.send_multipart(head, copy=False)
                 head, credit = None, credit - 1
             poller.poll(5)
-    threading.Thread(target=io, daemon=True).start()
-    while True:
-        q.put([b"batch", images, labels])
-""")
+""" + _OWNER)
 
 RELAY = textwrap.dedent("""
     import sys, zmq
@@ -145,8 +142,12 @@ TP_SENDER = textwrap.dedent("""
 # The measuring consumers: run in their own process, print {"bytes": B, "seconds": S}.
 CONSUMER = textwrap.dedent("""
     import json, sys, time
+    import numpy as np
     kind, addr, n, side, seconds = sys.argv[1:6]
     n, side, seconds = int(n), int(side), float(seconds)
+    def arrays(frames):  # plain ZeroMQ's image and label frames as numpy views
+        return (np.frombuffer(frames[0].buffer, np.uint8).reshape(n, side, side, 3),
+                np.frombuffer(frames[1].buffer, np.int32))
     if kind in ("feedline", "feedline-direct"):
         from consumer import RemoteDataZMQ
         # Direct mode: its window is every batch in flight (queued here or granted); plain
@@ -160,7 +161,7 @@ CONSUMER = textwrap.dedent("""
             images, labels = next(it)
             return images.nbytes + labels.nbytes
     elif kind == "plain-credit":  # an I/O thread grants what the queue has room for
-        import numpy as np, queue, threading, zmq
+        import queue, threading, zmq
         WINDOW, PER_SENDER = 8, 4  # direct mode's: the trainer's window, a producer's
         q = queue.Queue(maxsize=WINDOW)
         def io():
@@ -175,11 +176,9 @@ CONSUMER = textwrap.dedent("""
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     f = sock.recv_multipart(copy=False)
                     sender = f[0].bytes
-                    if len(f) == 4:
+                    if len(f) == 4:  # [sender, tag, images, labels]
                         granted -= 1
-                        q.put_nowait((np.frombuffer(f[2].buffer, np.uint8)
-                                      .reshape(n, side, side, 3),
-                                      np.frombuffer(f[3].buffer, np.int32)))
+                        q.put_nowait(arrays(f[2:]))
                 room = min(WINDOW - q.qsize() - granted, PER_SENDER - granted)
                 if sender is not None and room > 0:
                     sock.send_multipart([sender, str(room).encode()])
@@ -197,14 +196,12 @@ CONSUMER = textwrap.dedent("""
             images, labels = next(it)
             return images.nbytes + labels.nbytes
     else:
-        import numpy as np, queue, threading, zmq
+        import queue, threading, zmq
         sock = zmq.Context().socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, 4)
         (sock.bind if kind.startswith("plain-bind") else sock.connect)(addr)
         def recv():
-            f = sock.recv_multipart(copy=False)
-            a = np.frombuffer(f[1].buffer, np.uint8).reshape(n, side, side, 3)
-            b = np.frombuffer(f[2].buffer, np.int32)
+            a, b = arrays(sock.recv_multipart(copy=False)[1:])
             return a.nbytes + b.nbytes
         if kind == "plain-bind-threads":  # an I/O thread owns the socket, a queue between
             q = queue.Queue(maxsize=8)
