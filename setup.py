@@ -1,10 +1,10 @@
 """The optional C extension; everything else about the package is in pyproject.toml.
 
-``producer.image._jpegturbo`` decodes a JPEG's crop region at a DCT scale of M/8 over
+``feedline.producer.image._jpegturbo`` decodes a JPEG's crop region at a DCT scale of M/8 over
 libjpeg-turbo (``jpeglib.h``). It needs a C compiler and the libjpeg-turbo headers (Debian:
 ``gcc libjpeg62-turbo-dev``; Fedora: ``gcc libjpeg-turbo-devel``). Where either is missing
 the build says so and goes on: the package installs without it and OpenCV decodes instead
-(``producer.image.decoder_info()`` and ``feedline --version`` say which decoder runs).
+(``feedline.producer.image.decoder_info()`` and ``feedline --version`` say which decoder runs).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[
-        Extension("producer.image._jpegturbo",
-                  ["producer/image/_jpegturbo.c", "producer/image/_resample.c"],
+        Extension("feedline.producer.image._jpegturbo",
+                  ["feedline/producer/image/_jpegturbo.c", "feedline/producer/image/_resample.c"],
                   libraries=["jpeg"]),
     ],
     cmdclass={"build_ext": OptionalBuildExt},

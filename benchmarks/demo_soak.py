@@ -55,7 +55,7 @@ def one_run(i: int, root: Path, args: argparse.Namespace) -> dict:
     work = root / f"run-{i:02d}"
     tmp = work / "tmp"
     tmp.mkdir(parents=True)
-    argv = [sys.executable, "-m", "commands", "demo", "--duration", str(args.duration),
+    argv = [sys.executable, "-m", "feedline.commands", "demo", "--duration", str(args.duration),
             "--workdir", str(work / "demo")]
     if args.no_train:
         argv.append("--no-train")

@@ -44,7 +44,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from consumer import RemoteDataZMQ  # noqa: E402
+from feedline.consumer import RemoteDataZMQ  # noqa: E402
 from feedline.procs import Child, free_port, wait_for  # noqa: E402
 
 STREAM = "bench"
@@ -97,11 +97,11 @@ class Run:
         path.write_text(yaml.safe_dump(cfg))
         journal = self.mode == "exact" and not a.no_journal
         extra = ["--state-dir", str(self.work / "state")] if journal else []
-        broker = self._python("broker", ["--ingress", ingress, "--egress", egress,
+        broker = self._python("feedline.broker", ["--ingress", ingress, "--egress", egress,
                                          "--metrics-port", "0", "--log-level", "WARNING",
                                          *extra], "broker")
         wait_for(lambda: Path(egress[6:]).exists() or not broker.alive(), 30, what="broker")
-        producers = [self._python("producer", ["--config", str(path), "--broker", ingress,
+        producers = [self._python("feedline.producer", ["--config", str(path), "--broker", ingress,
                                                "--id", f"p{i}", "--log-level", "WARNING"],
                                   f"p{i}") for i in range(a.producers)]
         with RemoteDataZMQ(egress, stream=STREAM, window=a.window, timeout=120,
@@ -151,8 +151,8 @@ class Run:
 def produce_one_epoch(mode: str, cfg: dict[str, Any]) -> float:
     """Samples/s of one epoch made in this process, no broker: the pipeline alone (exact: unit
     by unit, as its producer runs it)."""
-    from producer.exact import build_exact
-    from producer.pipeline import build_pipeline
+    from feedline.producer.exact import build_exact
+    from feedline.producer.pipeline import build_pipeline
 
     samples = 0
     t0 = time.perf_counter()

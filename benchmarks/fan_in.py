@@ -1,6 +1,7 @@
 """Fan-in at scale: many producers on one broker, every one served (issue 13, item 5).
 
-A broker process (``python -m broker``), ``--producers`` producers as ``producer.Sender``s in
+A broker process (``python -m feedline.broker``), ``--producers`` producers as ``producer.Sender``s
+in
 threads of ``--procs`` processes (64 producer processes would not fit a small machine; each
 Sender has its own connection, registration, credit and I/O thread, exactly as a producer
 process has), each sending constant ``--batch-bytes`` uint8 batches as fast as its credit
@@ -50,7 +51,7 @@ SENDERS = textwrap.dedent("""
     import signal, sys, threading
     import numpy as np
     from feedline.errors import Stopped
-    from producer import Sender
+    from feedline.producer import Sender
     addr, first, count, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -74,7 +75,7 @@ SENDERS = textwrap.dedent("""
 # The consumer: counts per producer, printed as one JSON line ("C" time counts) every 0.5 s.
 CONSUMER = textwrap.dedent("""
     import json, sys, threading, time
-    from consumer import RemoteDataZMQ
+    from feedline.consumer import RemoteDataZMQ
     counts = {}
     def report():
         while True:
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return c
 
     try:
-        broker = child(["-m", "broker", "--ingress", ingress, "--egress", egress,
+        broker = child(["-m", "feedline.broker", "--ingress", ingress, "--egress", egress,
                         "--max-bytes", str(args.max_bytes), "--max-batches",
                         str(args.max_batches), "--metrics-port", str(metrics_port),
                         "--metrics-addr", "127.0.0.1"], "broker")

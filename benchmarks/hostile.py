@@ -1,7 +1,8 @@
 """Honest throughput while hostile peers are refused, side by side in one run (issue 16).
 
-For each attacker a real broker process (``python -m broker``, default budget and liveness),
-an honest producer process (``python -m producer``: constant 1 MiB uint8 batches offered at
+For each attacker a real broker process (``python -m feedline.broker``,
+                                         default budget and liveness),
+an honest producer process (``python -m feedline.producer``: constant 1 MiB uint8 batches offered at
 ``--rate`` per second, or as fast as credit allows with ``--rate 0``) and an honest consumer
 process (``RemoteDataZMQ``, counting the honest producer's batches it takes) run together.
 Rounds alternate: ``--seconds`` of honest traffic alone, then as long with the attacker
@@ -417,7 +418,7 @@ class Attacker:
 
 CONSUMER = textwrap.dedent("""
     import sys, threading, time
-    from consumer import RemoteDataZMQ
+    from feedline.consumer import RemoteDataZMQ
     n = 0
     def ticker():
         while True:
@@ -467,7 +468,8 @@ class Cluster:
             self.children.append(c)
             return c
 
-        self.broker = child([sys.executable, "-m", "broker", "--ingress", self.target.ingress,
+        self.broker = child([sys.executable, "-m", "feedline.broker", "--ingress",
+                             self.target.ingress,
                              "--egress", self.target.egress, "--metrics-port",
                              str(self.metrics_port), "--metrics-addr", "127.0.0.1"], "broker")
         wait_for(lambda: self.scrape().error is None or not self.broker.alive(), 30,
@@ -480,7 +482,7 @@ class Cluster:
             pipeline = {"source": {"fake": {"shapes": [[batch_bytes]], "dtypes": ["uint8"],
                                             "random": False, "size": 1000}}}
         cfg.write_text(yaml.safe_dump({**pipeline, "epochs": None}))
-        self.producer = child([sys.executable, "-m", "producer", "--config", str(cfg),
+        self.producer = child([sys.executable, "-m", "feedline.producer", "--config", str(cfg),
                                "--broker", self.target.ingress, "--id", "honest"], "producer")
         self.consumer = child([sys.executable, "-c", CONSUMER, self.target.egress], "consumer")
         wait_for(lambda: self.count_at(time.monotonic()) >= 50, 60, what="honest traffic")

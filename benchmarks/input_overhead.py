@@ -49,7 +49,7 @@ def main() -> None:
     import tensorflow as tf
     import yaml
 
-    from consumer import DummyConstantInput, QueueInput, RemoteDataZMQ, StagingInput
+    from feedline.consumer import DummyConstantInput, QueueInput, RemoteDataZMQ, StagingInput
     from feedline.procs import Child, free_port, wait_for
 
     L = tf.keras.layers
@@ -81,9 +81,9 @@ def main() -> None:
     py = sys.executable
     env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     daemons = [
-        Child([*other, py, "-m", "broker", "--ingress", ingress, "--egress", egress,
+        Child([*other, py, "-m", "feedline.broker", "--ingress", ingress, "--egress", egress,
                "--metrics-port", "0", "--log-level", "WARNING"], work / "broker.log", env),
-        Child([*other, py, "-m", "producer", "--config", str(cfg), "--broker", ingress,
+        Child([*other, py, "-m", "feedline.producer", "--config", str(cfg), "--broker", ingress,
                "--log-level", "WARNING"], work / "producer.log", env),
     ]
     results: dict[str, list[float]] = {"dummy": [], "feedline": [], "feed": []}

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.image import ImageNetTrain, ImageNetVal, turbo  # noqa: E402
+from feedline.producer.image import ImageNetTrain, ImageNetVal, turbo  # noqa: E402
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -4,7 +4,7 @@ Regions of the real photographs inside scikit-image's wheel, one class folder pe
 JPEG quality 75-95, in two sets:
 
 - ``--set imagenet`` (default): rescaled to ImageNet-like sizes (about 400x350 on average),
-  the demo dataset's recipe (``producer/demo_data.py``);
+  the demo dataset's recipe (``feedline/producer/demo_data.py``);
 - ``--set highres``: about 1000x750 on average (800-1200 wide), the size of modern datasets'
   photos. The sources are 300-1400 pixels, so most regions are enlarged; an enlarged photo is
   smoother than a camera's, and compresses to fewer bits per pixel, which makes entropy
@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.demo_data import build  # noqa: E402
+from feedline.producer.demo_data import build  # noqa: E402
 
 
 def highres_image(src: np.ndarray, rng: np.random.Generator, grain: float) -> np.ndarray:

@@ -4,7 +4,7 @@ The bound the broker promises (docs/architecture.md): everything a peer can make
 within ``--max-bytes`` (buffered batches + batches in flight to consumers + credit granted),
 plus a fixed overhead (interpreter, libzmq, socket buffers: 48 MiB is what the tests allow),
 plus, for a message of many frames, what libzmq holds per frame before any can be read (a
-``zmq_msg_t``, 64 bytes). Each scenario runs ``python -m broker`` with a budget, drives it
+``zmq_msg_t``, 64 bytes). Each scenario runs ``python -m feedline.broker`` with a budget, drives it
 with real producer processes, a tensorpack sender or a hand-played peer, samples the broker's
 resident memory every 20 ms (psutil) and reports the peak growth over the idle broker.
 
@@ -95,7 +95,7 @@ class Run:
         self.children: list[Child] = []
         self.tp = f"tcp://127.0.0.1:{free_port()}" if tensorpack else None
         extra = ["--tensorpack-ingress", self.tp] if self.tp else []
-        self.broker = self.python(["-m", "broker", "--ingress", self.ingress, "--egress",
+        self.broker = self.python(["-m", "feedline.broker", "--ingress", self.ingress, "--egress",
                                    self.egress, "--max-bytes", str(budget), "--metrics-port",
                                    str(self.metrics_port), "--metrics-addr", "127.0.0.1",
                                    *extra], "broker")
@@ -118,7 +118,8 @@ class Run:
         cfg.write_text(yaml.safe_dump({"source": {"fake": {
             "shapes": [[shape]], "dtypes": ["uint8"], "random": False, "size": size}},
             "epochs": epochs}))
-        return self.python(["-m", "producer", "--config", str(cfg), "--broker", self.ingress,
+        return self.python(["-m", "feedline.producer", "--config", str(cfg), "--broker",
+                            self.ingress,
                             "--id", name], name)
 
     def metric(self, name: str, **labels: str) -> float:
@@ -178,7 +179,7 @@ def hog(run: Run) -> str:
 
 _CONSUMER = textwrap.dedent("""
     import sys
-    from consumer import RemoteDataZMQ
+    from feedline.consumer import RemoteDataZMQ
     with RemoteDataZMQ(sys.argv[1], timeout=None) as src:
         for _ in src:
             pass

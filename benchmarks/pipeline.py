@@ -88,15 +88,15 @@ def tf_iter(files: list[str]):
 def feedline_iter(root: str, procs: int, decoder: str):
     import cv2
 
-    from producer.dataflow import (
+    from feedline.producer.dataflow import (
         BatchData,
         ImageFolder,
         MapDataComponent,
         MultiProcessMapData,
         RepeatedData,
     )
-    from producer.dataflow.map_data import ComponentFunc
-    from producer.image import ImageNetTrain
+    from feedline.producer.dataflow.map_data import ComponentFunc
+    from feedline.producer.image import ImageNetTrain
 
     cv2.setNumThreads(1)
     src = RepeatedData(ImageFolder(root, shuffle=True), -1)
@@ -127,7 +127,7 @@ def measure(variant: str, data: str, batches: int, warmup: int) -> dict:
     if df is not None:
         df.close()
     n = batches * BATCH
-    from producer.image import decoder_info
+    from feedline.producer.image import decoder_info
 
     return {"decoder": "tf.io.decode_and_crop_jpeg" if df is None else (
                 "OpenCV" if variant == "feedline-opencv" else decoder_info()),

@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.dataflow import BatchData, CountData, DataFlow, FakeData, MapData  # noqa: E402
+from feedline.producer.dataflow import BatchData, CountData, DataFlow, FakeData, MapData  # noqa: E402
 
 
 def identity(dp: Any) -> Any:

@@ -149,7 +149,7 @@ CONSUMER = textwrap.dedent("""
         return (np.frombuffer(frames[0].buffer, np.uint8).reshape(n, side, side, 3),
                 np.frombuffer(frames[1].buffer, np.int32))
     if kind in ("feedline", "feedline-direct"):
-        from consumer import RemoteDataZMQ
+        from feedline.consumer import RemoteDataZMQ
         # Direct mode: its window is every batch in flight (queued here or granted); plain
         # ZeroMQ holds HWM batches at each end: the same depth is 2 x HWM.
         window = 2 * 4 if kind == "feedline-direct" else 4
@@ -267,9 +267,9 @@ def via_broker(run: Run, tree: Path) -> float:
     cfg.write_text(yaml.safe_dump({"source": {"fake": {
         "shapes": [[run.n, run.side, run.side, 3], [run.n]], "dtypes": ["uint8", "int32"],
         "random": False, "size": 100000}}}))
-    run.child([sys.executable, "-m", "broker", "--ingress", ingress, "--egress", egress,
+    run.child([sys.executable, "-m", "feedline.broker", "--ingress", ingress, "--egress", egress,
                "--metrics-port", "0", "--log-level", "WARNING"], "broker", tree)
-    run.child([sys.executable, "-m", "producer", "--config", str(cfg), "--broker", ingress,
+    run.child([sys.executable, "-m", "feedline.producer", "--config", str(cfg), "--broker", ingress,
                "--log-level", "WARNING"], "producer", tree)
     wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
     return run.consume("feedline", egress, tree)
@@ -281,7 +281,7 @@ def direct(run: Run) -> float:
     cfg.write_text(yaml.safe_dump({"source": {"fake": {
         "shapes": [[run.n, run.side, run.side, 3], [run.n]], "dtypes": ["uint8", "int32"],
         "random": False, "size": 100000}}}))
-    run.child([sys.executable, "-m", "producer", "--config", str(cfg), "--broker", addr,
+    run.child([sys.executable, "-m", "feedline.producer", "--config", str(cfg), "--broker", addr,
                "--log-level", "WARNING"], "producer")
     return run.consume("feedline-direct", addr)
 

@@ -25,7 +25,7 @@ def default_data() -> str:
     """ImageNet's train folder if this host has it, else the demo dataset (built if needed)."""
     if os.path.isdir(IMAGENET_TRAIN):
         return IMAGENET_TRAIN
-    from producer.demo_data import build, default_dir
+    from feedline.producer.demo_data import build, default_dir
 
     data = build(default_dir(os.environ.get("XDG_CACHE_HOME"), count=512), count=512)
     print(f"no ImageNet at {IMAGENET_TRAIN}: training on the demo dataset in {data}")
@@ -51,9 +51,9 @@ def feed(egress: str | None, data: str | None) -> Iterator[str]:
     data = data or default_data()
     with tempfile.TemporaryDirectory(prefix="feedline-example-") as tmp:
         ingress, egress = f"tcp://127.0.0.1:{free_port()}", f"ipc://{tmp}/egress.sock"
-        daemons = [Daemon("broker", ["--ingress", ingress, "--egress", egress,
+        daemons = [Daemon("feedline.broker", ["--ingress", ingress, "--egress", egress,
                                      "--metrics-port", "0"], Path(tmp) / "broker.log")]
-        daemons.append(Daemon("producer", ["--config", str(PIPELINE), "--data", data,
+        daemons.append(Daemon("feedline.producer", ["--config", str(PIPELINE), "--data", data,
                                            "--broker", ingress, "--metrics-port", "0"],
                               Path(tmp) / "producer.log"))
         try:

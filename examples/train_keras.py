@@ -24,7 +24,7 @@ import tensorflow as tf  # noqa: E402
 from local_feed import add_data_flags, feed  # noqa: E402  (examples/, next to this file)
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from consumer import OccupancyMonitor, QueueInput, RemoteDataZMQ, as_dataset  # noqa: E402
+from feedline import OccupancyMonitor, QueueInput, RemoteDataZMQ, as_dataset  # noqa: E402
 from feedline.metrics import serve_metrics  # noqa: E402
 
 

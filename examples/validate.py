@@ -38,11 +38,11 @@ import tensorflow as tf  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 from train_loop import build_model  # noqa: E402  (examples/, next to this file)
 
-from consumer import RemoteDataZMQ  # noqa: E402
+from feedline import RemoteDataZMQ  # noqa: E402
 from feedline.metrics import serve_metrics  # noqa: E402
 from feedline.procs import Daemon, free_port, wait_for  # noqa: E402
+from feedline.producer.dataflow.image_folder import scan_folder  # noqa: E402
 from feedline.scrape import scrape  # noqa: E402
-from producer.dataflow.image_folder import scan_folder  # noqa: E402
 
 IMAGENET_VAL = "/data/imagenet/val"
 PIPELINE = Path(__file__).resolve().parent / "imagenet_val.yaml"
@@ -58,7 +58,7 @@ def default_data() -> str:
     """ImageNet's validation folder if this host has it, else the demo dataset."""
     if os.path.isdir(IMAGENET_VAL):
         return IMAGENET_VAL
-    from producer.demo_data import build, default_dir
+    from feedline.producer.demo_data import build, default_dir
 
     data = build(default_dir(os.environ.get("XDG_CACHE_HOME"), count=512), count=512)
     print(f"no ImageNet at {IMAGENET_VAL}: validating on the demo dataset in {data}")
@@ -81,7 +81,7 @@ def local_cluster(data: str, producers: int) -> Iterator[Cluster]:
     with tempfile.TemporaryDirectory(prefix="feedline-validate-") as tmp:
         ingress, egress = f"tcp://127.0.0.1:{free_port()}", f"ipc://{tmp}/egress.sock"
         metrics = free_port()
-        broker = Daemon("broker", ["--ingress", ingress, "--egress", egress,
+        broker = Daemon("feedline.broker", ["--ingress", ingress, "--egress", egress,
                                    "--metrics-port", str(metrics), "--metrics-addr",
                                    "127.0.0.1", *BROKER_BUFFER, *LIVENESS],
                         Path(tmp) / "broker.log")

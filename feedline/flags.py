@@ -1,11 +1,11 @@
 """Command-line building blocks shared by every ``feedline`` subcommand.
 
-Each component's command module (``broker/cli.py``, ``producer/cli.py``, ...) has
+Each component's command module (``feedline/broker/cli.py``, ``feedline/producer/cli.py``, ...) has
 ``add_parser(subparsers)``, which adds its subcommand and sets ``func`` (taking the parsed
 arguments, returning an exit code), and builds its flags from the helpers here, so a flag that
 several daemons share is defined once. Flags and environment variables are read in those
 modules only; everything below them takes config objects. The ``feedline`` command itself
-(the table of subcommands) is ``commands/main.py``.
+(the table of subcommands) is ``feedline/commands/main.py``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def stop_on_signals() -> threading.Event:
 
 def standalone(add_parser: Callable[[argparse._SubParsersAction], None], name: str,
                argv: Sequence[str]) -> int:
-    """Run one subcommand by itself (``python -m broker ARGS`` is ``feedline broker ARGS``):
+    """Run one subcommand by itself (``python -m feedline.broker ARGS`` is ``feedline broker
+    ARGS``):
     the same flags, help and defaults as under ``feedline``, without loading the others."""
     parser = argparse.ArgumentParser(prog="feedline", formatter_class=HelpFormatter)
     add_parser(parser.add_subparsers(dest="command", metavar="COMMAND"))

@@ -6,7 +6,8 @@ Run (see fuzz/README.md)::
     python fuzz/fuzz_jpeg.py --make-corpus fuzz/corpus-jpeg
     python fuzz/fuzz_jpeg.py fuzz/corpus-jpeg -max_total_time=600 -rss_limit_mb=2048
 
-It drives :func:`producer.image.turbo.header` and :func:`~producer.image.turbo.decode_box`
+It drives :func:`feedline.producer.image.turbo.header` and
+:func:`~feedline.producer.image.turbo.decode_box`
 (the compiled extension: libjpeg-turbo's region and DCT-scaled decode, then the fractional
 resampler) with a crop box and output size taken from the input. Any other exception is a
 finding, and so is a result that breaks the contract (not ``out_h x out_w x 3`` uint8), a
@@ -42,9 +43,9 @@ from typing import Any
 
 import atheris
 
-with atheris.instrument_imports(include=["producer.image"]):
-    from producer.image import turbo
-    from producer.image.decode import CorruptImage
+with atheris.instrument_imports(include=["feedline.producer.image"]):
+    from feedline.producer.image import turbo
+    from feedline.producer.image.decode import CorruptImage
 
 import cv2
 import numpy as np

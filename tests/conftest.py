@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from broker import Broker, BrokerConfig
+from feedline.broker import Broker, BrokerConfig
 from feedline.procs import Daemon, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +121,7 @@ def broker_proc(daemons, endpoints: Endpoints):
     """Factory: a broker process on ``endpoints`` (fast heartbeats), ready when returned."""
 
     def start(*extra: str) -> Daemon:
-        d = daemons("broker", "--ingress", endpoints.ingress, "--egress", endpoints.egress,
+        d = daemons("feedline.broker", "--ingress", endpoints.ingress, "--egress", endpoints.egress,
                     "--metrics-port", "0", "--heartbeat-interval", "0.2",
                     "--heartbeat-timeout", "1.5", *extra, name="broker")
         wait_for(lambda: tcp_ready(endpoints.port) or not d.alive(), 20, what="broker port")

@@ -76,7 +76,7 @@ def commands(line: str) -> list[list[str]]:
 def check_feedline_argv(argv: list[str]) -> str | None:
     """None if ``feedline`` accepts ``argv`` (argv[0] is 'feedline'), else argparse's error.
     Parsed in a subprocess so that argparse's exit and the environment stay there."""
-    code = ("import sys; from commands.main import build_parser; "
+    code = ("import sys; from feedline.commands.main import build_parser; "
             "build_parser().parse_args(sys.argv[1:])")
     r = subprocess.run([sys.executable, "-c", code, *argv[1:]], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
@@ -113,7 +113,7 @@ class Session:
 
     def start(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> Child:
         """A background ``feedline ARGV`` (stopped by :meth:`close`)."""
-        child = Child([sys.executable, "-m", "commands", *argv], self.cwd / f"{name}.log",
+        child = Child([sys.executable, "-m", "feedline.commands", *argv], self.cwd / f"{name}.log",
                       env={"PYTHONPATH": str(ROOT), **self.env, **(env or {})}, cwd=self.cwd)
         self.background.append(child)
         return child
@@ -130,7 +130,7 @@ class Session:
             for argv in commands(line):
                 if argv[:2] in (["feedline", "broker"], ["feedline", "producer"]):
                     log = self.cwd / f"{argv[1]}-{len(self.background)}.log"
-                    child = Child([sys.executable, "-m", "commands", *argv[1:]], log,
+                    child = Child([sys.executable, "-m", "feedline.commands", *argv[1:]], log,
                                   env={"PYTHONPATH": str(ROOT), **self.env,
                                        **self.daemon_env.get(argv[1], {})}, cwd=self.cwd)
                     self.background.append(child)
@@ -142,7 +142,7 @@ class Session:
                     f"{block.where}: tests/test_docs.py does not run `{argv[0]}`; mark the "
                     "block <!-- not run: why --> or teach the test")
                 if argv[0] == "feedline":
-                    argv = [sys.executable, "-m", "commands", *argv[1:]]
+                    argv = [sys.executable, "-m", "feedline.commands", *argv[1:]]
                 r = subprocess.run(argv, cwd=self.cwd, capture_output=True, text=True,
                                    timeout=300, env={**_env(), **self.env})
                 assert r.returncode == 0, f"{block.where}: {line}\n{r.stdout}\n{r.stderr}"

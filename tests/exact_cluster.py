@@ -70,7 +70,7 @@ class ExactCluster(Cluster):
                        rate: float | None = None, nbytes: int | None = None) -> Child:
         """Producer ``name`` on host ``name``: the one pipeline file every producer runs."""
         child = self.net[name].python(
-            "producer", "--config", self.cfg_path, "--broker", broker or self.ingress,
+            "feedline.producer", "--config", self.cfg_path, "--broker", broker or self.ingress,
             "--id", name, "--log-interval", "2", *self._hb_args(), log_path=self._log(name))
         self.producers[name].append(_Incarnation(child, Path(), time.time()))
         return child

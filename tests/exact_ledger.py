@@ -7,7 +7,7 @@ The dataset is sample ids ``0..n-1`` (a ``list`` source); one map step,
 sample's own generator, a pure function of (seed, epoch, sample)), paced at ``rate`` samples
 per second per producer against a schedule, so that the offered load is known and faults land
 in the middle of units. Pacing changes no byte: :func:`clean_run` builds the same pipeline
-unpaced, in-process, with :func:`producer.exact.build_exact`.
+unpaced, in-process, with :func:`feedline.producer.exact.build_exact`.
 
 Consumers (:mod:`tests.exact_ledger_consumer`) log each batch as :func:`format_entry` writes
 it; :func:`audit` checks, per epoch, that the union of the ledgers is the dataset exactly once
@@ -69,7 +69,7 @@ def digest(data: np.ndarray) -> str:
 def clean_run(cfg: dict[str, Any]) -> dict[int, dict[int, str]]:
     """What a run without faults yields: epoch -> sample id -> digest (computed in-process,
     unpaced)."""
-    from producer.exact import build_exact
+    from feedline.producer.exact import build_exact
 
     steps = [dict(s) for s in cfg["steps"]]
     steps[0] = {"map": {**steps[0]["map"], "args": {**steps[0]["map"]["args"], "rate": 0.0}}}

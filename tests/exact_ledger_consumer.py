@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 
-from consumer import RemoteDataZMQ
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from tests.exact_ledger import STREAM, digest, format_entry
 from tests.ledger_data import check

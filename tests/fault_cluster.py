@@ -1,6 +1,7 @@
 """A feedline system spread over network-namespace hosts, with a ledger of every batch.
 
-:class:`Cluster` runs the real daemons (``python -m broker``, ``python -m producer``) and
+:class:`Cluster` runs the real daemons (``python -m feedline.broker``,
+                                        ``python -m feedline.producer``) and
 ledger-keeping training processes (:mod:`tests.ledger_consumer`) on the hosts of a
 :class:`tests.netns.Network`. Producers emit :mod:`tests.ledger_data` batches at a paced rate
 and log the index of every datapoint they produce, one log per process incarnation; consumers
@@ -112,7 +113,7 @@ class Cluster:
     def start_broker(self) -> Child:
         log = self._log("broker")
         self.broker = self.broker_host.python(
-            "broker", "--ingress", "tcp://0.0.0.0:7878", "--egress", "tcp://0.0.0.0:7879",
+            "feedline.broker", "--ingress", "tcp://0.0.0.0:7878", "--egress", "tcp://0.0.0.0:7879",
             "--insecure", "--metrics-port", "9500", "--producer-window",
             str(self.producer_window), "--max-batches", str(self.max_batches),
             *self._hb_args(), *self.broker_args, log_path=log)
@@ -131,7 +132,7 @@ class Cluster:
             "nbytes": nbytes or self.nbytes, "seed": seed, "log": str(ledger),
             "rate": rate or self.rate}}))
         child = self.net[name].python(
-            "producer", "--config", cfg, "--broker", broker or self.ingress, "--id", name,
+            "feedline.producer", "--config", cfg, "--broker", broker or self.ingress, "--id", name,
             "--log-interval", "2", *self._hb_args(), log_path=self._log(name))
         self.producers[name].append(_Incarnation(child, ledger, time.time()))
         return child

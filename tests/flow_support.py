@@ -1,7 +1,8 @@
 """Helpers of the flow-control tests (issue 16): a metric reader, an RSS sampler, producer
 processes with a ``fake`` source, hand-played peers and brokers, a consumer thread that counts.
 
-Everything here is a real part: ``python -m broker`` and ``python -m producer`` processes,
+Everything here is a real part: ``python -m feedline.broker`` and ``python -m feedline.producer``
+processes,
 ZeroMQ sockets on 127.0.0.1 or ipc://, psutil reading the broker's resident memory.
 
 The protocol spoken by hand (the peers that misbehave, the fake brokers) is spelled in this
@@ -25,14 +26,14 @@ import psutil
 import yaml
 import zmq
 
-from consumer import RemoteDataZMQ
 from feedline import messages as m
 from feedline import wire
+from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout, Stopped
 from feedline.link import LinkConfig
 from feedline.procs import Daemon, free_port, wait_for
+from feedline.producer import Sender
 from feedline.scrape import Scrape, scrape
-from producer import Sender
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 MiB = 1 << 20
@@ -255,8 +256,9 @@ def fake_yaml(tmp_path: Path, name: str, shapes: list[list[int]], dtypes: list[s
 
 
 def start_producer(daemons: Any, broker: str, config: Path, name: str, *extra: str) -> Daemon:
-    """``python -m producer --config CONFIG --broker BROKER --id NAME`` with fast heartbeats."""
-    return daemons("producer", "--config", config, "--broker", broker, "--id", name,
+    """``python -m feedline.producer --config CONFIG --broker BROKER --id NAME`` with fast
+    heartbeats."""
+    return daemons("feedline.producer", "--config", config, "--broker", broker, "--id", name,
                    "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
                    "--log-interval", "1", *extra, name=name)
 

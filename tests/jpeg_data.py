@@ -53,7 +53,7 @@ def photo(h: int, w: int, index: int = 0) -> np.ndarray:
     """An ``h x w`` BGR crop of one of scikit-image's photographs (real texture and edges,
     for quality measurements), enlarged with bicubic interpolation where the photo is
     smaller."""
-    from producer.demo_data import load_photos
+    from feedline.producer.demo_data import load_photos
 
     photos = load_photos()
     src = photos[sorted(photos)[index % len(photos)]]

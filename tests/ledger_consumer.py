@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 
-from consumer import RemoteDataZMQ
+from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.link import LinkConfig
 from tests.ledger_data import check

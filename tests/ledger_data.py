@@ -81,7 +81,7 @@ class ExactSample:
         self.rng = np.random.default_rng(seed)
 
     def reseed(self, epoch: int) -> None:
-        from producer.dataflow.worker import make_rng
+        from feedline.producer.dataflow.worker import make_rng
 
         self.rng = make_rng(self.seed, epoch)
 

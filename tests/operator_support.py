@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def feedline(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
              cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """``feedline ARGS`` (as ``python -m commands``, this checkout first on the path)."""
-    return subprocess.run([sys.executable, "-m", "commands", *args], cwd=cwd,
+    """``feedline ARGS`` (as ``python -m feedline.commands``, this checkout first on the path)."""
+    return subprocess.run([sys.executable, "-m", "feedline.commands", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 

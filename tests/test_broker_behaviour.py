@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import zmq
 
-from consumer import RemoteDataZMQ
 from feedline import messages as m
 from feedline import wire
+from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ProducerError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
-from producer import Sender, send_dataflow
+from feedline.producer import Sender, send_dataflow
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 
@@ -274,7 +274,7 @@ def test_help_documents_every_flag_with_its_default(monkeypatch):
       no value to show, and "(default: None)" means nothing to a user;
     - a flag that takes no value (store_true) shows none: it is off unless given.
     """
-    from commands.main import build_parser
+    from feedline.commands.main import build_parser
 
     monkeypatch.setenv("COLUMNS", "1000")
     commands = dict(_commands(build_parser()))
@@ -339,7 +339,7 @@ def test_a_producer_says_when_it_waits_long_for_credit_and_why(thread_broker, en
     thread_broker(max_batches=2)
     link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5, credit_warn=1.0)
     stop = threading.Event()
-    with caplog.at_level("WARNING", logger="producer.channel"), \
+    with caplog.at_level("WARNING", logger="feedline.producer.channel"), \
             Sender(endpoints.ingress, producer_id="waiting", link=link) as s:
         for i in range(4):
             s.send([np.full(4, i, np.int32)], stop=stop)  # 2 go, 1 waits, 1 in the outbox

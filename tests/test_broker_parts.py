@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from broker.buffer import Buffer, Held
-from broker.credit import CreditPlanner
-from broker.gaps import GapTracker
-from broker.peers import Peer, PeerTable
+from feedline.broker.buffer import Buffer, Held
+from feedline.broker.credit import CreditPlanner
+from feedline.broker.gaps import GapTracker
+from feedline.broker.peers import Peer, PeerTable
 
 MiB = 1 << 20
 

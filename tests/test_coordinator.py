@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.coordinator import Assignment, Coordinator, ExactPlan, ExactStreams, Journal
+from feedline.broker.coordinator import Assignment, Coordinator, ExactPlan, ExactStreams, Journal
 from feedline.codec import DecodeError
 from feedline.cursor import Cursor
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import yaml
 
-from consumer import RemoteDataZMQ
+from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
@@ -31,7 +31,8 @@ def producer_yaml(tmp_path: Path, name: str, epochs: int | None, **args) -> Path
 
 def start_producer(daemons, endpoints, tmp_path, name: str, epochs: int | None = None, **args):
     cfg = producer_yaml(tmp_path, name, epochs, **args)
-    return daemons("producer", "--config", cfg, "--broker", endpoints.ingress, "--id", name,
+    return daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress, "--id",
+                   name,
                    "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", name=name)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from producer.dataflow import (
+from feedline.producer.dataflow import (
     BatchData,
     CountData,
     Counted,
@@ -27,10 +27,10 @@ from producer.dataflow import (
     as_dataflow,
     stages,
 )
-from producer.dataflow.base import UnknownLength
-from producer.dataflow.map_data import reseed
-from producer.dataflow.shard import source_of
-from producer.pipeline import ConfigError, build_pipeline, pipeline_stages
+from feedline.producer.dataflow.base import UnknownLength
+from feedline.producer.dataflow.map_data import reseed
+from feedline.producer.dataflow.shard import source_of
+from feedline.producer.pipeline import ConfigError, build_pipeline, pipeline_stages
 
 
 class Foreign:

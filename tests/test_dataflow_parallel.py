@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from producer.dataflow import (
+from feedline.producer.dataflow import (
     CountData,
     DataFlow,
     DataFromGenerator,

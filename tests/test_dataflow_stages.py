@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from producer.dataflow import (
+from feedline.producer.dataflow import (
     BatchData,
     DataFromGenerator,
     DataFromList,
@@ -17,7 +17,7 @@ from producer.dataflow import (
     SampleError,
     TestDataSpeed,
 )
-from producer.dataflow.serialize import dumps, loads
+from feedline.producer.dataflow.serialize import dumps, loads
 
 
 def run(df) -> list:

@@ -1,7 +1,8 @@
 """Direct mode and many training hosts: a trainer that serves its producers itself
 (``RemoteDataZMQ(addr, bind=True)``), and one producer fleet serving several trainers.
 
-Real producer processes (``python -m producer`` with a YAML file, as deployed), real sockets
+Real producer processes (``python -m feedline.producer`` with a YAML file,
+                         as deployed), real sockets
 on 127.0.0.1, real ``kill -9``.
 """
 
@@ -16,12 +17,12 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from consumer import RemoteDataZMQ
-from consumer.direct import DirectConfig
+from feedline.consumer import RemoteDataZMQ
+from feedline.consumer.direct import DirectConfig
 from feedline.errors import ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
-from producer.targets import Targets
+from feedline.producer.targets import Targets
 from tests.test_security_curve import Keys
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
@@ -43,7 +44,7 @@ def producer(daemons, cfg: Path, *brokers: str, name: str = "p", extra: tuple = 
     args = ["--config", cfg, "--id", name, *LIVENESS, *extra]
     for b in brokers:
         args += ["--broker", b]
-    return daemons("producer", *args, name=name)
+    return daemons("feedline.producer", *args, name=name)
 
 
 def test_the_same_producer_and_yaml_feed_a_trainer_directly(daemons, tmp_path):
@@ -186,7 +187,7 @@ def test_a_dns_name_stands_for_every_host_behind_it_and_is_resolved_again():
 def test_a_producer_follows_the_hosts_a_name_resolves_to():
     """End to end with a real Sender: the name first stands for host A (127.0.0.1), then for
     A and B (127.0.0.2, same port, as pods behind a headless Service): B gets served too."""
-    from producer import Sender
+    from feedline.producer import Sender
 
     port = free_port()
     answers = {"trainers.test": ["127.0.0.1"]}

@@ -216,8 +216,8 @@ def test_tensorflow_blocks_run(session: Session):
 def test_pipelines_yaml_builds_and_lmdb_commands_run(session: Session):
     import os
 
-    from producer.demo_data import build, default_dir
-    from producer.pipeline import build_pipeline
+    from feedline.producer.demo_data import build, default_dir
+    from feedline.producer.pipeline import build_pipeline
     from tests.jpeg_data import make_folder
 
     demo = build(default_dir(os.environ.get("XDG_CACHE_HOME"), count=512), count=512,

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from feedline.procs import Child, free_port, wait_for
-from producer.exact import ExactPipeline, build_exact
+from feedline.producer.exact import ExactPipeline, build_exact
 from tests.conftest import tcp_ready
 from tests.doc_support import DOCS, ROOT, Block, Session, blocks
 from tests.jpeg_data import make_folder
@@ -94,7 +94,7 @@ def session(tmp_path: Path):
 
 
 def _demo() -> Path:
-    from producer.demo_data import build, default_dir
+    from feedline.producer.demo_data import build, default_dir
 
     return build(default_dir(os.environ.get("XDG_CACHE_HOME"), count=512), count=512,
                  progress=False)

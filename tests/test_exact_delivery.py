@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import yaml
 
-from consumer import RemoteDataZMQ
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from feedline.procs import wait_for
-from producer.exact import build_exact
+from feedline.producer.exact import build_exact
 from tests.conftest import ROOT
 from tests.ledger_data import check
 
@@ -43,7 +43,8 @@ def pipeline(tmp_path: Path, epochs: int | None = 2, delay: float = 0.0, n: int 
 
 
 def producer(daemons, cfg: Path, broker: str, name: str):
-    return daemons("producer", "--config", cfg, "--broker", broker, "--id", name, *LIVENESS,
+    return daemons("feedline.producer", "--config", cfg, "--broker", broker, "--id", name,
+                   *LIVENESS,
                    name=name)
 
 
@@ -128,7 +129,7 @@ def test_a_broker_killed_and_restarted_loses_and_repeats_nothing(broker_proc, da
 CONSUMER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[3])
-    from consumer import RemoteDataZMQ
+    from feedline.consumer import RemoteDataZMQ
     from feedline.link import LinkConfig
     from tests.ledger_data import check
     link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
@@ -205,7 +206,7 @@ def test_a_trainer_resumes_from_its_cursor(broker_proc, daemons, endpoints, tmp_
 
 
 def test_exact_pipelines_refuse_what_cannot_be_exact(tmp_path):
-    from producer.pipeline import ConfigError
+    from feedline.producer.pipeline import ConfigError
 
     base = yaml.safe_load(pipeline(tmp_path).read_text())
     bad = [({"shard": {"index": 0, "count": 2}}, "shard"),

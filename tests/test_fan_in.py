@@ -1,6 +1,6 @@
 """Fan-in at scale (issue 13, item 5): 64 producers on one broker, every one served.
 
-A ``python -m broker`` process, 64 producers (``producer.Sender``s, 16 to a process in 4
+A ``python -m feedline.broker`` process, 64 producers (``producer.Sender``s, 16 to a process in 4
 processes: each has its own connection, registration, credit and I/O thread, as a producer
 process has; 64 interpreters would not fit a 2-core machine) sending small batches as fast
 as their credit allows, one consumer counting per producer id. benchmarks/fan_in.py measures
@@ -26,7 +26,7 @@ SENDERS = textwrap.dedent("""
     import signal, sys, threading
     import numpy as np
     from feedline.errors import Stopped
-    from producer import Sender
+    from feedline.producer import Sender
     addr, first, count, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -13,7 +13,8 @@ batch, its (epoch, unit, index), its producer and each sample's id and content d
 Each scenario runs the whole job (the producers exit when every epoch is served), then
 asserts per epoch: the union of the ledgers is the dataset exactly (0 lost, 0 duplicated,
 0 foreign ids), every sample's digest equals a clean run's (computed in-process with
-``producer.exact.build_exact``), no crc mismatch, and each consumer's ``epoch()`` iterations
+``feedline.producer.exact.build_exact``), no crc mismatch, and each consumer's ``epoch()``
+iterations
 each held one epoch and ended. Heartbeats are the defaults (1 s interval, 5 s timeout).
 Recovery times and the other measurements go to ``$FEEDLINE_RELIABILITY_OUT`` when set
 (``benchmarks/reliability.py --exact``); no time is asserted.

@@ -1,7 +1,7 @@
 """Credit always comes back (issue 16): a refused batch returns it, an unused grant expires, and
 a late grant of a replaced broker is worth nothing.
 
-Brokers are ``python -m broker`` processes (or a ROUTER played by the test, for what only a
+Brokers are ``python -m feedline.broker`` processes (or a ROUTER played by the test, for what only a
 fake broker can send); the peers that break the rules are DEALERs speaking the protocol by
 hand (tests/flow_support.py), next to real producer processes and a real consumer.
 """
@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from feedline import wire
-from producer import Sender
+from feedline.producer import Sender
 from tests.flow_support import (
     ARRAY,
     BATCH,
@@ -201,7 +201,7 @@ def test_a_late_credit_of_a_replaced_broker_is_ignored():
 
 def test_a_running_producer_does_not_ask_for_every_batch():
     """Claim: a producer that has sent under its registration gets its next credit unasked
-    (broker/credit.py grants a running producer one credit as room frees, worth its largest
+    (feedline/broker/credit.py grants a running producer one credit as room frees, worth its largest
     batch), so it sends WANT only to start and when a batch outgrows that: not one WANT per
     batch. Played here by a broker that grants as the planner does: one more credit for each
     batch received, bytes = what it received + one unit (the largest batch, or what a WANT

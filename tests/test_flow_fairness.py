@@ -16,7 +16,7 @@ import zmq
 from feedline import messages as m
 from feedline.errors import Stopped
 from feedline.procs import wait_for
-from producer import Sender
+from feedline.producer import Sender
 from tests.flow_support import (
     ARRAY,
     FAST,
@@ -86,7 +86,8 @@ def test_a_consumer_that_never_reads_leaves_the_others_their_share(thread_broker
     """Claim: a hand-played consumer says HELLO with window 4096, heartbeats and never reads;
     an honest RemoteDataZMQ next to it keeps getting batches from a real producer (>= 200
     more within 10 s once the hog has taken what it can): one consumer holds at most part of
-    the budget in flight, as broker/egress.py says of bytes ("one consumer holds at most half
+    the budget in flight, as feedline/broker/egress.py says of bytes ("one consumer holds at most
+    half
     the budget in flight, so the rest stays for the buffer and the other consumers").
 
     Before: the hog holds all 32 batches of --max-batches in flight (1 KiB each: nowhere near

@@ -18,8 +18,8 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from consumer import RemoteDataZMQ
 from feedline import wire
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from feedline.procs import wait_for
 from tests.flow_support import (

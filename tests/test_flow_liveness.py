@@ -20,11 +20,11 @@ import pytest
 import yaml
 import zmq
 
-from broker import Broker, BrokerConfig
-from consumer import RemoteDataZMQ
+from feedline.broker import Broker, BrokerConfig
+from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.procs import wait_for
-from producer import send_dataflow
+from feedline.producer import send_dataflow
 from tests.flow_support import (
     FAST,
     CountingConsumer,
@@ -150,7 +150,7 @@ def test_a_consumer_at_the_ingress_is_told_to_use_the_egress(thread_broker, endp
             next(iter(src))
     assert "egress" in str(err.value) and "did not answer" not in str(err.value), err.value
     broker_lines = [r.getMessage() for r in caplog.records
-                    if r.name.startswith("broker") and r.levelname == "WARNING"]
+                    if r.name.startswith("feedline.broker") and r.levelname == "WARNING"]
     assert any("ingress" in m and "wrong-way" in m for m in broker_lines), broker_lines
 
 

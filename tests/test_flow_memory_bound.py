@@ -1,6 +1,6 @@
 """``--max-bytes`` is a bound on the broker's memory, whatever its peers do (issue 16).
 
-Each test runs ``python -m broker`` with a byte budget, drives it with real producer
+Each test runs ``python -m feedline.broker`` with a byte budget, drives it with real producer
 processes, a tensorpack sender or a hand-played consumer, and samples the broker's resident
 memory (psutil) all along: the peak growth over the idle broker must stay within the budget
 plus OVERHEAD (48 MiB: interpreter, libzmq, socket buffers). A run that breaks the bound is
@@ -176,7 +176,7 @@ def test_tensorpack_bytes_count_and_an_oversized_header_does_not_stall(broker_pr
     Before: 5 buffered, feedline_broker_buffer_bytes 0; they are forwarded to the consumer,
     whose decoder refuses headers over 64 KiB without returning the credit they took: with
     its window of 4 it got 0 of the 20 ordinary batches in 10 s."""
-    from consumer import RemoteDataZMQ
+    from feedline.consumer import RemoteDataZMQ
     from feedline.errors import ReceiveTimeout
     from tests.flow_support import FAST
 

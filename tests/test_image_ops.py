@@ -8,8 +8,8 @@ import cv2
 import numpy as np
 import pytest
 
-from producer.dataflow import make_rng
-from producer.image import (
+from feedline.producer.dataflow import make_rng
+from feedline.producer.image import (
     Brightness,
     CenterCrop,
     ColorJitter,
@@ -26,7 +26,7 @@ from producer.image import (
     jpeg_size,
     reduction_for,
 )
-from producer.image.geometry import resize
+from feedline.producer.image.geometry import resize
 from tests.jpeg_data import make_image
 
 

@@ -1,4 +1,4 @@
-"""The fused crop-and-scale JPEG decoder (producer/image/turbo.py, _jpegturbo.c): the plan
+"""The fused crop-and-scale JPEG decoder (feedline/producer/image/turbo.py, _jpegturbo.c): the plan
 (scale and region) covers the crop, the region decode gives the full decode's pixels, the
 presets give OpenCV's output where no scaling applies and stay close to it where it does,
 and without the extension OpenCV decodes."""
@@ -17,7 +17,7 @@ import cv2
 import numpy as np
 import pytest
 
-from producer.image import ImageNetTrain, ImageNetVal, decoder_info, turbo
+from feedline.producer.image import ImageNetTrain, ImageNetVal, decoder_info, turbo
 from tests.conftest import ROOT
 from tests.jpeg_data import SAMPLING, encode, photo
 
@@ -85,7 +85,7 @@ def test_a_region_decode_is_the_full_decode_of_that_region_at_every_scale(sampli
                                                                           progressive) -> None:
     """Rows skipped, columns cropped, rows below never decoded: the pixels the region
     promises are those of decoding the whole image at the same scale."""
-    from producer.image import _jpegturbo  # type: ignore[attr-defined]
+    from feedline.producer.image import _jpegturbo  # type: ignore[attr-defined]
 
     img = photo(203, 301, 3)
     data = encode(cv2.cvtColor(img, cv2.COLOR_BGR2GRAY) if sampling == "grey" else img, 88,
@@ -194,9 +194,9 @@ def test_without_the_extension_opencv_decodes_and_says_so(tmp_path: Path) -> Non
     script = tmp_path / "no_ext.py"
     script.write_text(
         "import sys\n"
-        "sys.modules['producer.image._jpegturbo'] = None  # import fails: as if never built\n"
+        "sys.modules['feedline.producer.image._jpegturbo'] = None  # as if never built\n"
         "import numpy as np\n"
-        "from producer.image import ImageNetTrain, ImageNetVal, decoder_info, turbo\n"
+        "from feedline.producer.image import ImageNetTrain, ImageNetVal, decoder_info, turbo\n"
         "data = np.fromfile(sys.argv[1], np.uint8)\n"
         "print(decoder_info())\n"
         "assert not turbo.AVAILABLE and not ImageNetTrain().fused\n"

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from producer.image import turbo
+from feedline.producer.image import turbo
 from tests.conftest import ROOT
 
 pytest.importorskip(

@@ -14,7 +14,7 @@ import cv2
 import numpy as np
 import pytest
 
-from producer.dataflow import (
+from feedline.producer.dataflow import (
     ImageFolder,
     MapData,
     MapDataComponent,
@@ -22,8 +22,8 @@ from producer.dataflow import (
     MultiThreadMapData,
     WorkerError,
 )
-from producer.dataflow.map_data import ComponentFunc
-from producer.image import CorruptImage, ImageNetTrain, ImageNetVal, decode, turbo
+from feedline.producer.dataflow.map_data import ComponentFunc
+from feedline.producer.image import CorruptImage, ImageNetTrain, ImageNetVal, decode, turbo
 from tests.conftest import ROOT
 from tests.jpeg_data import (
     SAMPLING,
@@ -144,7 +144,7 @@ def test_declared_sizes_allocate_nothing(tmp_path: Path) -> None:
         (tmp_path / f"{name}.jpg").write_bytes(data)
     script = (
         "import resource, sys, numpy as np\n"
-        "from producer.image import CorruptImage, ImageNetTrain, ImageNetVal\n"
+        "from feedline.producer.image import CorruptImage, ImageNetTrain, ImageNetVal\n"
         "presets = [ImageNetTrain(224), ImageNetVal(), ImageNetTrain(224, decoder='opencv')]\n"
         "for p in presets: p(np.frombuffer(open(sys.argv[1], 'rb').read(), np.uint8))\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
@@ -235,7 +235,7 @@ def test_threads_decode_concurrently_and_agree_with_one_thread() -> None:
     datas = [encode(photo(int(h), int(w), i), 85) for i, (h, w) in
              enumerate([(600, 800), (500, 700), (900, 1200), (333, 444)])]
     items = [[d, i] for i, d in enumerate(datas * 6)]
-    from producer.dataflow import DataFromList
+    from feedline.producer.dataflow import DataFromList
 
     val = ImageNetVal()
     want = [val(d) for d, _ in items]

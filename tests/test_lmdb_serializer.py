@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producer.dataflow import DataFromList, ImageFolder, LMDBSerializer, MultiProcessRunner
-from producer.dataflow.lmdb_serializer import lmdb_info
+from feedline.producer.dataflow import DataFromList, ImageFolder, LMDBSerializer, MultiProcessRunner
+from feedline.producer.dataflow.lmdb_serializer import lmdb_info
 from tests.jpeg_data import make_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def test_reopen_after_fork(db: Path) -> None:
 
 
 def test_map_size_grows_as_needed(tmp_path: Path, monkeypatch) -> None:
-    from producer.dataflow import lmdb_serializer
+    from feedline.producer.dataflow import lmdb_serializer
 
     monkeypatch.setattr(lmdb_serializer, "INITIAL_MAP_SIZE", 1 << 16)
     big = [[np.zeros(20000, np.uint8), i] for i in range(20)]
@@ -96,7 +96,7 @@ def test_map_size_grows_as_needed(tmp_path: Path, monkeypatch) -> None:
 
 
 def feedline(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "commands", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "feedline.commands", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumer import RemoteDataZMQ
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
-from producer import send_dataflow
+from feedline.producer import send_dataflow
 from tests.conftest import tcp_ready
 from tests.operator_support import feedline, one_line_failure
 
@@ -55,7 +55,7 @@ def test_a_second_broker_on_a_live_ipc_egress_refuses_and_the_first_keeps_servin
     metrics port, and new consumers of the first got nothing)."""
     egress = f"ipc://{tmp_path}/egress.sock"
     port, metrics = free_port(), free_port()
-    first = daemons("broker", "--ingress", f"tcp://127.0.0.1:{port}", "--egress", egress,
+    first = daemons("feedline.broker", "--ingress", f"tcp://127.0.0.1:{port}", "--egress", egress,
                     "--metrics-port", str(metrics), "--heartbeat-interval", "0.2",
                     "--heartbeat-timeout", "1.5", name="first")
     wait_for(lambda: tcp_ready(port) or not first.alive(), 20, what="first broker")
@@ -81,7 +81,7 @@ def test_a_stale_ipc_socket_file_nobody_listens_on_is_replaced(daemons, tmp_path
     s.bind(str(path))
     s.close()  # the file stays, nobody listens
     port = free_port()
-    b = daemons("broker", "--ingress", f"tcp://127.0.0.1:{port}", "--egress", f"ipc://{path}",
+    b = daemons("feedline.broker", "--ingress", f"tcp://127.0.0.1:{port}", "--egress", f"ipc://{path}",
                 "--metrics-port", "0", name="restarted")
     wait_for(lambda: tcp_ready(port) or not b.alive(), 20, what="broker")
     assert b.alive(), b.log_text()
@@ -145,7 +145,7 @@ def test_drain_broker_without_a_scheme_is_one_line():
 
 def test_insecure_on_a_non_loopback_address_warns_who_can_reach_it(daemons, tmp_path):
     port = free_port()
-    b = daemons("broker", "--ingress", f"tcp://0.0.0.0:{port}", "--egress",
+    b = daemons("feedline.broker", "--ingress", f"tcp://0.0.0.0:{port}", "--egress",
                 f"ipc://{tmp_path}/e.sock", "--metrics-port", "0", "--insecure", name="open")
     wait_for(lambda: tcp_ready(port) or not b.alive(), 20, what="broker")
     assert b.alive(), b.log_text()

@@ -59,7 +59,7 @@ def _verdicts(screens: list[str]) -> list[str]:
 
 
 def test_top_verdict_does_not_flap_on_a_steady_run():
-    from commands.top import render
+    from feedline.commands.top import render
     from feedline.verdict import VerdictTracker
 
     snaps = _snapshots()
@@ -88,7 +88,7 @@ def test_verdict_tracker_moves_only_on_clear_repeated_evidence():
 def test_occupancy_monitor_verdict_holds_through_a_noisy_queue():
     """The training loop's monitor, fed a queue whose size jumps between full and a third
     half full every other step, around the model-bound threshold."""
-    from consumer import OccupancyMonitor
+    from feedline.consumer import OccupancyMonitor
 
     class Queue:  # a queue whose size() is what the step loop samples
         capacity = 16
@@ -114,14 +114,16 @@ def test_version_names_the_jpeg_decoder():
 
 def test_producer_logs_a_start_up_line_that_log_level_turns_off(daemons, broker_proc,
                                                                 endpoints, tmp_path):
-    from consumer import RemoteDataZMQ
+    from feedline.consumer import RemoteDataZMQ
 
     cfg = tmp_path / "p.yaml"
     cfg.write_text("source: {fake: {shapes: [[2]], size: 3}}\nepochs: 1\n")
     broker_proc()
-    loud = daemons("producer", "--config", cfg, "--broker", endpoints.ingress, "--id", "p-1",
+    loud = daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress, "--id",
+                   "p-1",
                    name="loud")
-    quiet = daemons("producer", "--config", cfg, "--broker", endpoints.ingress, "--id", "p-2",
+    quiet = daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress, "--id",
+                    "p-2",
                     "--log-level", "WARNING", name="quiet")
     with RemoteDataZMQ(endpoints.egress, timeout=30) as src:
         got = [dp for _, dp in zip(range(6), src, strict=False)]

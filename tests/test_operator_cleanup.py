@@ -59,7 +59,7 @@ def test_a_worker_busy_in_its_map_function_ends_when_its_parent_is_killed_9(tmp_
     busy.mkdir()
     parent = _python(f"""
         import os, time
-        from producer.dataflow import DataFromList, MultiProcessMapData
+        from feedline.producer.dataflow import DataFromList, MultiProcessMapData
 
         def slow(x):
             open(os.path.join({str(busy)!r}, str(os.getpid())), "w").close()
@@ -84,7 +84,8 @@ def test_a_worker_busy_in_its_map_function_ends_when_its_parent_is_killed_9(tmp_
 
 
 def test_the_demo_killed_9_takes_its_broker_and_producers_with_it(tmp_path):
-    demo = Daemon("commands", ["demo", "--no-train", "--duration", "300", "--producers", "1",
+    demo = Daemon("feedline.commands", ["demo", "--no-train", "--duration", "300", "--producers",
+                                        "1",
                                "--workdir", str(tmp_path / "work")], tmp_path / "demo.log",
                   env={"PYTHONPATH": str(ROOT)})
     try:
@@ -101,7 +102,7 @@ def test_the_demo_killed_9_takes_its_broker_and_producers_with_it(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_producer_with_worker_processes_leaves_no_temp_directory(daemons, tmp_path, sig):
     port = free_port()
-    broker = daemons("broker", "--ingress", f"tcp://127.0.0.1:{port}", "--egress",
+    broker = daemons("feedline.broker", "--ingress", f"tcp://127.0.0.1:{port}", "--egress",
                      f"ipc://{tmp_path}/egress.sock", "--metrics-port", "0", name="broker")
     wait_for(lambda: tcp_ready(port) or not broker.alive(), 20, what="broker")
     cfg = tmp_path / "p.yaml"
@@ -111,7 +112,7 @@ def test_a_producer_with_worker_processes_leaves_no_temp_directory(daemons, tmp_
     temp = tmp_path / "tmp"
     temp.mkdir()
     metrics = free_port()
-    producer = Daemon("producer", ["--config", str(cfg), "--broker", f"tcp://127.0.0.1:{port}",
+    producer = Daemon("feedline.producer", ["--config", str(cfg), "--broker", f"tcp://127.0.0.1:{port}",
                                    "--metrics-port", str(metrics)], tmp_path / "producer.log",
                       env={"PYTHONPATH": str(ROOT), "TMPDIR": str(temp)})
     try:
@@ -153,7 +154,7 @@ def _sigint_as_in_a_terminal() -> None:
 
 def test_ctrl_c_in_the_demo_is_one_line_and_stops_everything(tmp_path):
     demo = subprocess.Popen(
-        [sys.executable, "-m", "commands", "demo", "--no-train", "--duration", "300",
+        [sys.executable, "-m", "feedline.commands", "demo", "--no-train", "--duration", "300",
          "--producers", "1", "--workdir", str(tmp_path / "work")],
         cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         # PYTHONFAULTHANDLER: if it hangs, SIGABRT makes it print every thread's stack.

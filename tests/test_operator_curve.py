@@ -33,7 +33,7 @@ def test_broker_logs_a_refused_producer_with_its_address_and_key_fingerprint(
                          "--curve-allowed", str(keys.allowed))
     cfg = tmp_path / "p.yaml"
     cfg.write_text(yaml.safe_dump({"source": {"fake": {"shapes": [[2]], "size": 4}}}))
-    daemons("producer", "--config", cfg, "--broker", endpoints.ingress,
+    daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress,
             "--curve-secret", keys.files["stranger"][1],
             "--curve-broker-key", keys.files["broker"][0], name="stranger")
     fp = _fingerprint(keys.files["stranger"][0])

@@ -27,9 +27,9 @@ import pytest
 import yaml
 import zmq
 
-from commands import top
 from feedline import messages as m
 from feedline import security
+from feedline.commands import top
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.scrape import Scrape, parse
 from tests.ops_support import (
@@ -155,7 +155,7 @@ class NativeCompose:
             for i in range(count):
                 r = Replica(name, i, free_port())
                 args = self.translate(list(svc["command"]), r)
-                r.daemon = Daemon("commands", args, self.workdir / f"{name}-{i}.log",
+                r.daemon = Daemon("feedline.commands", args, self.workdir / f"{name}-{i}.log",
                                   env={"PYTHONPATH": str(ROOT)})
                 self.replicas[name].append(r)
 
@@ -404,7 +404,7 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
 
     # The command itself, as a user runs it.
     out = subprocess.run(
-        [sys.executable, "-m", "commands", "top", "--once", "--interval", "0.5",
+        [sys.executable, "-m", "feedline.commands", "top", "--once", "--interval", "0.5",
          *(u.removeprefix("http://").removesuffix("/metrics") for u in urls)],
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -418,7 +418,7 @@ def test_feedline_top_live_in_a_terminal(native: NativeCompose, tmp_path: Path) 
     socket_name = f"feedline-top-{os.getpid()}"
     tmux = ["tmux", "-L", socket_name]
     targets = [f"127.0.0.1:{r.metrics_port}" for r in native.all_replicas()]
-    cmd = " ".join([sys.executable, "-m", "commands", "top", "--interval", "0.5",
+    cmd = " ".join([sys.executable, "-m", "feedline.commands", "top", "--interval", "0.5",
                     *targets])
     subprocess.run([*tmux, "new-session", "-d", "-x", "130", "-y", "40", "-c", str(ROOT),
                     f"PYTHONPATH={ROOT} {cmd}"], check=True, timeout=30)

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from feedline import verdict
-from producer.pipeline import build_pipeline, load_config
+from feedline.producer.pipeline import build_pipeline, load_config
 from tests.ops_support import (
     COMPOSE,
     COMPOSE_PRODUCERS,
@@ -156,7 +156,7 @@ def test_compose_services_speak_curve_with_keys_from_feedline_keys(
     """Every feedline service gets its secret key as a compose secret and public keys as
     read-only mounts, all from FEEDLINE_KEYS; none runs --insecure. (test_ops_compose.py
     runs these services with real keys.)"""
-    from commands.main import build_parser
+    from feedline.commands.main import build_parser
 
     keys = tmp_path / "keys"
     cfg = compose_config(*files, profile="demo", env={"FEEDLINE_KEYS": str(keys)})
@@ -186,7 +186,7 @@ def test_k8s_pods_speak_curve_with_keys_from_secrets() -> None:
     """The broker and producer pods: the key Secret is copied 0600 into a memory emptyDir
     by an init container (the daemons refuse a group-readable secret), and the flags point
     at the copy; the broker's allowed keys come from a ConfigMap."""
-    from commands.main import build_parser
+    from feedline.commands.main import build_parser
 
     parser = build_parser()
     pods = [d for _, d in k8s_documents() if d["kind"] in ("Deployment", "DaemonSet")]
@@ -274,7 +274,8 @@ def test_image_healthcheck_passes_against_a_producer_started_as_the_image_does(
     probe = json.loads(health.split("CMD", 1)[1].split("\n")[0])[2]
     port = free_port()
     env = {"FEEDLINE_METRICS_PORT": str(port), "PYTHONPATH": str(ROOT)}
-    producer = Daemon("producer", ["--config", str(ROOT / "examples/fake.yaml"), "--broker",
+    producer = Daemon("feedline.producer", ["--config", str(ROOT / "examples/fake.yaml"),
+                                            "--broker",
                                    f"tcp://127.0.0.1:{free_port()}"], tmp_path / "p.log", env)
     try:
         def healthy() -> bool:
@@ -441,9 +442,9 @@ def test_docs_describe_every_metric() -> None:
     """docs/operations.md names every metric the components define."""
     from prometheus_client import CollectorRegistry
 
-    from broker.metrics import BrokerMetrics
-    from consumer.metrics import ConsumerMetrics, QueueMetrics
-    from producer.metrics import ProducerMetrics, StageMetrics
+    from feedline.broker.metrics import BrokerMetrics
+    from feedline.consumer.metrics import ConsumerMetrics, QueueMetrics
+    from feedline.producer.metrics import ProducerMetrics, StageMetrics
 
     registry = CollectorRegistry()
     BrokerMetrics(registry), ProducerMetrics(registry), ConsumerMetrics(registry)

@@ -2,7 +2,7 @@
 producers that give the Service's name as ``--broker``. Checked offline, then run.
 
 kubernetes-validate checks the manifests against the Kubernetes schemas, ``kubectl
-kustomize`` builds the kustomization (no cluster needed), ``commands.main.build_parser``
+kustomize`` builds the kustomization (no cluster needed), ``feedline.commands.main.build_parser``
 parses every container's flags, and the CURVE handling is the base manifests' (a Secret copied
 0600 into a memory emptyDir by an init container). Then the pods run natively, as
 tests/test_ops_compose.py runs compose services: each volume a directory (the Secret's
@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from commands.main import build_parser
+from feedline.commands.main import build_parser
 from feedline.procs import Child, free_port, wait_for
 from feedline.scrape import scrape
 from tests.doc_support import blocks, commands, shell_lines
@@ -49,7 +49,7 @@ def getaddrinfo(host, port, *args, **kwargs):
                 for ip in answers[host].split("+")]
     return real(host, port, *args, **kwargs)
 socket.getaddrinfo = getaddrinfo
-from commands.main import main
+from feedline.commands.main import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -214,7 +214,8 @@ def keyfiles(tmp_path: Path) -> dict[str, dict[str, bytes]]:
     for line in shell_lines(block.code):
         for argv in commands(line):
             if argv[:3] == ["feedline", "keys", "generate"]:
-                r = subprocess.run([sys.executable, "-m", "commands", *argv[1:]], cwd=tmp_path,
+                r = subprocess.run([sys.executable, "-m", "feedline.commands", *argv[1:]],
+                                   cwd=tmp_path,
                                    capture_output=True, text=True, timeout=60,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
                 assert r.returncode == 0, r.stderr
@@ -243,7 +244,7 @@ def test_the_pods_run_and_both_training_pods_are_fed(pods: Pods, tmp_path: Path)
     ports = {7878: ingress}
     addrs = [f"127.0.0.{i + 1}" for i in range(sts["spec"]["replicas"])]
     metrics = {f"feedline-trainer-{i}": pods.start(f"feedline-trainer-{i}", sts, addr, ports,
-                                                   ("-m", "commands"))
+                                                   ("-m", "feedline.commands"))
                for i, addr in enumerate(addrs)}
     # The copy the init container made is the one the daemon reads: 0600, not the Secret's 0440.
     secret = tmp_path / "pods/feedline-trainer-0"

@@ -12,8 +12,8 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from commands import top
-from consumer import RemoteDataZMQ
+from feedline.commands import top
+from feedline.consumer import RemoteDataZMQ
 from feedline.metrics import serve_metrics
 from feedline.procs import free_port, wait_for
 from tests.ops_support import Prometheus, needs_prometheus, scrape_config
@@ -41,7 +41,8 @@ def test_prometheus_rates_and_queue_agree_with_the_consumer(
     broker_proc("--metrics-port", str(broker_port), "--metrics-addr", "127.0.0.1")
     cfg = write_pipeline(tmp_path)
     for i, port in enumerate(producer_ports):
-        daemons("producer", "--config", cfg, "--broker", endpoints.ingress, "--id", f"p{i}",
+        daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress, "--id",
+                f"p{i}",
                 "--metrics-port", port, "--metrics-addr", "127.0.0.1",
                 "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", name=f"p{i}")
     registry = CollectorRegistry()

@@ -24,8 +24,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from commands import top
-from consumer import RemoteDataZMQ
+from feedline.commands import top
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from feedline.metrics import serve_metrics
 from feedline.procs import free_port, wait_for
@@ -105,11 +105,11 @@ def two_streams(tmp_path: Path, endpoints, broker_proc, daemons) -> Iterator[Two
     plain, exact = tmp_path / "plain.yaml", tmp_path / "exact.yaml"
     plain.write_text(yaml.safe_dump(PLAIN))
     exact.write_text(yaml.safe_dump(EXACT))
-    daemons("producer", "--config", plain, "--broker", endpoints.ingress, "--id", "plain",
+    daemons("feedline.producer", "--config", plain, "--broker", endpoints.ingress, "--id", "plain",
             "--metrics-port", producer_metrics, "--metrics-addr", "127.0.0.1", *LIVENESS,
             name="plain")
     for i in range(2):
-        daemons("producer", "--config", exact, "--broker", endpoints.ingress, "--id",
+        daemons("feedline.producer", "--config", exact, "--broker", endpoints.ingress, "--id",
                 f"val-{i}", *LIVENESS, name=f"val-{i}")
     trainers: dict[str, Trainer] = {}
     try:
@@ -185,11 +185,11 @@ def test_top_lists_a_direct_mode_trainer_as_broker_and_consumer(tmp_path: Path,
     try:
         cfg = tmp_path / "plain.yaml"
         cfg.write_text(yaml.safe_dump(PLAIN))
-        daemons("producer", "--config", cfg, "--broker", f"tcp://127.0.0.1:{port}", "--id",
+        daemons("feedline.producer", "--config", cfg, "--broker", f"tcp://127.0.0.1:{port}", "--id",
                 "to-direct", *LIVENESS, name="to-direct")
         wait_for(lambda: direct.taken > 10, 60, interval=0.1, what="batches, direct")
         out = subprocess.run(
-            [sys.executable, "-m", "commands", "top", "--once", "--interval", "0.5",
+            [sys.executable, "-m", "feedline.commands", "top", "--once", "--interval", "0.5",
              f"127.0.0.1:{direct.port}"],
             capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert out.returncode == 0, out.stderr
@@ -278,13 +278,15 @@ def test_a_stream_without_consumers_does_not_starve_another(tmp_path: Path, endp
     broker_proc("--metrics-port", str(metrics), "--metrics-addr", "127.0.0.1")
     plain = tmp_path / "plain.yaml"
     plain.write_text(yaml.safe_dump(PLAIN))
-    daemons("producer", "--config", plain, "--broker", endpoints.ingress, "--id", "nobody-reads",
+    daemons("feedline.producer", "--config", plain, "--broker", endpoints.ingress, "--id",
+            "nobody-reads",
             *LIVENESS, name="default")
 
     def buffered() -> float:
         return scrape(metrics).get("feedline_broker_stream_buffer_batches", stream="default") or 0.0
     wait_for(lambda: buffered() >= 16, 30, interval=0.1, what="default's batches buffered")
-    daemons("producer", "--config", plain, "--broker", endpoints.ingress, "--stream", "val",
+    daemons("feedline.producer", "--config", plain, "--broker", endpoints.ingress, "--stream",
+            "val",
             "--id", "val", *LIVENESS, name="val")
     with RemoteDataZMQ(endpoints.egress, stream="val", timeout=20, link=FAST) as src:
         got = [b for _, b in zip(range(10), src, strict=False)]

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from commands.main import build_parser
 from feedline import security
+from feedline.commands.main import build_parser
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.scrape import Scrape, scrape
 from tests.ops_support import (
@@ -95,7 +95,7 @@ def test_drain_bind_refuses_what_a_training_host_must_not_do(argv: list[str], st
     """`feedline drain --bind` (the stand-in trainer of these files) checks its flags before
     it binds anything: one line, an exit status (its serving is run below, with keys)."""
     port = str(free_port())
-    out = subprocess.run([sys.executable, "-m", "commands", "drain",
+    out = subprocess.run([sys.executable, "-m", "feedline.commands", "drain",
                           *(a.format(port=port) for a in argv)], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == status and says in out.stderr, out.stderr
@@ -215,7 +215,8 @@ def test_a_producer_without_an_allowed_key_is_refused_by_both_hosts(
     args[args.index("--metrics-port") + 1] = "0"
     args += ["--id", "stranger"]
     before = {h: _host(hosts, h).total("feedline_broker_curve_denied_total") for h in HOSTS}
-    d = Daemon("commands", args, hosts.workdir / "stranger.log", env={"PYTHONPATH": str(ROOT)})
+    d = Daemon("feedline.commands", args, hosts.workdir / "stranger.log",
+               env={"PYTHONPATH": str(ROOT)})
     try:
         for h in HOSTS:
             wait_for(lambda h=h: _host(hosts, h).total("feedline_broker_curve_denied_total")
@@ -234,7 +235,7 @@ def test_a_host_that_dies_and_restarts_does_not_stop_the_other(hosts: NativeComp
     before = _host(hosts, "gpu-a").total(RECEIVED)
     wait_for(lambda: _host(hosts, "gpu-a").total(RECEIVED) >= before + 100, 60, interval=0.2,
              what="gpu-a fed while gpu-b is down")
-    b.daemon = Daemon("commands", b.daemon.args, hosts.workdir / "gpu-b-restarted.log",
+    b.daemon = Daemon("feedline.commands", b.daemon.args, hosts.workdir / "gpu-b-restarted.log",
                       env={"PYTHONPATH": str(ROOT)})
     wait_for(lambda: _host(hosts, "gpu-b").total(RECEIVED) >= 20
              and _host(hosts, "gpu-b").get("feedline_broker_peers", role="producer") == 2,

@@ -7,8 +7,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from producer.dataflow import ImageFolder
-from producer.demo_data import build, photo_dir
+from feedline.producer.dataflow import ImageFolder
+from feedline.producer.demo_data import build, photo_dir
 
 
 def test_demo_dataset_is_made_once_from_bundled_photos(tmp_path: Path) -> None:

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import yaml
 
-from consumer import RemoteDataZMQ
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
-from producer.dataflow import BatchData, DataFromList, MapData, MultiProcessMapData
-from producer.exact import build_exact
-from producer.image import ImageNetVal
-from producer.image.decode import CorruptImage
-from producer.pipeline import ConfigError, build_pipeline, load_config
+from feedline.producer.dataflow import BatchData, DataFromList, MapData, MultiProcessMapData
+from feedline.producer.exact import build_exact
+from feedline.producer.image import ImageNetVal
+from feedline.producer.image.decode import CorruptImage
+from feedline.producer.pipeline import ConfigError, build_pipeline, load_config
 from tests.jpeg_data import make_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,7 +174,7 @@ def gen():
 
 
 def test_lmdb_source_from_yaml(images: Path, tmp_path: Path) -> None:
-    from producer.dataflow import ImageFolder, LMDBSerializer
+    from feedline.producer.dataflow import ImageFolder, LMDBSerializer
 
     LMDBSerializer.save(ImageFolder(images, shuffle=False), tmp_path / "i.lmdb", progress=False)
     cfg = {"source": {"lmdb": {"path": str(tmp_path / "i.lmdb"), "shuffle": True}},
@@ -302,7 +302,7 @@ def test_producer_cli_runs_the_val_example_against_a_real_broker(
                     {"batch": {"batch_size": 3}}]
     (tmp_path / "val.yaml").write_text(yaml.safe_dump(cfg))
     for i in range(2):
-        daemons("producer", "--config", tmp_path / "val.yaml", "--data", images,
+        daemons("feedline.producer", "--config", tmp_path / "val.yaml", "--data", images,
                 "--broker", endpoints.ingress, "--id", f"p{i}", "--heartbeat-interval", "0.2",
                 "--heartbeat-timeout", "1.5", name=f"producer-{i}")
     got: list = []

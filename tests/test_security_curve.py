@@ -20,12 +20,12 @@ import yaml
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from consumer import RemoteDataZMQ
 from feedline import security, wire
+from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import wait_for
-from producer import send_dataflow
+from feedline.producer import send_dataflow
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
@@ -178,7 +178,7 @@ def test_a_consumer_without_keys_is_told_why_and_curve_kwarg_lets_it_in(thread_b
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "commands", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "feedline.commands", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
@@ -303,7 +303,7 @@ def test_processes_with_keys_from_flags_and_environment(broker_proc, daemons, en
                 security.ENV_BROKER_KEY: str(keys.files["broker"][0])}
     os.environ.update(env_keys)  # Daemon inherits this process's environment
     try:
-        daemons("producer", "--config", cfg, "--broker", endpoints.ingress,
+        daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress,
                 "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", name="producer")
     finally:
         for k in env_keys:

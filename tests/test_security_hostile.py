@@ -1,6 +1,7 @@
 """Hostile peers against a real broker process: garbage, half messages, floods, known attacks.
 
-Each test runs ``python -m broker`` (plain TCP on 127.0.0.1), attacks it through real sockets
+Each test runs ``python -m feedline.broker`` (plain TCP on 127.0.0.1), attacks it through real
+sockets
 (ZeroMQ DEALER/PUSH, and a raw TCP socket speaking ZMTP 3.0 by hand where libzmq would not
 let us misbehave), then proves that the broker is alive, counted each refused message under
 its reason in ``feedline_broker_rejected_messages_total``, and still serves an honest producer
@@ -21,13 +22,13 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from consumer import RemoteDataZMQ
 from feedline import messages as m
 from feedline import wire
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
+from feedline.producer import send_dataflow
 from feedline.scrape import scrape
-from producer import send_dataflow
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 ARRAY = msgpack.ExtType(1, b"\0\0\0\0")
@@ -379,7 +380,7 @@ def test_tensorpack_ingress_refuses_exposed_address_even_with_keys(tmp_path, end
     allowed = tmp_path / "allowed"
     security.generate_keypair(allowed, "producer")
     r = subprocess.run(
-        [sys.executable, "-m", "commands", "broker", "--ingress", endpoints.ingress,
+        [sys.executable, "-m", "feedline.commands", "broker", "--ingress", endpoints.ingress,
          "--egress", endpoints.egress, "--metrics-port", "0", "--curve-secret", str(sec),
          "--curve-allowed", str(allowed), "--tensorpack-ingress", "tcp://0.0.0.0:1"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,

@@ -7,9 +7,9 @@ import threading
 
 import numpy as np
 
-from consumer import RemoteDataZMQ
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
-from producer import send_dataflow
+from feedline.producer import send_dataflow
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 

@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from feedline.procs import free_port, wait_for
+from feedline.producer.dataflow import BatchData, CountData, ImageFolder, MapDataComponent
+from feedline.producer.image import ImageNetVal
+from feedline.producer.metrics import StageMetrics
+from feedline.producer.pipeline import build_pipeline, pipeline_stages
 from feedline.scrape import scrape as metrics_scrape
-from producer.dataflow import BatchData, CountData, ImageFolder, MapDataComponent
-from producer.image import ImageNetVal
-from producer.metrics import StageMetrics
-from producer.pipeline import build_pipeline, pipeline_stages
 from tests.jpeg_data import make_folder
 
 STAGES = "feedline_producer_stage_datapoints_total"
@@ -150,7 +150,8 @@ def test_a_producer_daemon_serves_stage_series_and_logs_skips(
         "  - imagenet_val: {size: 16, resize: 20}\n"
         "  - batch: {batch_size: 5}\n")
     port = free_port()
-    producer = daemons("producer", "--config", cfg, "--broker", endpoints.ingress, "--id", "p0",
+    producer = daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress,
+                       "--id", "p0",
                        "--metrics-port", port, "--metrics-addr", "127.0.0.1",
                        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
                        "--log-interval", "0.01", name="producer")

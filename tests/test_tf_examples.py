@@ -23,7 +23,7 @@ def test_example_trains_from_a_live_broker(script, broker_proc, daemons, endpoin
     cfg.write_text(yaml.safe_dump({"source": {"fake": {
         "shapes": [[8, 32, 32, 3], [8]], "dtypes": ["uint8", "int32"], "random": True,
         "size": 1000}}}))  # random int32 labels in [0, 1): a valid class index
-    daemons("producer", "--config", cfg, "--broker", endpoints.ingress, name="producer")
+    daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress, name="producer")
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), "--egress", endpoints.egress,
          "--steps", "6", "--classes", "10", "--capacity", "8", "--log-every", "3"],
@@ -92,7 +92,7 @@ def test_validate_against_a_running_broker(broker_proc, daemons, endpoints, tmp_
     make_folder(tmp_path / "val", classes=3, per_class=7)
     broker_proc()
     for i in range(2):
-        daemons("producer", "--config", ROOT / "examples" / "imagenet_val.yaml", "--data",
+        daemons("feedline.producer", "--config", ROOT / "examples" / "imagenet_val.yaml", "--data",
                 tmp_path / "val", "--broker", endpoints.ingress, "--id", f"p{i}",
                 name=f"p{i}")
     script = [sys.executable, str(ROOT / "examples" / "validate.py"), "--egress",

@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
-from consumer import (  # noqa: E402
+from feedline.consumer import (  # noqa: E402
     DummyConstantInput,
     OccupancyMonitor,
     QueueInput,
@@ -22,7 +22,7 @@ from consumer import (  # noqa: E402
     as_dataset,
 )
 from feedline.link import LinkConfig  # noqa: E402
-from producer import send_dataflow  # noqa: E402
+from feedline.producer import send_dataflow  # noqa: E402
 
 pytestmark = pytest.mark.tf
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)

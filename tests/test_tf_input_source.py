@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
-from consumer import (  # noqa: E402
+from feedline.consumer import (  # noqa: E402
     DummyConstantInput,
     InputSource,
     OccupancyMonitor,

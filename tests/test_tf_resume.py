@@ -28,7 +28,7 @@ TRAINER = textwrap.dedent("""
     sys.path.insert(0, sys.argv[4])
     import numpy as np
     import tensorflow as tf
-    from consumer import CursorState, RemoteDataZMQ
+    from feedline.consumer import CursorState, RemoteDataZMQ
     from feedline.link import LinkConfig
 
     egress, ckpt_dir, phase = sys.argv[1], sys.argv[2], sys.argv[3]

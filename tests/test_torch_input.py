@@ -25,10 +25,10 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: pip insta
 
 from torch.utils.data import DataLoader  # noqa: E402
 
-from consumer import CudaPrefetcher, RemoteDataZMQ, RemoteTorchDataset, to_torch  # noqa: E402
-from consumer.torch_prefetch import _prefetch, _Staging  # noqa: E402
+from feedline.consumer import CudaPrefetcher, RemoteDataZMQ, RemoteTorchDataset, to_torch  # noqa: E402
+from feedline.consumer.torch_prefetch import _prefetch, _Staging  # noqa: E402
 from feedline.link import LinkConfig  # noqa: E402
-from producer import send_dataflow  # noqa: E402
+from feedline.producer import send_dataflow  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
@@ -86,7 +86,7 @@ def test_a_read_only_array_converts_without_a_copy_and_without_the_warning():
     """A fresh process (PyTorch warns once per process), warnings as errors."""
     code = textwrap.dedent("""
         import numpy as np
-        from consumer import to_torch
+        from feedline.consumer import to_torch
         a = np.frombuffer(bytes(range(16)), np.uint8)
         assert not a.flags.writeable
         t = to_torch({"a": a})["a"]
@@ -250,7 +250,7 @@ def test_prefetcher_on_cuda_stages_through_pinned_buffers(thread_broker, endpoin
 def test_each_dataloader_worker_gets_its_own_share(thread_broker, endpoints, caplog):
     thread_broker()
     _send(_numbered(30), endpoints.ingress)
-    caplog.set_level(logging.INFO, logger="broker")
+    caplog.set_level(logging.INFO, logger="feedline.broker")
     ds = RemoteTorchDataset(endpoints.egress, timeout=10, link=FAST, window=2)
     it = iter(DataLoader(ds, batch_size=None, num_workers=2, in_order=False))
     seen = [next(it)["i"] for _ in range(30)]
@@ -264,8 +264,8 @@ RANK = """
 import json, sys
 import torch.distributed as dist
 from torch.utils.data import DataLoader
-from consumer import RemoteTorchDataset
-from consumer.torch_input import default_consumer_id
+from feedline.consumer import RemoteTorchDataset
+from feedline.consumer.torch_input import default_consumer_id
 from feedline.errors import ReceiveTimeout
 from feedline.link import LinkConfig
 
@@ -291,7 +291,7 @@ dist.destroy_process_group()
 def test_two_ranks_share_the_stream_without_overlap(thread_broker, endpoints, tmp_path,
                                                      caplog):
     thread_broker()
-    caplog.set_level(logging.INFO, logger="broker")
+    caplog.set_level(logging.INFO, logger="feedline.broker")
     n = 60
     _send([(np.full((4, 4), i, np.float32), np.full(4, i, np.int64)) for i in range(n)],
           endpoints.ingress)
@@ -342,7 +342,7 @@ def test_docs_python_blocks_run_against_a_live_broker(broker_proc, daemons, endp
     cfg.write_text(yaml.safe_dump({"source": {"fake": {
         "shapes": [[8, 32, 32, 3], [8]], "dtypes": ["uint8", "int32"], "random": True,
         "size": 1000}}}))
-    daemons("producer", "--config", cfg, "--broker", endpoints.ingress, name="producer")
+    daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress, name="producer")
 
     def run(code: str, name: str, *launcher: str) -> str:
         script = tmp_path / name

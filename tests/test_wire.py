@@ -216,7 +216,7 @@ def test_lmdb_values_stay_safe_when_msgpack_numpy_patches_msgpack(tmp_path):
     script = f"""
 import pickle, msgpack, msgpack_numpy
 msgpack_numpy.patch()  # what `import tensorpack` does
-from producer.dataflow import serialize
+from feedline.producer.dataflow import serialize
 
 class Evil:
     def __reduce__(self):

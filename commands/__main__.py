@@ -1,5 +1,0 @@
-import sys
-
-from commands.main import main
-
-sys.exit(main())

@@ -1,0 +1,326 @@
+"""The broker's consumer side: registrations, windows, dispatch, and bytes in flight.
+
+A consumer registers with a window (batches) and a byte budget. The broker sends it buffered
+batches of its stream while both allow, round-robin among the stream's consumers, each behind
+an envelope (:class:`feedline.messages.Deliver`). Every byte delivered and not yet reported
+taken (TAKEN) is *in flight* and counts against the broker's ``max_bytes``: it sits in this
+process's socket queue or in the network until the consumer has it. One consumer holds at most
+half the budget in flight, so the rest stays for the buffer and the other consumers.
+
+In-flight bytes of a consumer that is gone (dropped, or registered again on its connection)
+become *orphans*: still counted until its connection is known to be closed (a probe to it
+fails) or it shows it reads again (a TAKEN of its new registration, which arrives only after
+everything sent before it). So a consumer that never reads cannot grow the broker by
+registering again, and a paused one loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from feedline import messages as m
+from feedline.broker.buffer import Buffer, Held
+from feedline.broker.coordinator import ExactStreams
+from feedline.broker.metrics import BrokerMetrics
+from feedline.broker.peers import Peer, PeerTable, connection
+from feedline.codec import DecodeError, Limits
+from feedline.cursor import Cursor
+from feedline.logs import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
+
+
+@dataclass
+class Consumer(Peer):
+    window: int = 1
+    max_bytes: int = 1
+    delivered: int = 0
+    taken: int = 0
+    inflight: deque[Held] = field(default_factory=deque)  # delivered, not yet taken
+    inflight_bytes: int = 0
+
+    def room(self, size: int, cap: int, cap_batches: int, orphan: Orphan | None = None) -> bool:
+        """Room for a batch of ``size`` within its window and byte budget, and within the
+        caps of one connection (what an earlier registration of it left in flight counts)."""
+        held = self.delivered - self.taken
+        if held >= self.window:
+            return False
+        if orphan is not None:
+            if held + orphan.batches >= cap_batches or \
+                    self.inflight_bytes + orphan.nbytes + size > cap:
+                return False
+        elif held >= cap_batches:
+            return False
+        return self.inflight_bytes == 0 or self.inflight_bytes + size <= min(self.max_bytes, cap)
+
+
+@dataclass
+class Orphan:
+    nbytes: int
+    batches: int
+    fd: int
+    fd_ino: int
+    stream: str = ""
+    items: list[Held] = field(default_factory=list)  # exact streams: served again when freed
+
+
+class ConsumerSide:
+    """Everything the broker does on its egress socket (the socket itself is the loop's)."""
+
+    def __init__(self, send: Send, buffer: Buffer, metrics: BrokerMetrics, limits: Limits,
+                 max_bytes: int, max_batches: int, capacity: int, instance: int,
+                 cut_off: Callable[[int, int, str, str], None],
+                 exact: ExactStreams | None = None) -> None:
+        self._send, self.buffer, self.metrics, self.limits = send, buffer, metrics, limits
+        self.exact = exact if exact is not None else ExactStreams()
+        # What one consumer may hold in flight: half the budget, so that one that never reads
+        # leaves the rest to the buffer and the other consumers.
+        self.cap = max(1, max_bytes // 2)
+        self.cap_batches = max(1, max_batches // 2)
+        self.instance, self._cut_off = instance, cut_off
+        self.consumers: PeerTable[Consumer] = PeerTable("consumer", capacity)
+        self.orphans: dict[bytes, Orphan] = {}
+        self._rr: dict[str, deque[bytes]] = {}
+        self._log = RateLimitedLog(log, interval=5.0)
+        self._info = RateLimitedLog(log, interval=10.0, burst=20)
+
+    # -- accounting ---------------------------------------------------------------------
+    def inflight(self) -> tuple[int, int]:
+        """(batches, bytes) delivered and not known taken, orphans included."""
+        b = sum(c.delivered - c.taken for c in self.consumers)
+        y = sum(c.inflight_bytes for c in self.consumers)
+        # An exact orphan's batches count here until they are back in the buffer.
+        return (b + sum(o.batches for o in self.orphans.values()),
+                y + sum(o.nbytes for o in self.orphans.values()))
+
+    def inflight_by_stream(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        for c in self.consumers:
+            b, y = out.get(c.stream, (0, 0))
+            out[c.stream] = (b + c.delivered - c.taken, y + c.inflight_bytes)
+        for o in self.orphans.values():
+            b, y = out.get(o.stream, (0, 0))
+            out[o.stream] = (b + o.batches, y + o.nbytes)
+        return out
+
+    def demand(self, stream: str) -> bool:
+        return any(c.stream == stream for c in self.consumers)
+
+    def _control(self, ident: bytes, msg: m.Message) -> int:
+        return self._send(ident, [m.encode(msg)])
+
+    # -- messages -----------------------------------------------------------------------
+    def on_message(self, ident: bytes, frames: list[zmq.Frame], fd: int, now: float) -> None:
+        if len(frames) != 1:
+            raise DecodeError("bad_envelope", "a consumer message with payload frames")
+        msg = m.decode(frames[0], self.limits)
+        cons = self.consumers.get(ident)
+        if isinstance(msg, m.ConsumerHello):
+            self._hello(ident, msg, fd, now)
+        elif isinstance(msg, m.ProducerHello):
+            self._control(ident, m.Refused(broker=self.instance, reason="wrong_port",
+                                           detail="this is a broker's egress: producers "
+                                           "connect to its --ingress address"))
+            raise DecodeError("wrong_port", f"producer {msg.producer} at the egress")
+        elif cons is None:
+            if not isinstance(msg, m.Bye):
+                self._control(ident, m.Reset(broker=self.instance))
+                raise DecodeError("unknown_peer", type(msg).__name__)
+        else:
+            cons.last_seen = now
+            if isinstance(msg, m.Taken):
+                self._taken(cons, msg)
+            elif isinstance(msg, m.Bye):
+                self.drop(ident, "bye")
+            elif not isinstance(msg, m.Heartbeat):
+                raise DecodeError("bad_kind", f"{type(msg).__name__} from a consumer")
+
+    def _hello(self, ident: bytes, msg: m.ConsumerHello, fd: int, now: float) -> None:
+        old = self.consumers.get(ident)
+        if old is not None and (old.session, old.registration) == (msg.session,
+                                                                    msg.registration):
+            self._welcome(old)  # a repeated HELLO of a registration we know: a no-op
+            return
+        if old is not None:
+            self.drop(ident, "registered_again")
+        if self.consumers.full():
+            self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
+                                           limit=self.consumers.capacity))
+            raise DecodeError("too_many_peers", f"consumer {msg.consumer}")
+        fd, ino = connection(fd)
+        c = Consumer(ident=ident, name=msg.consumer, session=msg.session,
+                     registration=msg.registration, stream=msg.stream, last_seen=now,
+                     fd=fd, fd_ino=ino, window=msg.window, max_bytes=msg.max_bytes)
+        if msg.cursor:
+            self._cursor(msg.stream, msg.cursor)
+        self.consumers.add(c)
+        self._rr.setdefault(c.stream, deque()).append(ident)
+        self._info.info("consumer %s joined stream %s (%d connected)", c.name, c.stream,
+                        len(self.consumers))
+        self._welcome(c)
+
+    def _cursor(self, stream: str, data: bytes) -> None:
+        """Exact delivery: what a consumer says it took (after a broker restart), or the
+        checkpoint a restarted job resumes from."""
+        cursor = Cursor.decode(data)
+        if cursor.stream != stream:
+            raise DecodeError("bad_cursor", f"a cursor of stream {cursor.stream!r}")
+        coord = self.exact.report(stream, cursor)
+        if coord is None:
+            return
+        if cursor.resume:
+            if coord.resume(cursor):
+                # Rolled back to another epoch: what is buffered of any other epoch is void.
+                self.buffer.discard(stream, lambda h: h.batch is not None
+                                    and h.batch.epoch != coord.epoch)
+            coord.holding(self._held_keys(stream))
+        else:
+            for epoch in coord.merge(cursor):
+                self.epoch_end(stream, epoch)
+            # What a consumer reports taken and is still buffered (produced again after a
+            # restart, before the report came) must not be served twice.
+            settled = {key for key in cursor.keys()}
+            self.buffer.discard(stream, lambda h: h.batch is not None and h.batch.key in settled)
+
+    def _held_keys(self, stream: str) -> set[tuple[int, int, int]]:
+        keys = {h.batch.key for h in self.buffer.items(stream) if h.batch is not None}
+        for c in self.consumers:
+            if c.stream == stream:
+                keys |= {h.batch.key for h in c.inflight if h.batch is not None}
+        return keys
+
+    def epoch_end(self, stream: str, epoch: int) -> None:
+        """Tell every consumer of the stream, behind what is queued for it."""
+        frame = m.encode(m.EpochEnd(broker=self.instance, epoch=epoch))
+        self.buffer.push(stream, Held([frame], 0, 0, 0, 0, broadcast=True))
+
+    def _welcome(self, c: Consumer) -> None:
+        self._control(c.ident, m.Welcome(broker=self.instance, registration=c.registration))
+
+    def _taken(self, c: Consumer, msg: m.Taken) -> None:
+        if msg.registration != c.registration:
+            return  # about a registration of this connection we no longer count
+        # Never more than was delivered: a consumer that counts a batch of an earlier
+        # registration as taken is ahead of us. Refusing it would stall both sides; clamping
+        # keeps its room within its window all the same.
+        taken = max(c.taken, min(msg.taken, c.delivered))
+        coord = self.exact.get(c.stream)
+        for _ in range(taken - c.taken):
+            item = c.inflight.popleft()
+            c.inflight_bytes -= item.nbytes
+            if coord is not None and item.batch is not None:
+                for epoch in coord.settle(item.batch.key):
+                    self.epoch_end(c.stream, epoch)
+        c.taken = taken
+        if taken and c.ident in self.orphans:
+            # It reads again: what it was sent before has left (and, exact, was dropped by
+            # it as belonging to a registration it no longer has).
+            self._release(self.orphans.pop(c.ident))
+
+    # -- dispatch -----------------------------------------------------------------------
+    def dispatch(self, now: float) -> int:
+        """Send buffered items to consumers with room; returns the batches sent."""
+        sent = 0
+        for stream in self.buffer.streams():
+            ring = self._rr.get(stream)
+            if not ring:
+                continue
+            coord = self.exact.get(stream)
+            if coord is not None and coord.recovering(now):
+                continue
+            while True:
+                item = self.buffer.peek(stream)
+                if item is None:
+                    break
+                if item.broadcast:
+                    self.buffer.pop(stream)
+                    for ident in list(ring):
+                        self._send(ident, [item.frames[0]])
+                    continue
+                c = self._next(ring, item.nbytes)
+                if c is None:
+                    break
+                self.buffer.pop(stream)
+                env = m.encode(m.Deliver(broker=self.instance, gap=item.gap,
+                                         registration=c.registration))
+                status = self._send(c.ident, [env, *item.frames])
+                if status:
+                    self.buffer.requeue(stream, item)
+                    if status == zmq.EHOSTUNREACH:
+                        self.drop(c.ident, "unreachable")
+                        continue
+                    break  # its pipe is full: try again next round
+                self._delivered(c, item, now)
+                sent += 1
+        return sent
+
+    def _next(self, ring: deque[bytes], size: int) -> Consumer | None:
+        for _ in range(len(ring)):
+            ident = ring[0]
+            ring.rotate(-1)
+            c = self.consumers.get(ident)
+            if c is not None and c.room(size, self.cap, self.cap_batches,
+                                        self.orphans.get(ident)):
+                return c
+        return None
+
+    def _delivered(self, c: Consumer, item: Held, now: float) -> None:
+        c.delivered += 1
+        c.inflight.append(item)
+        c.inflight_bytes += item.nbytes
+        c.last_sent = now
+        self.metrics.forwarded_batches.inc()
+        self.metrics.forwarded_bytes.inc(item.array_bytes)
+        self.metrics.stream_batches.labels(self.metrics.stream_label.label(c.stream)).inc()
+
+    # -- liveness -----------------------------------------------------------------------
+    def liveness(self, now: float, interval: float, timeout: float) -> None:
+        for c in self.consumers.expired(now, timeout):
+            self.drop(c.ident, "timeout")
+        for c in self.consumers.due(now, interval):
+            if self._control(c.ident, m.Heartbeat(broker=self.instance)) == 0:
+                c.last_sent = now
+        for ident in list(self.orphans):
+            # A probe: sending to a connection that is gone fails at once (ROUTER_MANDATORY).
+            if self._control(ident, m.Heartbeat(broker=self.instance)) == zmq.EHOSTUNREACH:
+                self._release(self.orphans.pop(ident))
+
+    def _release(self, o: Orphan) -> None:
+        """An orphan's memory is free; an exact stream's batches in it are served again."""
+        for item in reversed(o.items):
+            self.buffer.requeue(o.stream, item)
+
+    def drop(self, ident: bytes, reason: str) -> None:
+        c = self.consumers.remove(ident)
+        if c is None:
+            return
+        ring = self._rr.get(c.stream)
+        if ring is not None and ident in ring:
+            ring.remove(ident)
+            if not ring:
+                del self._rr[c.stream]
+        self._info.info("consumer %s dropped (%s)", c.name, reason)
+        self.metrics.dropped_peers.labels("consumer", reason).inc()
+        unacked = c.delivered - c.taken
+        if reason not in ("bye", "registered_again"):
+            self.metrics.unconfirmed.labels("consumer").inc(max(0, unacked))
+        if c.inflight_bytes or c.inflight:
+            o = self.orphans.setdefault(ident, Orphan(0, 0, c.fd, c.fd_ino, c.stream))
+            o.nbytes += c.inflight_bytes
+            o.batches += unacked
+            if self.exact.get(c.stream) is not None:
+                o.items += list(c.inflight)
+            if reason == "bye":  # it closes its socket: nothing of ours stays there
+                self._release(self.orphans.pop(ident))
+            elif len(self.orphans) > self.consumers.capacity:
+                oldest = self.orphans.pop(next(iter(self.orphans)))
+                self._cut_off(oldest.fd, oldest.fd_ino, "consumer", "orphans")
+                self._release(oldest)

@@ -1,0 +1,382 @@
+"""The broker's producer side: registrations, credit, batches, losses.
+
+Producers register (HELLO) with their session, the next sequence number they will send and
+the largest batch they expect; the broker welcomes them and grants credit as the credit planner
+says (:mod:`feedline.broker.credit`). Every batch is checked whole (the same decoder the consumers
+run:
+a batch they would refuse must not cost them a credit) and goes to the sink (the broker's
+buffer, or a direct-mode trainer's queue). A refused batch is counted for its producer and
+answered with REFUSED (it logs why); its credit comes back with the next plan. A producer that
+sends beyond its grant, or keeps credit it was asked to return, is cut off: its connection is
+closed, its registration dropped and counted, and nobody else notices.
+
+The same class serves a broker and a direct-mode trainer (``feedline.consumer.direct``): only the
+sink
+and the socket differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+
+from feedline import messages as m
+from feedline import wire
+from feedline.broker.buffer import Held
+from feedline.broker.coordinator import ExactPlan, ExactStreams
+from feedline.broker.credit import CreditPlanner
+from feedline.broker.gaps import GapTracker
+from feedline.broker.metrics import BrokerMetrics
+from feedline.broker.peers import Peer, PeerTable, connection
+from feedline.codec import DecodeError, Limits
+from feedline.logs import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_HELLO_RATE = 10  # new registrations per second from one connection, at most
+
+Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
+
+
+class Sink(Protocol):
+    """Where accepted batches go, and what it holds (for the budget)."""
+
+    def held(self) -> tuple[int, int]:
+        """(batches, bytes) held: buffered, and in flight to consumers."""
+        ...
+
+    def held_by_stream(self) -> dict[str, tuple[int, int]]:
+        """The same, per stream."""
+        ...
+
+    def read(self, stream: str) -> bool:
+        """Some consumer reads ``stream`` now."""
+        ...
+
+    def accept(self, stream: str, item: Held) -> bool:
+        """Take a batch (always: credit reserved its room) or a control message (False if
+        there is no room for it)."""
+        ...
+
+    def epoch_end(self, stream: str, epoch: int) -> None:
+        """Exact delivery: every batch of ``epoch`` was taken; tell the stream's consumers."""
+        ...
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    max_batches: int
+    max_bytes: int
+    producer_window: int
+    credit_lease: float
+    capacity: int  # registered producers, at most
+    stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
+    recovery_grace: float = 0.0  # exact streams after a restart: wait for consumers' reports
+
+
+@dataclass
+class Producer(Peer):
+    label: str = ""
+    pending_gap: int = 0  # lost before a re-registration: reported with its next batch
+
+
+class ProducerSide:
+    """Everything done with messages arriving on an ingress socket."""
+
+    def __init__(self, send: Send, sink: Sink, metrics: BrokerMetrics, limits: Limits,
+                 cfg: IngressConfig, instance: int,
+                 cut_off: Callable[[int, int, str, str], None],
+                 exact: ExactStreams | None = None) -> None:
+        self._send, self.sink, self.metrics, self.limits = send, sink, metrics, limits
+        self.exact = exact if exact is not None else ExactStreams()
+        self.cfg, self.instance, self._cut_off = cfg, instance, cut_off
+        self.max_batch_bytes = min(cfg.max_bytes,
+                                   limits.max_message_bytes + limits.max_header_bytes)
+        self.producers: PeerTable[Producer] = PeerTable("producer", cfg.capacity)
+        self.planner = CreditPlanner(cfg.max_batches, cfg.max_bytes, cfg.producer_window,
+                                     cfg.credit_lease)
+        self.gaps = GapTracker(4 * cfg.capacity)
+        self._info = RateLimitedLog(log, interval=10.0, burst=20)
+        self._hellos: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
+        self._warn = RateLimitedLog(log, interval=10.0, burst=5)
+        # Something happened that a plan may answer with credit (a control message, a refused
+        # or duplicate batch, a producer's first batch, a departure). An accepted batch of a
+        # running producer only moves a credit from granted to held: it frees no room, so a
+        # caller may skip planning after one (direct mode does, once per batch).
+        self.dirty = True
+
+    def _control(self, ident: bytes, msg: m.Message) -> int:
+        return self._send(ident, [m.encode(msg)])
+
+    # -- messages -----------------------------------------------------------------------
+    def on_message(self, ident: bytes, frames: list[zmq.Frame], fd: int, now: float) -> None:
+        try:
+            header = wire.header_map(frames[0], self.limits)
+        except DecodeError as e:
+            p = self.producers.get(ident)
+            if p is not None:
+                # A registered producer's message we cannot even read the header of is a
+                # batch it counted against its credit (control messages are ours to write):
+                # count it too, so that both sides agree and its credit comes back.
+                p.last_seen = now
+                self._charge(p, sum(len(f) for f in frames), now)
+                self._refuse(p, e, -1)
+            raise
+        if header["k"] == wire.Kind.BATCH:
+            self._batch(ident, header, frames, now)
+            return
+        self.dirty = True
+        if len(frames) != 1:
+            raise DecodeError("bad_envelope", "a control message with payload frames")
+        msg = m.from_map(header, self.limits)
+        p = self.producers.get(ident)
+        if isinstance(msg, m.ProducerHello):
+            self._hello(ident, msg, fd, now)
+        elif isinstance(msg, m.ConsumerHello):
+            self._control(ident, m.Refused(broker=self.instance, reason="wrong_port",
+                                           detail="this is a broker's ingress (or a trainer "
+                                           "serving producers): consumers connect to the "
+                                           "broker's --egress address"))
+            raise DecodeError("wrong_port", f"consumer {msg.consumer} at the ingress")
+        elif p is None:
+            if not isinstance(msg, m.Bye):
+                self._control(ident, m.Reset(broker=self.instance))
+                raise DecodeError("unknown_peer", type(msg).__name__)
+        else:
+            p.last_seen = now
+            self._registered(p, msg, now)
+
+    def _registered(self, p: Producer, msg: m.Message, now: float) -> None:
+        if isinstance(msg, m.Want):
+            if msg.registration != p.registration:
+                return  # about an earlier registration on this connection
+            if self.planner.want(p.ident, msg.sent, msg.sent_bytes, msg.size):
+                self._control(p.ident, m.Refused(
+                    broker=self.instance, reason="batch_too_large", limit=self.max_batch_bytes,
+                    detail=f"a batch of {msg.size} bytes; this broker holds at most "
+                    f"{self.max_batch_bytes} (--max-bytes)"))
+                self.metrics.refused.labels(p.label, "batch_too_large").inc()
+        elif isinstance(msg, m.Returned):
+            if msg.registration == p.registration:
+                self.planner.returned(p.ident, msg.sent, msg.sent_bytes)
+        elif isinstance(msg, (m.Eos, m.Error)):
+            # Queued, not sent now: it must not overtake the batches sent before it.
+            item = Held([m.encode(msg)], 0, 0, p.session, 0, broadcast=True)
+            if not self.sink.accept(p.stream, item):
+                raise DecodeError("buffer_full", type(msg).__name__)
+        elif isinstance(msg, m.Bye):
+            self.drop(p.ident, "bye")
+        elif isinstance(msg, (m.UnitRequest, m.UnitDone)):
+            self._unit_message(p, msg)
+        elif not isinstance(msg, m.Heartbeat):
+            raise DecodeError("bad_kind", f"{type(msg).__name__} from a producer")
+
+    def _unit_message(self, p: Producer, msg: m.UnitRequest | m.UnitDone) -> None:
+        c = self.exact.get(p.stream)
+        if c is None or msg.registration != p.registration:
+            if c is None:
+                raise DecodeError("not_exact", f"{type(msg).__name__} on stream {p.stream}")
+            return
+        if isinstance(msg, m.UnitDone):
+            for epoch in c.unit_done(p.ident, msg.epoch, msg.unit, msg.batches, msg.empty):
+                self.sink.epoch_end(p.stream, epoch)
+            return
+        got = c.request(p.ident, time.monotonic())
+        if isinstance(got, str):
+            self._control(p.ident, m.UnitWait(broker=self.instance, reason=got,
+                                              registration=p.registration))
+        else:
+            self._control(p.ident, m.Unit(broker=self.instance, epoch=got.epoch, unit=got.unit,
+                                          start=got.start, registration=p.registration))
+
+    def _hello(self, ident: bytes, msg: m.ProducerHello, fd: int, now: float) -> None:
+        old = self.producers.get(ident)
+        if old is not None and (old.session, old.registration) == (msg.session,
+                                                                    msg.registration):
+            self._welcome(old)  # a repeated HELLO of a registration we know: a no-op
+            self._grant(old, now)
+            return
+        if self._registering_too_often(ident, now):
+            # An honest peer registers again after a restart or a reconnect, not ten times a
+            # second: a flood would cost the broker a registration each (tables, metric
+            # series). The HELLO is refused and counted; what is registered stays.
+            raise DecodeError("hello_flood", f"producer {msg.producer}")
+        if old is not None:
+            self.drop(ident, "registered_again")
+        if self.producers.full():
+            self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
+                                           limit=self.producers.capacity))
+            raise DecodeError("too_many_peers", f"producer {msg.producer}")
+        if self.cfg.stream is not None and msg.stream != self.cfg.stream:
+            self._control(ident, m.Refused(
+                broker=self.instance, reason="wrong_stream",
+                detail=f"this trainer takes stream {self.cfg.stream!r}, not {msg.stream!r}"))
+            raise DecodeError("wrong_stream", f"producer {msg.producer}: {msg.stream}")
+        self._check_delivery(ident, msg)
+        label = self.metrics.producer_label.acquire(msg.producer)
+        fd, ino = connection(fd)
+        p = Producer(ident=ident, name=msg.producer, session=msg.session,
+                     registration=msg.registration, stream=msg.stream, last_seen=now,
+                     fd=fd, fd_ino=ino, label=label)
+        self.producers.add(p)
+        self.metrics.init_producer(label)
+        lost = self.gaps.hello(msg.session, msg.next_seq)
+        if lost:
+            p.pending_gap = lost
+            self.metrics.lost_batches.labels(label).inc(lost)
+            self._warn.warning("producer %s registered again: %d batches it sent never "
+                               "arrived (counted as lost)", msg.producer, lost)
+        self.planner.join(ident, msg.max_batch_bytes, msg.stream)
+        self._info.info("producer %s joined stream %s (%d connected)", msg.producer,
+                        msg.stream, len(self.producers))
+        self._welcome(p)
+
+    def _registering_too_often(self, ident: bytes, now: float) -> bool:
+        """More than ``_HELLO_RATE`` new registrations in a second from one connection."""
+        start, n = self._hellos.pop(ident, (now, 0))
+        if now - start >= 1.0:
+            start, n = now, 0
+        self._hellos[ident] = (start, n + 1)
+        while len(self._hellos) > 4 * self.cfg.capacity:
+            self._hellos.popitem(last=False)
+        return n + 1 > _HELLO_RATE
+
+    def _check_delivery(self, ident: bytes, msg: m.ProducerHello) -> None:
+        """A stream is exact or not, for every producer of it, with one plan."""
+        exact = self.exact.get(msg.stream)
+        why = ""
+        if msg.delivery == m.EXACT:
+            if msg.dataset_size < 1 or msg.unit_size < 1:
+                why = "exact delivery needs the dataset's size and a unit size"
+            else:
+                got = self.exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size,
+                                                            msg.epochs),
+                                      now=time.monotonic(), grace=self.cfg.recovery_grace)
+                why = got if isinstance(got, str) else ""
+        elif exact is not None:
+            why = f"stream {msg.stream!r} is exact: every producer of it must be"
+        if why:
+            self._control(ident, m.Refused(broker=self.instance, reason="delivery_mismatch",
+                                           detail=why))
+            raise DecodeError("delivery_mismatch", f"producer {msg.producer}: {why}")
+
+    def _welcome(self, p: Producer) -> None:
+        self._control(p.ident, m.Welcome(broker=self.instance, registration=p.registration,
+                                         max_batch_bytes=self.max_batch_bytes))
+
+    def _batch(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
+        p = self.producers.get(ident)
+        if p is None:
+            self._control(ident, m.Reset(broker=self.instance))
+            raise DecodeError("unknown_peer", "BATCH")
+        p.last_seen = now
+        nbytes = sum(len(f) for f in frames)
+        self._charge(p, nbytes, now)
+        if self.planner.producers[ident].received == 1:
+            self.dirty = True  # its first: slow start is over, it may get more credit
+        seq = header.get("s")
+        try:
+            # The whole decoder, structure included (array views only, no payload read): a
+            # batch every consumer would refuse must not be forwarded.
+            batch = wire.decode_batch(frames, self.limits, header=header)
+            if batch.session != p.session:
+                raise DecodeError("bad_header", "session changed without HELLO")
+        except DecodeError as e:
+            self._refuse(p, e, seq if isinstance(seq, int) and seq >= 0 else -1)
+            raise
+        exact = self.exact.get(p.stream)
+        if exact is not None:
+            if batch.unit < 0:
+                self._refuse(p, DecodeError("not_exact", "a batch without its unit"), batch.seq)
+                raise DecodeError("not_exact", f"producer {p.name}")
+            if not exact.accept(batch.key):
+                # Already here or settled (a re-run unit), or of another epoch: dropped; it
+                # was charged to its credit, which the next plan gives back.
+                self.metrics.duplicates.labels(p.stream).inc()
+                self.dirty = True
+                self.gaps.batch(p.session, batch.seq)
+                return
+        gap = self.gaps.batch(p.session, batch.seq)
+        if gap:
+            self.metrics.lost_batches.labels(p.label).inc(gap)
+        gap, p.pending_gap = gap + p.pending_gap, 0  # consumers hear of both with this batch
+        self.metrics.received_batches.labels(p.label).inc()
+        self.metrics.received_bytes.labels(p.label).inc(batch.nbytes)
+        self.sink.accept(p.stream, Held(list(frames), nbytes, batch.nbytes, p.session, gap,
+                                        batch=batch))
+
+    def _charge(self, p: Producer, nbytes: int, now: float) -> None:
+        """Count a batch against its producer's credit; cut off one that had none left."""
+        breach = self.planner.batch(p.ident, nbytes, now)
+        if breach is not None:
+            # A producer that ignores flow control is cut off: it cannot grow our memory.
+            self._control(p.ident, m.Refused(broker=self.instance, reason=breach,
+                                             detail="sent beyond its credit: cut off"))
+            self._cut_off(p.fd, p.fd_ino, "producer", breach)
+            self.drop(p.ident, breach)
+            raise DecodeError(breach, f"producer {p.name}")
+
+    def _refuse(self, p: Producer, e: DecodeError, seq: int) -> None:
+        self.dirty = True  # its credit comes back with the next plan
+        self.metrics.refused.labels(p.label, e.reason).inc()
+        self._control(p.ident, m.Refused(broker=self.instance, reason=e.reason, seq=seq,
+                                         detail=str(e)[: self.limits.max_text_len]))
+
+    # -- credit and liveness ------------------------------------------------------------
+    def plan(self, now: float) -> None:
+        held_b, held_y = self.sink.held()
+        streams = {p.stream for p in self.producers}
+        plan = self.planner.plan(now, held_b, held_y, self.sink.held_by_stream(),
+                                 {s for s in streams if not self.sink.read(s)})
+        for ident in plan.grants:
+            p = self.producers.get(ident)
+            if p is not None:
+                self._grant(p, now)
+        for ident in plan.revokes:
+            p = self.producers.get(ident)
+            if p is not None and self._control(ident, m.Revoke(
+                    broker=self.instance, registration=p.registration)) == 0:
+                p.last_sent = now
+
+    def _grant(self, p: Producer, now: float) -> None:
+        c = self.planner.producers[p.ident]
+        if self._control(p.ident, m.Grant(broker=self.instance, batches=c.granted,
+                                          nbytes=c.granted_bytes,
+                                          registration=p.registration)) == 0:
+            p.last_sent = now
+
+    def liveness(self, now: float, interval: float, timeout: float) -> None:
+        for p in self.producers.expired(now, timeout):
+            self.drop(p.ident, "timeout")
+        for ident in self.planner.unanswered(now, timeout):
+            peer = self.producers.get(ident)
+            if peer is not None:
+                self._cut_off(peer.fd, peer.fd_ino, "producer", "revoke_unanswered")
+                self.drop(ident, "revoke_unanswered")
+        for p in self.producers.due(now, interval):
+            if self._control(p.ident, m.Heartbeat(broker=self.instance)) == 0:
+                p.last_sent = now
+
+    def drop(self, ident: bytes, reason: str) -> None:
+        p = self.producers.remove(ident)
+        if p is None:
+            return
+        self.dirty = True
+        credit = self.planner.leave(ident)
+        c = self.exact.get(p.stream)
+        if c is not None:
+            c.release(ident)  # its unit goes to another producer
+        self.metrics.producer_label.release(p.label)
+        self._info.info("producer %s dropped (%s)", p.name, reason)
+        self.metrics.dropped_peers.labels("producer", reason).inc()
+        if reason not in ("bye", "registered_again") and credit is not None:
+            # What it may have sent that will never arrive here.
+            self.metrics.unconfirmed.labels("producer").inc(credit.outstanding)
+
+    def outstanding(self) -> tuple[int, int]:
+        return self.planner.outstanding()

@@ -1,0 +1,70 @@
+"""tensorpack compatibility: ``send_dataflow_zmq`` (``TENSORPACK_SERIALIZE=msgpack``) in.
+
+tensorpack's PUSH knows one flow control, its high-water mark. The broker's PULL socket holds
+at most one message per connection (RCVHWM 1, MAXMSGSIZE within the budget) and is read only
+while the budget has room for a message as large as the largest seen, so a fast tensorpack
+sender is pushed back by its own HWM instead of growing the broker. Each datapoint is decoded
+safely (:mod:`feedline.tensorpack_wire`: never unpickled), re-encoded as a feedline batch
+under the same limits every consumer applies (a datapoint a consumer would refuse is refused
+here, and counted), and counted at its full size, header included: bytes a datapoint carries
+as Python ``bytes`` travel inline in the header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import zmq
+
+from feedline import wire
+from feedline.broker.buffer import Held
+from feedline.broker.ingress import Sink
+from feedline.broker.metrics import BrokerMetrics
+from feedline.codec import DecodeError, EncodeError, Limits
+
+PRODUCER = "tensorpack"
+
+
+class TensorpackIngress:
+    """Reads the tensorpack PULL socket (owned by the broker's loop) into the sink."""
+
+    def __init__(self, sock: zmq.Socket, sink: Sink, metrics: BrokerMetrics, limits: Limits,
+                 max_bytes: int, stream: str) -> None:
+        self.sock, self.sink, self.metrics, self.limits = sock, sink, metrics, limits
+        self.max_bytes, self.stream = max_bytes, stream
+        self.largest = 0  # the largest datapoint seen (wire bytes): room needed to read one
+        self._seq = 0
+        metrics.init_producer(PRODUCER)
+
+    def has_room(self, reserved_bytes: int) -> bool:
+        _, held = self.sink.held()
+        return held + reserved_bytes + self.largest <= self.max_bytes
+
+    def drain(self, reserved_bytes: int, reject: Callable[[str, str], None]) -> int:
+        """Read while there is room; returns how many datapoints were read."""
+        n = 0
+        while self.has_room(reserved_bytes) and n < 64:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            n += 1
+            self.largest = max(self.largest, len(frame))
+            try:
+                dp = wire.decode_tensorpack(frame, self.limits)
+                frames = wire.encode_batch(dp, producer=PRODUCER, session=0, seq=self._seq,
+                                           limits=self.limits)
+            except DecodeError as e:
+                reject(e.reason, str(e))
+                continue
+            except EncodeError as e:  # decodable, but no consumer would take it
+                reject("tensorpack_over_limits", str(e))
+                continue
+            self._seq += 1
+            array_bytes = sum(a.nbytes for a in frames[1:])
+            nbytes = len(frames[0]) + array_bytes
+            self.largest = max(self.largest, nbytes)
+            self.metrics.received_batches.labels(PRODUCER).inc()
+            self.metrics.received_bytes.labels(PRODUCER).inc(array_bytes)
+            self.sink.accept(self.stream, Held(frames, nbytes, array_bytes, 0, 0))
+        return n

@@ -1,0 +1,5 @@
+import sys
+
+from feedline.commands.main import main
+
+sys.exit(main())

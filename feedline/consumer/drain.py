@@ -1,0 +1,147 @@
+"""``feedline drain``: a stand-in training loop that takes batches from a broker.
+
+It iterates :class:`consumer.RemoteDataZMQ` as a training job would, optionally sleeping
+``--step-seconds`` per batch to play a model of that speed, and serves the consumer metrics
+(``--metrics-port``). Use it to smoke-test a deployment, to size producers before the real
+job exists, or as the ``trainer`` service of the compose demo. It needs no TensorFlow.
+
+``--bind ADDR`` plays a trainer in direct mode instead (``RemoteDataZMQ(ADDR, bind=True)``):
+it serves the producers itself, with server CURVE keys (``--curve-secret``, ``--curve-allowed``)
+and the broker's metrics beside the consumer's: the training pods and hosts of
+docker-compose.direct.yml and deploy/k8s/two-hosts/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from feedline import endpoints, security
+from feedline.flags import (
+    HelpFormatter,
+    add_client_curve_flags,
+    add_log_flags,
+    add_metrics_flags,
+    client_keys,
+    server_keys,
+    stop_on_signals,
+)
+from feedline.logs import setup_logging
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "drain",
+        help="consume batches like a training loop (no TensorFlow), serving consumer metrics",
+        description="Take batches from the broker's egress (or with --bind, straight from the "
+        "producers: direct mode)\nas a training job would, sleeping --step-seconds per batch "
+        "to stand in for a model.\nLogs batches/s and MB/s.",
+        formatter_class=HelpFormatter,
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--broker", default="ipc:///tmp/feedline.sock",
+                       help="the broker's egress (ipc:// or tcp://)")
+    where.add_argument("--bind", default=None, metavar="ADDR",
+                       help="direct mode: no broker, serve the producers at ADDR (e.g. "
+                       "tcp://0.0.0.0:7878; producers give it as their --broker)")
+    p.add_argument("--window", type=int, default=4,
+                   help="batches this process may hold ahead of the model")
+    p.add_argument("--stream", default="default",
+                   help="the stream to receive (producers declare theirs)")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="simulated model step per batch (0: as fast as batches come)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds to run, then exit (default: until SIGTERM)")
+    p.add_argument("--id", default=None, help="consumer id (default: hostname-pid)")
+    add_metrics_flags(p, 0)
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between rate lines in the log")
+    add_client_curve_flags(p, "consumer")
+    # With --bind this process is the server: --curve-secret is its key (the one producers
+    # know as the broker's), and these are the server flags (feedline.flags) it adds.
+    p.add_argument("--curve-allowed", default=None, metavar="DIR",
+                   help="with --bind: directory of the producer public keys (*.key) allowed to "
+                   f"connect; env {security.ENV_ALLOWED}")
+    p.add_argument("--insecure", action="store_true",
+                   help="with --bind: allow a non-loopback address without CURVE keys (anyone "
+                   "who reaches the port can inject training data)")
+    add_log_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from feedline.consumer import RemoteDataZMQ
+    from feedline.errors import ReceiveTimeout
+    from feedline.metrics import serve_metrics
+
+    setup_logging(args.log_level)
+    if args.step_seconds < 0:
+        raise SystemExit("feedline drain: --step-seconds must be >= 0")
+    try:
+        addr, curve = _where(args)
+        registry = CollectorRegistry()
+        serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
+    except (endpoints.AddressError, security.KeyFileError, security.CurveUnavailable) as e:
+        raise SystemExit(f"feedline drain: {e}") from None
+    stop = stop_on_signals()
+    t0 = last = time.monotonic()
+    end = None if args.duration is None else t0 + args.duration
+    count = nbytes = last_count = last_bytes = 0
+    # A short receive timeout only so that SIGTERM is noticed while no batch comes.
+    with RemoteDataZMQ(addr, window=args.window, timeout=0.5, consumer_id=args.id,
+                       return_meta=True, registry=registry, curve=curve,
+                       bind=args.bind is not None, insecure=args.insecure,
+                       stream=args.stream) as source:
+        while not stop.is_set() and (end is None or time.monotonic() < end):
+            try:
+                for batch in source:
+                    count += 1
+                    nbytes += batch.nbytes
+                    if args.step_seconds:
+                        stop.wait(args.step_seconds)
+                    now = time.monotonic()
+                    if now - last >= args.log_interval:
+                        log.info("%d batches, %.1f batches/s, %.1f MB/s", count,
+                                 (count - last_count) / (now - last),
+                                 (nbytes - last_bytes) / (now - last) / 1e6)
+                        last, last_count, last_bytes = now, count, nbytes
+                    if stop.is_set() or (end is not None and now >= end):
+                        break
+            except ReceiveTimeout:
+                continue  # no batch for a while: check stop and the deadline, wait again
+    log.info("drained %d batches (%.1f MB) in %.1fs", count, nbytes / 1e6,
+             time.monotonic() - t0)
+    return 0
+
+
+def _where(args: argparse.Namespace) -> tuple[str, security.ClientKeys | security.ServerKeys
+                                               | None]:
+    """The address and keys: a broker's egress and client keys, or with --bind the address
+    to serve producers at and server keys. Raises AddressError or KeyFileError (one line)."""
+    if args.bind is None:
+        if args.curve_allowed or args.insecure:
+            raise SystemExit("feedline drain: --curve-allowed and --insecure go with --bind "
+                             "(a trainer that serves its producers)")
+        endpoints.check_connect(args.broker, "--broker")
+        return args.broker, client_keys(args)
+    if args.curve_broker_key:
+        raise SystemExit("feedline drain: --curve-broker-key is a broker client's flag; with "
+                         "--bind this process is the server: give --curve-secret and "
+                         "--curve-allowed")
+    endpoints.check_bind(args.bind, "--bind")
+    keys = server_keys(args)
+    exposed = security.exposed([args.bind])
+    if keys is None and exposed and not args.insecure:
+        raise endpoints.AddressError(
+            f"refusing to serve producers on {args.bind} without CURVE keys: anyone who reaches "
+            "it could inject training data. Give --curve-secret and --curve-allowed (docs/"
+            "security.md), bind 127.0.0.1 / ipc://, or pass --insecure on a network you trust")
+    if keys is None and exposed:
+        log.warning("--insecure: %s has no CURVE keys: %s can send batches into training",
+                    args.bind, endpoints.reach(args.bind))
+    return args.bind, keys

@@ -1,0 +1,286 @@
+"""The consumer's side of the client loop: what the I/O thread does with the broker's
+messages, and the state it shares with the iterating thread.
+
+:class:`Shared` is the only object both threads touch: a bounded queue of deliveries, the
+count of batches the model took (under a lock), per-producer statistics (under the same
+lock), and flags. :class:`ConsumerIO` runs in the I/O thread: it decodes deliveries into the
+queue, returns credit (TAKEN) as the model takes batches, and counts what it refuses. A
+delivery it refuses (malformed, or over this process's limits) is counted as taken, so its
+credit returns to the broker instead of shrinking the window for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import zmq
+from prometheus_client import CollectorRegistry
+
+from feedline import messages as m
+from feedline import wire
+from feedline.client import ClientLoop, Waker
+from feedline.consumer.metrics import ConsumerMetrics
+from feedline.cursor import Cursor
+from feedline.errors import ProducerError
+from feedline.link import Link, LinkConfig
+from feedline.logs import RateLimitedLog
+from feedline.security import ClientKeys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProducerStats:
+    """What this consumer saw of one producer."""
+
+    received: int = 0
+    bytes: int = 0
+    lost: int = 0  # batches the broker saw missing from this producer's sequence
+    finished: bool = False  # the producer sent end-of-stream
+
+
+@dataclass(frozen=True)
+class Delivery:
+    registration: int  # the registration it was delivered under (credit counts per one)
+    batch: wire.Batch
+    nbytes: int = 0  # its wire size: what this process's byte budget counts
+
+
+@dataclass(frozen=True)
+class Marker:
+    """An exception to raise in the iterating thread, in order with the batches."""
+
+    exc: BaseException
+
+
+@dataclass(frozen=True)
+class EpochMark:
+    """Exact delivery: every batch of ``epoch`` was taken (by some consumer of the stream)."""
+
+    epoch: int
+
+
+_MAX_PRODUCERS = 4096  # per-producer statistics kept, at most
+
+
+class Shared:
+    """State shared by the iterating thread and the I/O thread."""
+
+    def __init__(self, consumer_id: str, session: int, window: int, max_bytes: int,
+                 stream: str, on_error: str, registry: CollectorRegistry,
+                 metrics: ConsumerMetrics | None = None) -> None:
+        self.consumer_id, self.session, self.window = consumer_id, session, window
+        self.max_bytes, self.stream, self.on_error = max_bytes, stream, on_error
+        self.registry = registry
+        self.metrics = metrics or ConsumerMetrics(registry)
+        # Old registrations' batches may still sit here after a broker restart: 2 windows.
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=2 * window + 64)
+        self.metrics.local_queue.set_function(self.queue.qsize)
+        self.metrics.window.set(window)
+        self.lock = threading.Lock()
+        self.registration = 0  # the current one (set by the I/O thread)
+        self.taken = 0  # batches of the current registration the model took
+        self.queued_bytes = 0  # wire bytes of the deliveries waiting in the queue
+        self.stats: dict[str, ProducerStats] = {}
+        self.closed = False
+        self.answered = False  # a broker has accepted a registration of ours
+        self.refusal: m.Refused | None = None
+        self.waker: Waker | None = None
+        self.loop: ClientLoop | None = None
+        # Exact delivery: what this process took of the current epoch (its cursor), the
+        # checkpoint it resumes from (sent with its first HELLO), and, in direct mode, the
+        # batches taken since the I/O thread last settled them.
+        self.cursor = Cursor(stream)
+        self.resume: Cursor | None = None
+        self.collect_keys = False
+        self.taken_keys: list[tuple[int, int, int]] = []
+        # Direct mode: batches are granted and arriving, so the I/O thread runs again soon
+        # and plans for what was taken meanwhile: a take need not wake it (a turn of its loop
+        # for every batch taken, besides the one for every batch that arrives). Written by
+        # the I/O thread before it reads ``taken`` again; read here after ``taken`` grew.
+        self.expecting = False
+
+    def fresh(self) -> Shared:
+        """A new run (iterating again after close): same identity and metrics, new state;
+        the cursor goes on (what was taken stays taken)."""
+        out = Shared(self.consumer_id, self.session, self.window, self.max_bytes,
+                     self.stream, self.on_error, self.registry, self.metrics)
+        out.cursor, out.resume = self.cursor, self.resume
+        return out
+
+    def took(self, item: Delivery) -> bool:
+        """Called by the iterating thread for each batch the model takes; False (not to be
+        given to the model) for an exact batch delivered under a registration the broker
+        has dropped: it serves that batch again, and taking it would count it twice."""
+        b = item.batch
+        with self.lock:
+            self.queued_bytes -= item.nbytes
+            if b.unit >= 0 and not self.collect_keys and item.registration != self.registration:
+                return False
+            if item.registration == self.registration:
+                self.taken += 1
+            if b.unit >= 0 and b.epoch == self.cursor.epoch and \
+                    b.index in self.cursor.taken.get(b.unit, ()):
+                # Exact: we took this one before (served again after a broker restart, before
+                # our report reached it): acknowledged, not given to the model twice.
+                if self.waker is not None:
+                    self.waker.wake()
+                return False
+            if b.unit >= 0:
+                if b.epoch != self.cursor.epoch:
+                    self.cursor = Cursor(self.stream, b.epoch)
+                self.cursor.add(b.unit, b.index)
+                if self.collect_keys:
+                    self.taken_keys.append(b.key)
+        if self.waker is not None and not self.expecting:
+            self.waker.wake()  # the I/O thread reports it taken (TAKEN) now
+        return True
+
+    def stats_copy(self) -> dict[str, ProducerStats]:
+        with self.lock:
+            return {k: replace(v) for k, v in self.stats.items()}
+
+    def producer(self, pid: str) -> ProducerStats:
+        """The stats entry of ``pid`` (call with the lock held); bounded in number."""
+        st = self.stats.get(pid)
+        if st is None:
+            if len(self.stats) >= _MAX_PRODUCERS:
+                self.stats.pop(next(iter(self.stats)))
+            st = self.stats[pid] = ProducerStats()
+        return st
+
+
+class ConsumerIO:
+    """The consumer's role in the client loop (runs in the I/O thread only)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, cfg: LinkConfig,
+                 curve: ClientKeys | None, shared: Shared) -> None:
+        self.shared, self.limits = shared, cfg.limits
+        self._reject_log = RateLimitedLog(log)
+        self._refused = 0  # deliveries of this registration refused here: taken, for credit
+        self._reported = 0  # the last TAKEN total sent
+        self.link = Link(ctx, addr, self._hello, cfg, curve=curve,
+                         on_register=self._on_register, on_reject=self._count_reject,
+                         rcvhwm=2 * shared.window + 64, what=f"consumer {shared.consumer_id}")
+
+    def _hello(self, registration: int) -> m.ConsumerHello:
+        s = self.shared
+        with s.lock:
+            # Exact delivery: the checkpoint to resume from (once), else what we took of this
+            # epoch, so that a restarted broker knows it too.
+            if s.resume is not None:
+                cursor = s.resume.encode()
+            elif s.cursor.taken:
+                cursor = s.cursor.encode()
+            else:
+                cursor = b""
+        return m.ConsumerHello(consumer=s.consumer_id, session=s.session, window=s.window,
+                               max_bytes=s.max_bytes, stream=s.stream,
+                               registration=registration, cursor=cursor)
+
+    def _on_register(self, registration: int) -> None:
+        with self.shared.lock:
+            self.shared.registration = registration
+            self.shared.taken = 0
+        self._refused = self._reported = 0
+
+    def _count_reject(self, reason: str) -> None:
+        self.shared.metrics.rejected.labels(reason).inc()
+
+    # -- the loop's callbacks -----------------------------------------------------------
+    def sockets(self) -> list[zmq.Socket]:
+        return []
+
+    def on_ready(self, ready: list[zmq.Socket]) -> None:
+        pass
+
+    def links(self) -> list[Link]:
+        return [self.link]
+
+    def on_message(self, link: Link, msg: m.Message, frames: list[zmq.Frame]) -> None:
+        s = self.shared
+        if isinstance(msg, m.Welcome):
+            s.answered, s.refusal = True, None
+            with s.lock:
+                s.resume = None  # applied: later registrations report what we took
+        elif isinstance(msg, m.EpochEnd):
+            self._put(EpochMark(msg.epoch), counts=False)
+        elif isinstance(msg, m.Deliver):
+            self._deliver(msg, frames)
+        elif isinstance(msg, m.Eos):
+            with s.lock:
+                s.producer(msg.producer).finished = True
+        elif isinstance(msg, m.Error):
+            err = ProducerError(msg.producer, msg.message, msg.traceback)
+            if s.on_error == "raise":
+                self._put(Marker(err), counts=False)
+            else:
+                log.error("%s", err)
+        elif isinstance(msg, m.Refused):
+            if not link.welcomed:
+                s.refusal = msg
+            self._reject_log.warning("the broker refused a message of ours: %s %s",
+                                     msg.reason, msg.detail)
+        else:
+            self._count_reject("unexpected_kind")
+
+    def _deliver(self, env: m.Deliver, frames: list[zmq.Frame]) -> None:
+        s = self.shared
+        try:
+            batch = wire.decode_batch(frames, self.limits)
+        except wire.DecodeError as e:
+            self._count_reject(e.reason)
+            self._reject_log.warning("refused a batch from the broker: %s", e)
+            self._refused += 1  # its credit returns all the same
+            return
+        with s.lock:
+            st = s.producer(batch.producer)
+            st.received += 1
+            st.bytes += batch.nbytes
+            st.lost += env.gap
+        s.metrics.received_batches.inc()
+        s.metrics.received_bytes.inc(batch.nbytes)
+        if env.gap:
+            s.metrics.lost_batches.inc(env.gap)
+        # Tagged with the registration it was delivered under: a batch of an earlier one
+        # (still in the pipe when we registered again) is data all the same, but its credit
+        # belongs to a registration the broker no longer counts.
+        self._put(Delivery(env.registration or self.link.registration, batch,
+                           batch.wire_bytes), counts=True)
+
+    def _put(self, item: Any, counts: bool) -> None:
+        try:
+            if isinstance(item, Delivery):
+                with self.shared.lock:
+                    self.shared.queued_bytes += item.nbytes
+            self.shared.queue.put_nowait(item)
+        except queue.Full:  # only if the broker ignored our window
+            if isinstance(item, Delivery):
+                with self.shared.lock:
+                    self.shared.queued_bytes -= item.nbytes
+            self._count_reject("over_window")
+            if counts:
+                self._refused += 1
+
+    def on_wake(self) -> None:
+        self._report()
+
+    def on_tick(self) -> None:
+        self._report()
+
+    def _report(self) -> None:
+        """Return credit: TAKEN with the batches taken (or refused) under this registration."""
+        if not self.link.welcomed:
+            return
+        with self.shared.lock:
+            total = self.shared.taken + self._refused
+        taken = m.Taken(taken=total, registration=self.link.registration)
+        if total != self._reported and self.link.send_msg(taken):
+            self._reported = total
+
+    def on_close(self) -> None:
+        self.link.send_msg(m.Bye())

@@ -1,0 +1,5 @@
+"""feedline producers: DataFlow pipelines and sending their batches to a broker."""
+
+from feedline.producer.sender import Sender, SendStats, send_dataflow
+
+__all__ = ["SendStats", "Sender", "send_dataflow"]

@@ -1,0 +1,392 @@
+"""The producer's side of the client loop: credit, sending, and what the broker says back.
+
+Runs in the producer's I/O thread (:class:`feedline.client.ClientLoop`), so heartbeats and
+credit bookkeeping go on however long the pipeline takes to make the next batch. The owner
+thread hands batches over through :class:`Outbox` (bounded: at most one waits there, one more
+is held here); this side sends each to a broker whose credit covers it.
+
+One :class:`Channel` per broker (a producer may serve several: each batch goes to one of
+them, by credit, so a faster training host gets more). Credit is two absolute totals since
+the registration's HELLO, batches and bytes: a batch goes out only if both cover it. A batch
+larger than its byte credit asks for more (WANT); credit the broker takes back (REVOKE) is
+answered with what was sent (RETURNED). Grants of an earlier registration or of a replaced
+broker are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from feedline import messages as m
+from feedline import wire
+from feedline.client import ClientLoop, Waker
+from feedline.errors import FeedlineError
+from feedline.link import Link, LinkConfig
+from feedline.logs import RateLimitedLog
+from feedline.producer.metrics import ProducerMetrics
+from feedline.producer.targets import Targets
+from feedline.security import ClientKeys
+
+log = logging.getLogger(__name__)
+_CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
+
+
+class BatchTooLarge(FeedlineError):
+    """A batch no broker can take: larger than every broker's memory budget or limit."""
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    prepared: wire.Prepared
+    epoch: int
+    unit: int = -1  # exact delivery: its place in its work unit
+    index: int = 0
+    last: bool = False
+
+
+@dataclass(frozen=True)
+class UnitAsk:
+    """Exact delivery: ask the broker for a work unit (the answer comes in Outbox.units)."""
+
+
+@dataclass(frozen=True)
+class UnitEnd:
+    """Exact delivery: a unit's batches were all handed over (sent after them, in order)."""
+
+    epoch: int
+    unit: int
+    batches: int
+    empty: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExactSpec:
+    """What an exact producer declares: the dataset's size, a unit's, the epochs (0: all)."""
+
+    dataset_size: int
+    unit_size: int
+    epochs: int = 0
+
+
+@dataclass(frozen=True)
+class ControlItem:
+    msg: m.Eos | m.Error
+
+
+@dataclass(frozen=True)
+class SkipItem:
+    """Advance every channel's sequence number (what a batch lost on the way looks like)."""
+
+    n: int
+
+
+Item = BatchItem | ControlItem | SkipItem | UnitAsk | UnitEnd
+
+
+@dataclass
+class Outbox:
+    """What the owner thread and the I/O thread share."""
+
+    producer_id: str
+    session: int
+    stream: str
+    metrics: ProducerMetrics
+    items: queue.Queue[Item] = field(default_factory=lambda: queue.Queue(maxsize=1))
+    idle: threading.Event = field(default_factory=threading.Event)  # nothing left to send
+    error: BaseException | None = None  # raised in the owner's next send
+    credit: int = 0  # batches the brokers would take now (for the owner's eyes only)
+    largest: int = 0  # the largest batch prepared so far (declared in HELLOs)
+    # The I/O thread holds an item it could not send yet (no credit): a new one queues
+    # behind it, so handing one over needs no wake (the grant that frees the held one wakes
+    # the loop, which then takes the next). Written before the I/O thread looks at the
+    # queue again, read by the owner after it put: one of them sees the other.
+    holding: bool = False
+    waker: Waker | None = None
+    loop: ClientLoop | None = None
+    exact: ExactSpec | None = None
+    units: queue.Queue[m.Unit | m.UnitWait] = field(default_factory=lambda: queue.Queue(8))
+
+    def nudge(self) -> None:
+        """Wake the I/O thread for what the owner hands over, unless it holds an item that
+        the new one queues behind (call after the put: see :attr:`holding`)."""
+        if not self.holding and self.waker is not None:
+            self.waker.wake()
+
+
+class Channel:
+    """Credit and sequence numbers towards one broker."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.seq = 0  # next sequence number (per broker: each counts its own gaps)
+        self.welcome: m.Welcome | None = None
+        self.reset_credit()
+
+    def reset_credit(self) -> None:
+        self.granted = self.granted_bytes = self.sent = self.sent_bytes = 0
+        self.asked = 0  # the size of the last WANT, until a grant answers it
+        self.largest_sent = 0  # the largest batch sent since the broker last marked us idle
+
+    @property
+    def credit(self) -> int:
+        return self.granted - self.sent if self.link.welcomed else 0
+
+    def covers(self, size: int) -> bool:
+        return self.credit > 0 and self.sent_bytes + size <= self.granted_bytes
+
+    def granted_unasked(self, size: int) -> bool:
+        """The broker grants this batch's credit without a WANT: it gives a producer that
+        has sent since it registered (or gave credit back) one credit as room frees, worth
+        at least the largest batch it sent (broker/credit.py). So a producer that keeps up
+        with its trainer does not ask for every batch (a message each way per batch, and
+        work for the trainer's I/O thread in direct mode). Byte credit short of a larger
+        batch, and a producer the broker holds idle, still ask."""
+        return self.credit <= 0 and 0 < size <= self.largest_sent
+
+    def too_small(self, size: int) -> bool:
+        """The broker said it can never take a batch of ``size`` bytes."""
+        w = self.welcome
+        return w is not None and w.max_batch_bytes > 0 and size > w.max_batch_bytes
+
+
+class ProducerIO:
+    """The producer's role in the client loop (I/O thread only)."""
+
+    def __init__(self, ctx: zmq.Context, targets: Targets, cfg: LinkConfig,
+                 curve: ClientKeys | None, outbox: Outbox) -> None:
+        self.out, self.targets = outbox, targets
+        self._ctx, self._cfg, self._curve = ctx, cfg, curve
+        self._packed_id = wire.packb(outbox.producer_id)
+        self._log = RateLimitedLog(log, interval=10.0)
+        self.channels = [self._channel(ctx, addr, cfg, curve) for addr in targets.endpoints()]
+        self._head: Item | None = None
+        self._head_since = time.monotonic()
+        self._credit_log = RateLimitedLog(log, interval=60.0)
+        self._control_until = 0.0
+        self._rr = 0
+        self._synced = time.monotonic()
+
+    def _sync_targets(self) -> None:
+        """Follow the endpoints behind the addresses (a DNS name's hosts come and go)."""
+        now = time.monotonic()
+        if now - self._synced < 1.0:
+            return
+        self._synced = now
+        wanted = self.targets.endpoints()
+        have = {ch.link.addr: ch for ch in self.channels}
+        for ch in [c for a, c in have.items() if a not in wanted]:
+            log.info("%s: %s is gone from the targets; leaving it", self.out.producer_id,
+                     ch.link.addr)
+            ch.link.send_msg(m.Bye())
+            ch.link.close()
+            self.channels.remove(ch)
+        for addr in wanted:
+            if addr not in have:
+                log.info("%s: serving a new target %s", self.out.producer_id, addr)
+                self.channels.append(self._channel(self._ctx, addr, self._cfg, self._curve))
+
+    def _channel(self, ctx: zmq.Context, addr: str, cfg: LinkConfig,
+                 curve: ClientKeys | None) -> Channel:
+        holder: list[Channel] = []
+
+        def hello(registration: int) -> m.ProducerHello:
+            ch = holder[0] if holder else None
+            x = self.out.exact
+            return m.ProducerHello(
+                producer=self.out.producer_id, session=self.out.session,
+                next_seq=ch.seq if ch else 0, max_batch_bytes=self.out.largest,
+                stream=self.out.stream, registration=registration,
+                last_broker=(ch.link.broker_id or 0) if ch else 0,
+                delivery=m.EXACT if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
+                unit_size=x.unit_size if x else 0, epochs=x.epochs if x else 0)
+
+        def registered(_registration: int) -> None:
+            if holder:
+                holder[0].reset_credit()
+            self.out.metrics.registrations.inc()
+
+        link = Link(ctx, addr, hello, cfg, curve=curve, on_register=registered,
+                    on_reject=lambda reason: self.out.metrics.rejected.labels(reason).inc(),
+                    what=f"producer {self.out.producer_id}")
+        holder.append(Channel(link))
+        return holder[0]
+
+    # -- the loop's callbacks -----------------------------------------------------------
+    def sockets(self) -> list[zmq.Socket]:
+        return []
+
+    def on_ready(self, ready: list[zmq.Socket]) -> None:
+        pass
+
+    def links(self) -> list[Link]:
+        return [ch.link for ch in self.channels]
+
+    def on_message(self, link: Link, msg: m.Message, frames: list[zmq.Frame]) -> None:
+        ch = next(c for c in self.channels if c.link is link)
+        if isinstance(msg, m.Welcome):
+            ch.welcome = msg
+        elif isinstance(msg, m.Grant):
+            if msg.registration == link.registration:
+                ch.granted = max(ch.granted, msg.batches)
+                ch.granted_bytes = max(ch.granted_bytes, msg.nbytes)
+                ch.asked = 0
+        elif isinstance(msg, m.Revoke):
+            if msg.registration == link.registration:
+                ch.granted, ch.granted_bytes, ch.asked = ch.sent, ch.sent_bytes, 0
+                ch.largest_sent = 0  # idle at the broker now: more credit only when asked
+                link.send_msg(m.Returned(sent=ch.sent, sent_bytes=ch.sent_bytes,
+                                         registration=link.registration))
+        elif isinstance(msg, m.Refused):
+            self._refused(ch, msg)
+        elif isinstance(msg, (m.Unit, m.UnitWait)):
+            if msg.registration == link.registration:
+                try:
+                    self.out.units.put_nowait(msg)
+                except queue.Full:  # the owner asks one at a time: a stray answer
+                    pass
+        else:
+            self.out.metrics.rejected.labels("unexpected_kind").inc()
+        # Nothing sent from here: on_tick, later in the same turn, sends what a grant allows
+        # (once for all the messages read, not once for each).
+
+    def _refused(self, ch: Channel, msg: m.Refused) -> None:
+        self.out.metrics.refused.labels(msg.reason).inc()
+        if msg.reason == "batch_too_large":
+            ch.welcome = m.Welcome(broker=msg.broker, max_batch_bytes=msg.limit,
+                                   registration=ch.link.registration)
+        self._log.warning("broker %s refused %s: %s%s", ch.link.addr,
+                          f"batch {msg.seq}" if msg.seq >= 0 else "a message", msg.reason,
+                          f" ({msg.detail})" if msg.detail else "")
+
+    def on_wake(self) -> None:
+        pass  # on_tick follows in the same turn of the loop, after the messages: it sends
+
+    def _pump(self) -> None:
+        """Send what was handed over, in order, as far as credit allows."""
+        while True:
+            if self._head is None:
+                try:
+                    self._head = self.out.items.get_nowait()
+                except queue.Empty:
+                    break
+                self.out.holding = True
+                self._head_since = time.monotonic()
+            if not self._send(self._head):
+                break
+            self._head = None
+            self.out.holding = False  # before looking at the queue again (Outbox.holding)
+            self._head_since = time.monotonic()
+        self.out.credit = sum(ch.credit for ch in self.channels)
+        idle = self.out.idle
+        if self._head is None and self.out.items.empty():
+            if not idle.is_set():
+                idle.set()
+        elif idle.is_set():
+            idle.clear()
+
+    def on_tick(self) -> None:
+        self._sync_targets()
+        self._pump()
+        self._waiting()
+
+    def _waiting(self) -> None:
+        """Say so when a batch has waited long for credit: which side is slow."""
+        now = time.monotonic()
+        if not isinstance(self._head, BatchItem):
+            self._head_since = now
+            return
+        waited = now - self._head_since
+        if waited < self._cfg.credit_warn:
+            return
+        if not any(ch.link.welcomed for ch in self.channels):
+            return  # the link says it cannot reach a broker: that is the story
+        self._credit_log.warning(
+            "%s: no credit for %.0fs: the training side takes batches slower than this "
+            "producer makes them, or no training process is connected to %s (not a fault: "
+            "feedline_producer_credit_wait_seconds shows how often)", self.out.producer_id,
+            waited, ", ".join(ch.link.addr for ch in self.channels))
+
+    def _send(self, item: Item) -> bool:
+        if isinstance(item, SkipItem):
+            for ch in self.channels:
+                ch.seq += item.n
+            return True
+        if isinstance(item, (UnitAsk, UnitEnd)):
+            return self._send_unit(item)
+        if isinstance(item, ControlItem):
+            return self._send_control(item.msg)
+        return self._send_batch(item)
+
+    def _send_batch(self, item: BatchItem) -> bool:
+        size = item.prepared.wire_bytes
+        ready = [ch for ch in self.channels if ch.covers(size)]
+        if item.unit >= 0:
+            ready = ready[:1] if self.channels and ready and ready[0] is self.channels[0] else []
+        if not ready:
+            if self.channels and all(ch.too_small(size) for ch in self.channels):
+                limits = sorted({ch.welcome.max_batch_bytes for ch in self.channels
+                                 if ch.welcome})
+                self.out.error = BatchTooLarge(
+                    f"a batch of {size / 2**20:.1f} MiB is larger than what the broker can "
+                    f"hold (--max-bytes {', '.join(f'{x / 2**20:.1f} MiB' for x in limits)}): "
+                    "raise the broker's --max-bytes or make batches smaller")
+                return True  # dropped: the owner raises
+            for ch in self.channels:
+                if ch.link.welcomed and ch.asked != size and not ch.covers(size) \
+                        and not ch.too_small(size) and not ch.granted_unasked(size):
+                    if ch.link.send_msg(m.Want(sent=ch.sent, sent_bytes=ch.sent_bytes,
+                                               size=size, registration=ch.link.registration)):
+                        ch.asked = size
+            return False
+        self._rr += 1
+        ch = max(ready, key=lambda c: (c.credit, (self._rr + self.channels.index(c))
+                                       % len(self.channels)))
+        frames = item.prepared.frames(producer=self._packed_id, session=self.out.session,
+                                      seq=ch.seq, epoch=item.epoch, unit=item.unit,
+                                      index=item.index, last=item.last)
+        if not ch.link.send_frames(frames, copy=False):
+            return False  # not connected or pipe full: keep it, the link recovers
+        ch.seq += 1
+        ch.sent += 1
+        # What the broker counts: the bytes sent, not the bound that credit had to cover (the
+        # difference, a few bytes a batch, would add up to a WANT for every batch).
+        ch.sent_bytes += len(frames[0]) + item.prepared.nbytes
+        ch.largest_sent = max(ch.largest_sent, size)
+        self.out.metrics.sent_batches.inc()
+        self.out.metrics.sent_bytes.inc(item.prepared.nbytes)
+        return True
+
+    def _send_unit(self, item: UnitAsk | UnitEnd) -> bool:
+        """Exact delivery speaks to one broker: the first channel (several hosts would need a
+        coordinator they share; docs/tensorflow.md)."""
+        ch = self.channels[0]
+        if not ch.link.welcomed:
+            return False
+        reg = ch.link.registration
+        msg: m.Message = (m.UnitRequest(registration=reg) if isinstance(item, UnitAsk) else
+                          m.UnitDone(epoch=item.epoch, unit=item.unit, batches=item.batches,
+                                     registration=reg, empty=list(item.empty)))
+        return ch.link.send_msg(msg)
+
+    def _send_control(self, msg: m.Eos | m.Error) -> bool:
+        now = time.monotonic()
+        if self._control_until == 0.0:
+            self._control_until = now + _CONTROL_SECONDS
+        targets = [ch for ch in self.channels if ch.link.welcomed]
+        if not targets and now < self._control_until:
+            return False
+        sent = [ch.link.send_msg(msg) for ch in targets]
+        if not any(sent):
+            log.warning("could not tell any broker %s (not connected)", type(msg).__name__)
+        self._control_until = 0.0
+        return True
+
+    def on_close(self) -> None:
+        for ch in self.channels:
+            ch.link.send_msg(m.Bye())

@@ -1,0 +1,201 @@
+"""``feedline producer``: run a pipeline from a YAML file and send its batches to a broker."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+
+from feedline import endpoints, security
+from feedline.codec import EncodeError
+from feedline.errors import FeedlineError
+from feedline.flags import (
+    HelpFormatter,
+    add_client_curve_flags,
+    add_liveness_flags,
+    add_log_flags,
+    add_metrics_flags,
+    client_keys,
+    stop_on_signals,
+)
+from feedline.link import LinkConfig
+from feedline.logs import setup_logging
+from feedline.metrics import serve_metrics
+from feedline.producer.dataflow.base import DataFlow
+from feedline.producer.exact import ExactPipeline, build_exact, is_exact, send_exact
+from feedline.producer.metrics import StageMetrics
+from feedline.producer.pipeline import ConfigError, build_pipeline, load_config, pipeline_stages
+from feedline.producer.sender import send_dataflow
+from feedline.version import __version__
+
+log = logging.getLogger(__name__)
+DEFAULT_BROKER = "tcp://127.0.0.1:7878"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "producer",
+        help="run a preprocessing pipeline and send its batches to a broker",
+        description="Build the pipeline described by --config and send its batches to the "
+        "broker.\nWaits for the broker if it is not up yet and reconnects when it restarts.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--config", required=True, metavar="PIPELINE.yaml",
+                   help="pipeline file (see examples/)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="the dataset: replaces the pipeline's image_folder root or lmdb path "
+                   "(default: the path in the pipeline file)")
+    p.add_argument("--broker", action="append", default=None, metavar="ADDR",
+                   help="the broker's ingress, or a direct-mode trainer's address (default: "
+                   f"{DEFAULT_BROKER}); repeat it to serve several training hosts, or give a "
+                   "DNS name that resolves to several (resolved again every 30 s): each batch "
+                   "goes to one of them, by credit")
+    p.add_argument("--id", default=None, help="producer id (default: hostname-pid)")
+    p.add_argument("--stream", default=None,
+                   help="the stream these batches belong to; consumers receive one stream "
+                   "(default: the config's 'stream', else 'default')")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="passes over the dataset, then exit (default: forever, or the "
+                   "config's 'epochs')")
+    add_liveness_flags(p, "seconds of broker silence before reconnecting")
+    add_metrics_flags(p, 0)
+    p.add_argument("--log-interval", type=float, default=30.0,
+                   help="seconds between rate lines in the log")
+    add_client_curve_flags(p, "producer")
+    add_log_flags(p)
+    p.set_defaults(func=run)
+
+
+def decoder_info() -> str:
+    """Which JPEG decoder the image steps run, in words (the start-up line, --version)."""
+    try:
+        from feedline.producer.image import decoder_info as info
+
+        return str(info())
+    except Exception:  # an optional extension that does not load: the presets use OpenCV
+        try:
+            import cv2
+
+            return f"OpenCV {cv2.__version__}"
+        except ImportError:
+            return "OpenCV"
+
+
+# The sources that read a dataset from disk, and the argument naming where.
+DATA_ARGS = {"image_folder": "root", "lmdb": "path"}
+
+
+def with_data(cfg: dict, data: str | None) -> dict:
+    """The pipeline map with its source reading ``data`` (``--data``); as is for None."""
+    if data is None:
+        return cfg
+    source = cfg.get("source")
+    if not (isinstance(source, dict) and len(source) == 1 and next(iter(source)) in DATA_ARGS):
+        kind = ", ".join(source) if isinstance(source, dict) else "factory"
+        raise ConfigError(f"--data {data}: the pipeline's source ({kind}) reads no dataset "
+                          f"path; --data works with {' and '.join(DATA_ARGS)} sources")
+    kind = next(iter(source))
+    return {**cfg, "source": {kind: {**(source[kind] or {}), DATA_ARGS[kind]: data}}}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the flags, build the pipeline, send until done or SIGTERM/SIGINT. A failure to
+    start is one line on stderr and exit status 1; the pipeline's workers and their
+    temporary directories are gone when this returns, whatever ended it."""
+    setup_logging(args.log_level)
+    try:
+        args.broker = args.broker or [DEFAULT_BROKER]
+        for addr in args.broker:
+            endpoints.check_connect(addr, "--broker")
+        if args.metrics_port:
+            endpoints.check_port(args.metrics_port, args.metrics_addr)
+    except endpoints.AddressError as e:
+        raise SystemExit(f"feedline producer: {e}") from None
+    try:
+        cfg = with_data(load_config(args.config), args.data)
+        if args.stream is not None:
+            cfg = {**cfg, "stream": args.stream}
+        if is_exact(cfg):
+            return _run_exact(args, cfg, build_exact(cfg))
+        df = build_pipeline(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"feedline producer: {args.config}: {e}") from None
+    try:
+        return _run(args, cfg, df)
+    finally:
+        df.close()  # stops worker processes, removes their ipc directory
+
+
+def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
+    """Exact delivery: serve the units the broker hands out (docs/pipelines.md)."""
+    try:
+        curve = client_keys(args)
+    except (security.KeyFileError, security.CurveUnavailable) as e:
+        raise SystemExit(f"feedline producer: {e}") from None
+    if args.epochs is not None:
+        pipe.epochs = args.epochs
+    stop = stop_on_signals()
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    try:
+        serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
+    except endpoints.AddressError as e:
+        raise SystemExit(f"feedline producer: {e}") from None
+    producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+    log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream %s, exact "
+             "delivery over %d samples in units of %d, %s", __version__, producer_id,
+             ", ".join(args.broker), args.config, decoder_info(), pipe.stream,
+             pipe.source.samples(), pipe.unit_size,
+             f"{pipe.epochs} epoch(s)" if pipe.epochs else "epochs forever")
+    link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
+                      heartbeat_timeout=args.heartbeat_timeout)
+    try:
+        sent = send_exact(pipe, args.broker, producer_id=producer_id, link=link, curve=curve,
+                          stop=stop, registry=registry)
+    except (FeedlineError, EncodeError) as e:
+        raise SystemExit(f"feedline producer {producer_id}: {e}") from None
+    log.info("sent %d batches", sent)
+    return 0
+
+
+def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
+    stages = pipeline_stages(df)
+    try:
+        curve = client_keys(args)
+    except (security.KeyFileError, security.CurveUnavailable) as e:
+        raise SystemExit(f"feedline producer: {e}") from None
+    epochs = args.epochs if args.epochs is not None else cfg.get("epochs")
+    stop = stop_on_signals()
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    StageMetrics(registry, stages)
+    try:
+        serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
+    except endpoints.AddressError as e:
+        raise SystemExit(f"feedline producer: {e}") from None
+    producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+    # The start-up line: what this process is and where it sends (off with --log-level
+    # WARNING).
+    log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream %s, "
+             "%s", __version__, producer_id, ", ".join(args.broker), args.config,
+             decoder_info(), cfg.get("stream", "default"),
+             "epochs forever" if epochs is None else f"{epochs} epoch(s)")
+    link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
+                      heartbeat_timeout=args.heartbeat_timeout)
+    try:
+        stats = send_dataflow(df, args.broker, epochs=epochs, producer_id=producer_id,
+                              link=link, curve=curve, stop=stop, registry=registry,
+                              stream=cfg.get("stream", "default"),
+                              log_interval=args.log_interval,
+                              skipped=lambda: sum(s.skipped for s in stages))
+    except (FeedlineError, EncodeError) as e:
+        # What the operator must change (a batch larger than the broker's --max-bytes, a
+        # datapoint over the protocol's limits): one line, not a traceback.
+        raise SystemExit(f"feedline producer {producer_id}: {e}") from None
+    log.info("sent %d batches (%.1f MB) in %.1fs", stats.batches, stats.bytes / 1e6,
+             stats.seconds)
+    return 0
+

@@ -1,0 +1,215 @@
+"""Exact delivery, the producer's side: work units made of a pipeline file, byte for byte.
+
+A pipeline file with ``delivery: exact`` is run unit by unit instead of as one endless
+stream. The source must be indexable (``image_folder``, ``lmdb``, ``list``, ``fake``: any
+source with ``samples()`` and ``sample(i)``). The broker hands out units; a unit
+``u`` is the samples ``[u * unit_size, (u + 1) * unit_size)`` of the dataset, in an order that
+is a pure function of ``(seed, epoch, unit)``, and each sample's augmentation randomness is a
+pure function of ``(seed, epoch, sample)``: a unit run again, by this producer or another,
+yields the same bytes, which is how the broker can drop what it already has. Batches never
+straddle units: batch ``j`` of a unit holds the ``j``-th ``batch_size`` of its samples (the
+last batch of a unit may be short); a unit started at batch ``j`` reads nothing before it.
+
+Map steps run in ``parallel.workers`` threads, whatever ``parallel.mode`` says (each thread
+has its own copy of the functions: per-sample reseeding must not be shared; decoding releases
+the GIL); ``mode: runner`` is refused (it runs whole pipelines in workers). Samples
+an ``on_error: skip`` policy drops leave their batch smaller; a batch with none left is not
+sent, and its index is reported with the unit's end so that the epoch still completes.
+
+    stream: val
+    delivery: exact
+    exact: {unit_size: 1024}
+    source: {image_folder: {root: /data/val}}
+    steps: [{imagenet_val: {size: 224}}, {batch: {batch_size: 64}}]
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from feedline.messages import DEFAULT_STREAM
+from feedline.producer.channel import ExactSpec
+from feedline.producer.dataflow import BatchData
+from feedline.producer.dataflow.base import Indexable
+from feedline.producer.dataflow.map_data import ComponentFunc, apply, reseed
+from feedline.producer.dataflow.worker import WorkerInfo, set_worker
+from feedline.producer.pipeline_spec import MAP_STEPS, SOURCES, Args, ConfigError, one_key
+from feedline.producer.sender import Sender
+
+log = logging.getLogger(__name__)
+DEFAULT_UNIT = 1024
+
+
+def sample_key(epoch: int, index: int) -> int:
+    """The ``epoch`` argument of a random stage's ``reseed`` for one sample: randomness is a
+    pure function of (seed, epoch, sample), whichever worker runs it."""
+    return (int(epoch) << 32) | int(index)
+
+
+@dataclass
+class ExactPipeline:
+    source: Indexable
+    funcs: list[Callable[[Any], Any]]
+    batch_size: int
+    seed: int = 0
+    on_error: str = "raise"
+    threads: int = 1
+    unit_size: int = DEFAULT_UNIT
+    epochs: int = 0
+    shuffle: bool = True
+    stream: str = DEFAULT_STREAM
+
+    @property
+    def spec(self) -> ExactSpec:
+        return ExactSpec(self.source.samples(), self.unit_size, self.epochs)
+
+    def unit_samples(self, epoch: int, unit: int) -> list[int]:
+        """The unit's sample indices in their order for ``epoch``."""
+        n = self.source.samples()
+        order = list(range(unit * self.unit_size, min((unit + 1) * self.unit_size, n)))
+        if self.shuffle:
+            np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, unit]).shuffle(order)
+        return order
+
+    def slots(self, epoch: int, unit: int) -> int:
+        return -(-len(self.unit_samples(epoch, unit)) // self.batch_size)
+
+    def batches(self, epoch: int, unit: int, start: int = 0
+                ) -> Iterator[tuple[int, Any | None]]:
+        """``(index, batch)`` for the unit's batches from ``start`` on; ``batch`` is None for
+        a batch every sample of which was skipped."""
+        order = self.unit_samples(epoch, unit)
+        bs = self.batch_size
+        local = threading.local()
+
+        def one(i: int) -> tuple[Any, bool]:
+            funcs = getattr(local, "funcs", None)
+            if funcs is None:
+                set_worker(WorkerInfo(0, 1))
+                funcs = local.funcs = copy.deepcopy(self.funcs)
+            dp: Any = self.source.sample(i)
+            for f in funcs:
+                reseed(f, sample_key(epoch, i))
+                dp, skipped = apply(f, dp, self.on_error)
+                if skipped or dp is None:
+                    return None, skipped
+            return dp, False
+
+        pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        try:
+            for j in range(start, -(-len(order) // bs)):
+                part = order[j * bs:(j + 1) * bs]
+                # One thread: no pool (a future per sample costs ~30 us).
+                done = list(pool.map(one, part)) if pool is not None else [one(i) for i in part]
+                kept = [dp for dp, _ in done if dp is not None]
+                yield j, (BatchData.aggregate(kept) if kept else None)
+        finally:
+            if pool is not None:
+                pool.shutdown()
+
+    def run(self, sender: Sender, stop: threading.Event | None = None) -> int:
+        """Produce the units the broker hands out until every epoch is served; returns the
+        batches sent."""
+        sent = 0
+        while True:
+            got = sender.next_unit(stop)
+            if got is None:
+                return sent
+            total = self.slots(got.epoch, got.unit)
+            empty = []
+            for j, batch in self.batches(got.epoch, got.unit, got.start):
+                if batch is None:
+                    empty.append(j)
+                    continue
+                sender.send(batch, epoch=got.epoch, stop=stop, unit=got.unit, index=j,
+                            last=j == total - 1)
+                sent += 1
+            sender.unit_done(got.epoch, got.unit, total, tuple(empty))
+
+
+def is_exact(cfg: Mapping[str, Any]) -> bool:
+    return cfg.get("delivery", "training") == "exact"
+
+
+def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
+    """The exact form of a pipeline map (``delivery: exact``); ConfigError names the field."""
+    if "factory" in cfg:
+        raise ConfigError("factory: exact delivery builds the pipeline from source and steps "
+                          "(it needs to read samples by index)")
+    if "shard" in cfg:
+        raise ConfigError("shard: not with delivery: exact (the broker hands out units: every "
+                          "producer of the stream reads the whole dataset by units)")
+    top = Args(cfg, "pipeline")
+    seed = top.integer("seed", 0)
+    on_error = top.text("on_error", "raise", choices=("raise", "skip"))
+    x = Args(cfg.get("exact") or {}, "exact")
+    unit_size = x.integer("unit_size", DEFAULT_UNIT, lo=1)
+    shuffle = x.flag("shuffle", True)
+    x.done()
+    par = Args(cfg.get("parallel") or {}, "parallel")
+    workers = par.integer("workers", 1, lo=1)
+    if par.text("mode", "none", choices=("none", "thread", "process", "runner")) == "runner":
+        raise ConfigError("parallel.mode: runner runs whole pipelines in workers; with "
+                          "delivery: exact use thread or process (map steps in threads)")
+    par.get("strict")
+    par.get("buffer_size")
+    par.done()
+    source = top.get("source", required=True)
+    name, args = one_key(source, "source", SOURCES)
+    a = Args(args, f"source.{name}")
+    src = SOURCES[name](a, seed)
+    a.done()
+    if not isinstance(src, Indexable):
+        raise ConfigError(f"source.{name}: exact delivery needs a source it can read by index "
+                          "(image_folder, lmdb, list, fake)")
+    funcs: list[Callable[[Any], Any]] = []
+    batch_size = None
+    steps = cfg.get("steps") or []
+    for i, item in enumerate(steps):
+        where = f"steps[{i}]"
+        step, sargs = one_key(item, where, {**MAP_STEPS, "batch": None})
+        sa = Args(sargs, f"{where}.{step}")
+        if step == "batch":
+            if i != len(steps) - 1:
+                raise ConfigError(f"{where}: with delivery: exact, batch is the last step")
+            batch_size = sa.integer("batch_size", required=True, lo=1)
+            sa.get("remainder")  # always: a unit's last batch may be short
+            sa.done()
+            continue
+        component = sa.get("component", 0)
+        f = MAP_STEPS[step](sa, seed * 1000 + i)
+        funcs.append(f if component is None else ComponentFunc(f, component))
+        sa.done()
+    if batch_size is None:
+        raise ConfigError("steps: delivery: exact needs a batch step, last")
+    epochs = cfg.get("epochs")
+    return ExactPipeline(src, funcs, batch_size, seed, on_error, workers, unit_size,
+                         int(epochs or 0), shuffle, str(cfg.get("stream", DEFAULT_STREAM)))
+
+
+def send_exact(pipe: ExactPipeline, addr: str | list[str], *, producer_id: str | None = None,
+               link: Any = None, curve: Any = None, stop: threading.Event | None = None,
+               registry: Any = None, stream: str | None = None) -> int:
+    """Serve ``pipe``'s units to the broker at ``addr`` until every epoch is served (or
+    forever, ``epochs: null``, until ``stop``); returns the batches sent."""
+    from feedline.errors import Stopped
+
+    with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
+                stream=stream or pipe.stream, exact=pipe.spec) as sender:
+        try:
+            sent = pipe.run(sender, stop)
+            sender.end(pipe.epochs)
+            return sent
+        except Stopped:
+            return 0
+        except Exception as e:
+            sender.error(e)
+            raise

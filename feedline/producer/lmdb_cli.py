@@ -1,0 +1,86 @@
+"""``feedline lmdb build|info``: pack image files into one LMDB file, and describe one.
+
+An LMDB of JPEG bytes is read sequentially (one large file instead of a million small ones:
+what network file systems and spinning disks want). Each datapoint is ``[jpeg bytes as a
+uint8 array, label]``; read it with ``source: {lmdb: {path: OUT.lmdb}}`` and decode in the
+pipeline's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from feedline.flags import HelpFormatter
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lmdb", help="pack images into an LMDB file, or describe one",
+                       description=__doc__, formatter_class=HelpFormatter)
+    cmds = p.add_subparsers(dest="lmdb_command", metavar="ACTION")
+    b = cmds.add_parser("build", help="pack IMAGE_DIR/<class>/*.jpg into OUT.lmdb",
+                        formatter_class=HelpFormatter,
+                        description="Pack the images under IMAGE_DIR (one sub-folder per "
+                        "class; labels by sorted folder name)\nor listed in --list-file into "
+                        "one LMDB file, with a progress bar.")
+    b.add_argument("image_dir", metavar="IMAGE_DIR")
+    b.add_argument("out", metavar="OUT.lmdb")
+    b.add_argument("--list-file", default=None,
+                   help="lines 'relative/path.jpg LABEL' (paths relative to IMAGE_DIR) "
+                   "instead of class sub-folders")
+    b.add_argument("--shuffle", action="store_true",
+                   help="store in a random order (seed 0), so that a sequential read with a "
+                   "local shuffle mixes classes")
+    b.add_argument("--overwrite", action="store_true", help="replace OUT.lmdb if it exists")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=build)
+    i = cmds.add_parser("info", help="count and size of an LMDB file",
+                        formatter_class=HelpFormatter,
+                        description="Print the path, the number of datapoints, the number of "
+                        "LMDB entries and the file's size\nof an LMDB file written by "
+                        "`feedline lmdb build` (or LMDBSerializer.save).")
+    i.add_argument("path", metavar="FILE.lmdb")
+    i.set_defaults(func=info)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def build(args: argparse.Namespace) -> int:
+    from feedline.producer.dataflow import ImageFolder, LMDBSerializer
+
+    try:
+        if args.list_file:
+            df = ImageFolder(root=args.image_dir, list_file=args.list_file,
+                             shuffle=args.shuffle)
+        else:
+            df = ImageFolder(root=args.image_dir, shuffle=args.shuffle)
+        n = LMDBSerializer.save(df, args.out, progress=not args.no_progress,
+                                overwrite=args.overwrite)
+    except FileExistsError:
+        print(f"feedline lmdb build: {args.out} exists (--overwrite replaces it)",
+              file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else e
+        print(f"feedline lmdb build: {what}; nothing was written to {args.out} (fix or remove "
+              "that file and run again)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"feedline lmdb build: interrupted; nothing was written to {args.out}",
+              file=sys.stderr)
+        return 130
+    print(f"wrote {n} images to {args.out}")
+    return 0
+
+
+def info(args: argparse.Namespace) -> int:
+    from feedline.producer.dataflow.lmdb_serializer import lmdb_info
+
+    try:
+        d = lmdb_info(args.path)
+    except Exception as e:  # lmdb.Error is not an OSError: report any failure plainly
+        print(f"feedline lmdb info: {args.path}: {e}", file=sys.stderr)
+        return 1
+    print(f"path:     {d['path']}\ncount:    {d['count']}\n"
+          f"entries:  {d['entries']}\nsize:     {d['file_bytes'] / 1e6:.1f} MB "
+          f"({d['file_bytes']} bytes)")
+    return 0

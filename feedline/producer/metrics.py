@@ -1,0 +1,89 @@
+"""The producer's Prometheus metrics, registered on a registry that is passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Credit waits range from none (trainer keeps up) to seconds (trainer is the bottleneck).
+WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ProducerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.sent_batches = Counter(
+            "feedline_producer_sent_batches", "Batches sent to the broker.", registry=r)
+        self.sent_bytes = Counter(
+            "feedline_producer_sent_bytes", "Array bytes sent to the broker.", registry=r)
+        self.credit_wait = Histogram(
+            "feedline_producer_credit_wait_seconds",
+            "Time a batch waited for broker credit (long waits: the trainer is the bottleneck).",
+            buckets=WAIT_BUCKETS, registry=r)
+        self.pipeline_seconds = Counter(
+            "feedline_producer_pipeline_seconds",
+            "Time spent waiting for the pipeline's next batch (its rate near 1: preprocessing "
+            "is the bottleneck).", registry=r)
+        self.registrations = Counter(
+            "feedline_producer_registrations",
+            "HELLOs to a broker (first connect, reconnects, broker restarts).", registry=r)
+        self.rejected = Counter(
+            "feedline_producer_rejected_messages", "Messages from the broker refused, by reason.",
+            ["reason"], registry=r)
+        self.refused = Counter(
+            "feedline_producer_refused_messages",
+            "Messages of ours the broker refused (it said why), by reason.", ["reason"],
+            registry=r)
+
+
+class CountedStage(Protocol):
+    """What :class:`StageMetrics` reads: a :class:`~feedline.producer.dataflow.CountData`."""
+
+    name: str
+    count: int
+    skips: tuple
+
+    @property
+    def skipped(self) -> int: ...
+
+
+class StageMetrics(Collector):
+    """Per-stage counts of the pipeline, read from its counting stages at scrape time.
+
+    ``stages`` are the pipeline's :class:`~feedline.producer.dataflow.CountData` stages
+    (:func:`feedline.producer.pipeline.pipeline_stages`); their names, taken from the pipeline file,
+    are the ``stage`` label, so the label set is as bounded as the file. The datapoint path
+    pays one integer increment per stage; the metric families are built only when scraped.
+    Stages that can skip datapoints (map stages, a factory's pipeline) also export their
+    skip count, 0 included.
+    """
+
+    def __init__(self, registry: CollectorRegistry, stages: Sequence[CountedStage] = ()) -> None:
+        self.stages = list(stages)
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(()))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(self.stages))
+
+    @staticmethod
+    def _families(stages: Iterable[CountedStage]) -> list[Metric]:
+        out = CounterMetricFamily(
+            "feedline_producer_stage_datapoints",
+            "Datapoints that came out of each pipeline stage (its rate is the stage's rate).",
+            labels=["stage"])
+        skipped = CounterMetricFamily(
+            "feedline_producer_skipped_datapoints",
+            "Datapoints a stage dropped under the skip error policy (corrupt images, ...).",
+            labels=["stage"])
+        for s in stages:
+            out.add_metric([s.name], s.count)
+            if s.skips:
+                skipped.add_metric([s.name], s.skipped)
+        return [out, skipped]

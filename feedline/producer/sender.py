@@ -1,0 +1,351 @@
+"""Sending datapoints to brokers under their credit (the producer half of the data path).
+
+A :class:`Sender` checks and flattens each datapoint in the calling thread and hands it to its
+I/O thread (:mod:`feedline.producer.channel`), which sends it when a broker has granted credit for
+it.
+So a slow trainer makes producers wait (that wait is
+``feedline_producer_credit_wait_seconds``) instead of filling anybody's memory, and a slow
+pipeline never looks like a dead peer: the I/O thread heartbeats while the pipeline computes.
+Arrays are sent zero-copy: the caller must not modify an array after handing it to
+:meth:`Sender.send`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from feedline import messages as m
+from feedline import wire
+from feedline.client import ClientLoop, Waker
+from feedline.errors import FeedlineError, Stopped
+from feedline.link import LinkConfig
+from feedline.producer.channel import (
+    BatchItem,
+    ControlItem,
+    ExactSpec,
+    Item,
+    Outbox,
+    ProducerIO,
+    SkipItem,
+    UnitAsk,
+    UnitEnd,
+)
+from feedline.producer.dataflow.base import as_dataflow
+from feedline.producer.metrics import ProducerMetrics
+from feedline.producer.targets import Targets
+from feedline.security import ClientKeys
+
+log = logging.getLogger(__name__)
+_POLL = 0.1  # seconds between stop/error checks while waiting for credit
+_UNIT_RETRY = 1.0  # seconds without an answer before a unit request is sent again
+
+
+def default_producer_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class SendStats:
+    """What a :func:`send_dataflow` call did."""
+
+    batches: int = 0
+    bytes: int = 0
+    epochs: int = 0
+    seconds: float = 0.0
+    credit_wait_seconds: float = 0.0
+
+    @property
+    def batches_per_second(self) -> float:
+        return self.batches / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+class Sender:
+    """A producer's connection to one broker, or to several (``addr`` a list, or a DNS name
+    that resolves to several hosts, resolved again every 30 s: each batch goes to one of
+    them, by credit, so a faster host gets more and one that dies or restarts does not stop
+    the others being served). Use it from one thread; it runs its own I/O thread."""
+
+    def __init__(
+        self,
+        addr: str | Sequence[str],
+        *,
+        producer_id: str | None = None,
+        link: LinkConfig | None = None,
+        registry: CollectorRegistry | None = None,
+        curve: ClientKeys | None = None,
+        stream: str = m.DEFAULT_STREAM,
+        exact: ExactSpec | None = None,
+    ) -> None:
+        cfg = link or LinkConfig()
+        self.limits = cfg.limits
+        self.producer_id = producer_id or default_producer_id()
+        if not 0 < len(self.producer_id) <= self.limits.max_id_len:
+            raise ValueError(f"producer_id must be 1..{self.limits.max_id_len} characters")
+        self.addrs = [addr] if isinstance(addr, str) else list(addr)
+        if not self.addrs:
+            raise ValueError("no broker address")
+        self.targets = Targets(self.addrs)
+        self.session = random.getrandbits(62)
+        self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
+        self.credit_wait_seconds = 0.0
+        self._seq = 0  # batches handed over, plus skips: the next sequence number (one broker)
+        self._closed = False
+        out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
+                                 exact=exact)
+        out.waker = Waker()
+        targets = self.targets
+        out.loop = ClientLoop("feedline-producer-io",
+                              lambda ctx: ProducerIO(ctx, targets, cfg, curve, out), out.waker)
+        self._link_cfg = cfg
+        out.loop.start()
+        targets.start()
+
+    @property
+    def credit(self) -> int:
+        """Batches the brokers would take now (as last seen by the I/O thread)."""
+        return self._out.credit
+
+    @property
+    def seq(self) -> int:
+        """The next batch's sequence number (with one broker). Setting it forward skips
+        numbers: to a broker, that looks like batches lost on the way (tests use it)."""
+        return self._seq
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        if value < self._seq:
+            raise ValueError("sequence numbers only move forward")
+        if value > self._seq:
+            self._hand_over(SkipItem(value - self._seq), None)
+            self._seq = value
+
+    # -------------------------------------------------------------------------- send
+    def send(self, datapoint: Any, epoch: int = 0, stop: threading.Event | None = None, *,
+             unit: int = -1, index: int = 0, last: bool = False) -> int:
+        """Send one datapoint when credit allows; returns its array bytes.
+
+        Raises :class:`feedline.wire.EncodeError` (naming the limit) for a datapoint no
+        broker would accept, :class:`feedline.producer.channel.BatchTooLarge` for one larger than
+        every broker's memory budget. Blocks while no broker grants credit or none is
+        reachable (reconnecting with backoff). Raises :class:`Stopped` if ``stop`` is set
+        meanwhile.
+        """
+        prepared = wire.prepare_batch(datapoint, self.limits, len(self.producer_id))
+        if prepared.wire_bytes > self._out.largest:
+            self._out.largest = prepared.wire_bytes
+        self._hand_over(BatchItem(prepared, epoch, unit, index, last), stop)
+        self._seq += 1
+        return prepared.nbytes
+
+    # --------------------------------------------------------------- exact delivery
+    def next_unit(self, stop: threading.Event | None = None) -> m.Unit | None:
+        """Exact delivery: the next work unit the broker hands us (blocks while the epoch's
+        last units are in progress elsewhere); None once every epoch is served."""
+        delay = 0.05
+        while True:
+            self._hand_over(UnitAsk(), stop)
+            asked = time.monotonic()
+            while True:
+                self._raise_pending()
+                if stop is not None and stop.is_set():
+                    raise Stopped("stopped while waiting for a unit")
+                try:
+                    got = self._out.units.get(timeout=_POLL)
+                    break
+                except queue.Empty:
+                    if time.monotonic() - asked > _UNIT_RETRY:
+                        # No answer: it was lost with a connection or a broker. Asking
+                        # again is safe: the broker gives an owner the unit it holds.
+                        self._hand_over(UnitAsk(), stop)
+                        asked = time.monotonic()
+            if isinstance(got, m.Unit):
+                return got
+            if got.reason == "finished":
+                return None
+            if stop is not None and stop.wait(delay):  # busy: ask again, with backoff
+                raise Stopped("stopped while waiting for a unit")
+            if stop is None:
+                time.sleep(delay)
+            # At most a quarter of a second: the next epoch starts when the last unit of this
+            # one is taken, and a producer asleep for a second past that is a second lost.
+            delay = min(0.25, delay * 2)
+
+    def unit_done(self, epoch: int, unit: int, batches: int, empty: tuple[int, ...] = ()) -> None:
+        """Exact delivery: every batch of the unit was handed over (UNIT_DONE goes after);
+        ``empty``: indices of batches not sent because every sample of them was skipped."""
+        self._hand_over(UnitEnd(epoch, unit, batches, tuple(empty)), None)
+
+    def _hand_over(self, item: Item, stop: threading.Event | None) -> None:
+        out = self._out
+        assert out.loop is not None and out.waker is not None
+        self._raise_pending()
+        try:
+            out.idle.clear()
+            out.items.put_nowait(item)
+            out.nudge()
+            return
+        except queue.Full:
+            pass
+        t0 = time.monotonic()
+        while True:
+            out.nudge()  # unless it holds a batch: then only a grant makes room
+            try:
+                out.items.put(item, timeout=_POLL)
+                break
+            except queue.Full:
+                pass
+            self._raise_pending()
+            if stop is not None and stop.is_set():
+                raise Stopped("stopped while waiting for credit")
+        out.nudge()
+        waited = time.monotonic() - t0
+        self.credit_wait_seconds += waited
+        self.metrics.credit_wait.observe(waited)
+
+    def _raise_pending(self) -> None:
+        out = self._out
+        if out.error is not None:
+            err, out.error = out.error, None
+            raise err
+        if out.loop is not None and not out.loop.alive():
+            raise FeedlineError(f"producer I/O thread is not running: {out.loop.error!r}")
+
+    def end(self, epochs: int) -> None:
+        """Tell consumers this producer's dataflow ended (EOS), after its batches."""
+        self._hand_over(ControlItem(m.Eos(producer=self.producer_id, seq=self._seq,
+                                          epochs=epochs)), None)
+
+    def error(self, exc: BaseException) -> None:
+        """Send a pipeline failure with its traceback to the consumers."""
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        text = f"{type(exc).__name__}: {exc}"
+        msg = m.Error(producer=self.producer_id, message=text[: self.limits.max_text_len],
+                      traceback=tb[-self.limits.max_traceback_len:])
+        try:
+            self._hand_over(ControlItem(msg), None)
+        except FeedlineError:
+            log.warning("could not tell the broker about the failure: %s", text)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything handed over was sent (bounded); True if it was."""
+        if self._out.waker is not None:
+            self._out.waker.wake()
+        return self._out.idle.wait(timeout)
+
+    def close(self) -> None:
+        """Let what was handed over leave (up to ``flush_ms``), say BYE (frees our credit at
+        the broker at once) and stop the I/O thread. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.targets.stop()
+        out = self._out
+        if out.loop is not None and out.loop.alive():
+            self.flush(self._link_cfg.flush_ms / 1000)
+            out.loop.stop(timeout=self._link_cfg.flush_ms / 1000 + 5)
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _RateLog:
+    """The producer's periodic rate line: batches, batches/s, MB/s, credit waits."""
+
+    def __init__(self, sender: Sender, interval: float, skipped: Callable[[], int] | None):
+        self.sender, self.interval, self.skipped = sender, interval, skipped
+        self.last = time.monotonic()
+        self.batches = self.bytes = 0
+        self.wait = 0.0
+
+    def maybe(self, stats: SendStats) -> None:
+        now = time.monotonic()
+        dt = now - self.last
+        if dt < self.interval:
+            return
+        waited = self.sender.credit_wait_seconds - self.wait
+        log.info("%s: %d batches, %.1f batches/s, %.1f MB/s, waited for credit %.0f%% of the "
+                 "time%s", self.sender.producer_id, stats.batches,
+                 (stats.batches - self.batches) / dt, (stats.bytes - self.bytes) / dt / 1e6,
+                 100 * waited / dt,
+                 "" if self.skipped is None else f", {self.skipped()} skipped")
+        self.last, self.batches, self.bytes = now, stats.batches, stats.bytes
+        self.wait = self.sender.credit_wait_seconds
+
+
+def send_dataflow(
+    df: Iterable[Any],
+    addr: str | Sequence[str],
+    *,
+    epochs: int | None = None,
+    producer_id: str | None = None,
+    link: LinkConfig | None = None,
+    stop: threading.Event | None = None,
+    registry: CollectorRegistry | None = None,
+    log_interval: float = 30.0,
+    skipped: Callable[[], int] | None = None,
+    curve: ClientKeys | None = None,
+    stream: str = m.DEFAULT_STREAM,
+) -> SendStats:
+    """Send every datapoint of ``df`` to the broker at ``addr`` (or to several), ``epochs``
+    times.
+
+    ``epochs=None`` sends forever (the training default, as tensorpack's
+    ``send_dataflow_zmq``). Calls ``df.reset_state()`` first (``df`` is taken as
+    :func:`~feedline.producer.dataflow.base.as_dataflow` of it: a list or a generator works too).
+    Logs a rate line every ``log_interval`` seconds (with ``skipped()``, the datapoints the
+    pipeline skipped so far, when given). A pipeline exception is sent to the consumers (with
+    its traceback) and re-raised. Returns when done, or when ``stop`` is set.
+    """
+    df = as_dataflow(df)
+    df.reset_state()
+    stats = SendStats()
+    with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
+                stream=stream) as sender:
+        rate = _RateLog(sender, log_interval, skipped)
+        t0 = time.monotonic()
+        try:
+            epoch = 0
+            while epochs is None or epoch < epochs:
+                before = stats.batches
+                ready = time.monotonic()  # when we started waiting for the pipeline
+                for dp in df:
+                    sender.metrics.pipeline_seconds.inc(time.monotonic() - ready)
+                    stats.bytes += sender.send(dp, epoch=epoch, stop=stop)
+                    stats.batches += 1
+                    rate.maybe(stats)
+                    ready = time.monotonic()
+                    if stop is not None and stop.is_set():
+                        raise Stopped
+                if stats.batches == before:
+                    raise ValueError("the dataflow yielded nothing in a whole epoch")
+                epoch += 1
+                stats.epochs = epoch
+            sender.end(epoch)
+        except Stopped:
+            pass
+        except Exception as e:
+            sender.error(e)
+            raise
+        finally:
+            stats.seconds = time.monotonic() - t0
+            stats.credit_wait_seconds = sender.credit_wait_seconds
+    return stats

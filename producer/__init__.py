@@ -1,5 +1,0 @@
-"""feedline producers: DataFlow pipelines and sending their batches to a broker."""
-
-from producer.sender import Sender, SendStats, send_dataflow
-
-__all__ = ["SendStats", "Sender", "send_dataflow"]

@@ -1,6 +1,0 @@
-import sys
-
-from feedline.flags import standalone
-from producer.cli import add_parser
-
-sys.exit(standalone(add_parser, "producer", sys.argv[1:]))
