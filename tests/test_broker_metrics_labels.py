@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from feedline.broker.metrics import BrokerMetrics
 from feedline.link import LinkConfig
 from feedline.metrics import BoundedLabel
 from feedline.procs import wait_for
 from feedline.producer import Sender
+from feedline.serving.metrics import BrokerMetrics
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 

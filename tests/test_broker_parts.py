@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from feedline.broker.buffer import Buffer, Held
-from feedline.broker.credit import CreditPlanner
-from feedline.broker.gaps import GapTracker
-from feedline.broker.peers import Peer, PeerTable
+from feedline.broker.buffer import Buffer
+from feedline.serving.credit import CreditPlanner
+from feedline.serving.gaps import GapTracker
+from feedline.serving.held import Held
+from feedline.serving.peers import Peer, PeerTable
 
 MiB = 1 << 20
 

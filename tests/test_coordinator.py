@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from feedline.broker.coordinator import Assignment, Coordinator, ExactPlan, ExactStreams, Journal
 from feedline.codec import DecodeError
 from feedline.cursor import Cursor
+from feedline.serving.coordinator import Assignment, Coordinator, ExactPlan, ExactStreams, Journal
 
 PLAN = ExactPlan(dataset_size=10, unit_size=4, epochs=2)  # units 0 1 2: 4, 4, 2 samples
 

@@ -201,7 +201,8 @@ def test_a_late_credit_of_a_replaced_broker_is_ignored():
 
 def test_a_running_producer_does_not_ask_for_every_batch():
     """Claim: a producer that has sent under its registration gets its next credit unasked
-    (feedline/broker/credit.py grants a running producer one credit as room frees, worth its largest
+    (feedline/serving/credit.py grants a running producer one credit as room frees,
+     worth its largest
     batch), so it sends WANT only to start and when a batch outgrows that: not one WANT per
     batch. Played here by a broker that grants as the planner does: one more credit for each
     batch received, bytes = what it received + one unit (the largest batch, or what a WANT

@@ -442,9 +442,9 @@ def test_docs_describe_every_metric() -> None:
     """docs/operations.md names every metric the components define."""
     from prometheus_client import CollectorRegistry
 
-    from feedline.broker.metrics import BrokerMetrics
     from feedline.consumer.metrics import ConsumerMetrics, QueueMetrics
     from feedline.producer.metrics import ProducerMetrics, StageMetrics
+    from feedline.serving.metrics import BrokerMetrics
 
     registry = CollectorRegistry()
     BrokerMetrics(registry), ProducerMetrics(registry), ConsumerMetrics(registry)

@@ -1,12 +1,12 @@
 """The broker: three sockets, one loop, bounded state. The work is done by its parts.
 
-- :mod:`feedline.broker.ingress` — producers: registrations, credit
-(:mod:`feedline.broker.credit`), batches,
-  sequence gaps (:mod:`feedline.broker.gaps`);
+- :mod:`feedline.serving.producers` — producers: registrations, credit
+(:mod:`feedline.serving.credit`), batches,
+  sequence gaps (:mod:`feedline.serving.gaps`);
 - :mod:`feedline.broker.egress` — consumers: windows, dispatch, bytes in flight;
 - :mod:`feedline.broker.buffer` — what waits in between, per stream;
-- :mod:`feedline.broker.tensorpack` — tensorpack's ``send_dataflow_zmq`` in;
-- :mod:`feedline.broker.peers` — the peer tables and their liveness, and cutting a peer off.
+- :mod:`feedline.serving.tensorpack` — tensorpack's ``send_dataflow_zmq`` in;
+- :mod:`feedline.serving.peers` — the peer tables and their liveness, and cutting a peer off.
 
 This module owns the sockets and the loop: it receives each message frame by frame (the frame
 count checked first), hands it to the side it arrived on, counts and logs what they refuse
@@ -29,17 +29,18 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry
 
-from feedline.broker.buffer import Buffer, Held
+from feedline.broker.buffer import Buffer
 from feedline.broker.config import BrokerConfig
-from feedline.broker.coordinator import ExactStreams
 from feedline.broker.egress import ConsumerSide
-from feedline.broker.ingress import IngressConfig, ProducerSide
-from feedline.broker.metrics import BrokerMetrics
-from feedline.broker.peers import cut_off
-from feedline.broker.tensorpack import TensorpackIngress
 from feedline.codec import DecodeError
 from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.logs import RateLimitedLog
+from feedline.serving.coordinator import ExactStreams
+from feedline.serving.held import Held
+from feedline.serving.metrics import BrokerMetrics
+from feedline.serving.peers import cut_off
+from feedline.serving.producers import IngressConfig, ProducerSide
+from feedline.serving.tensorpack import TensorpackIngress
 
 log = logging.getLogger(__name__)
 _BUDGET = 256  # messages handled per socket per loop turn

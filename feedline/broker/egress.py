@@ -25,13 +25,14 @@ from typing import Any
 import zmq
 
 from feedline import messages as m
-from feedline.broker.buffer import Buffer, Held
-from feedline.broker.coordinator import ExactStreams
-from feedline.broker.metrics import BrokerMetrics
-from feedline.broker.peers import Peer, PeerTable, connection
+from feedline.broker.buffer import Buffer
 from feedline.codec import DecodeError, Limits
 from feedline.cursor import Cursor
 from feedline.logs import RateLimitedLog
+from feedline.serving.coordinator import ExactStreams
+from feedline.serving.held import Held
+from feedline.serving.metrics import BrokerMetrics
+from feedline.serving.peers import Peer, PeerTable, connection
 
 log = logging.getLogger(__name__)
 

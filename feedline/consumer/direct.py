@@ -1,7 +1,7 @@
 """Direct mode: the training process serves its producers itself, no broker in between.
 
 ``RemoteDataZMQ("tcp://0.0.0.0:7878", bind=True, curve=server_keys)`` binds a ROUTER in the
-consumer's I/O thread and runs the broker's producer side on it (:class:`feedline.broker.ingress.
+consumer's I/O thread and runs the broker's producer side on it (:class:`feedline.serving.producers.
 ProducerSide`: the same protocol, registrations, credit in batches and bytes, leases,
 liveness, limits, cut-offs, metrics), with one difference: accepted batches go straight into
 this process's queue. The budget is the consumer's own: at most ``window`` batches and
@@ -24,11 +24,6 @@ from typing import Any
 import zmq
 
 from feedline import messages as m
-from feedline.broker.buffer import Held
-from feedline.broker.ingress import IngressConfig, ProducerSide
-from feedline.broker.metrics import BrokerMetrics
-from feedline.broker.peers import cut_off
-from feedline.broker.tensorpack import TensorpackIngress
 from feedline.codec import DecodeError, Limits
 from feedline.consumer.io import Delivery, EpochMark, Marker, Shared
 from feedline.errors import ProducerError
@@ -36,6 +31,11 @@ from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.link import LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ServerKeys
+from feedline.serving.held import Held
+from feedline.serving.metrics import BrokerMetrics
+from feedline.serving.peers import cut_off
+from feedline.serving.producers import IngressConfig, ProducerSide
+from feedline.serving.tensorpack import TensorpackIngress
 
 log = logging.getLogger(__name__)
 _BUDGET = 256  # messages handled per loop turn

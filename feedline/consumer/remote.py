@@ -34,7 +34,6 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from feedline import security
-from feedline.broker.metrics import BrokerMetrics
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
@@ -43,6 +42,7 @@ from feedline.errors import FeedlineError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.messages import DEFAULT_STREAM
 from feedline.security import ClientKeys, ServerKeys
+from feedline.serving.metrics import BrokerMetrics
 
 __all__ = ["ConsumerConfig", "ProducerStats", "RemoteDataZMQ"]
 

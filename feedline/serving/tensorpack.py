@@ -17,10 +17,10 @@ from collections.abc import Callable
 import zmq
 
 from feedline import wire
-from feedline.broker.buffer import Held
-from feedline.broker.ingress import Sink
-from feedline.broker.metrics import BrokerMetrics
 from feedline.codec import DecodeError, EncodeError, Limits
+from feedline.serving.held import Held
+from feedline.serving.metrics import BrokerMetrics
+from feedline.serving.producers import Sink
 
 PRODUCER = "tensorpack"
 

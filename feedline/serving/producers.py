@@ -2,7 +2,7 @@
 
 Producers register (HELLO) with their session, the next sequence number they will send and
 the largest batch they expect; the broker welcomes them and grants credit as the credit planner
-says (:mod:`feedline.broker.credit`). Every batch is checked whole (the same decoder the consumers
+says (:mod:`feedline.serving.credit`). Every batch is checked whole (the same decoder the consumers
 run:
 a batch they would refuse must not cost them a credit) and goes to the sink (the broker's
 buffer, or a direct-mode trainer's queue). A refused batch is counted for its producer and
@@ -28,14 +28,14 @@ import zmq
 
 from feedline import messages as m
 from feedline import wire
-from feedline.broker.buffer import Held
-from feedline.broker.coordinator import ExactPlan, ExactStreams
-from feedline.broker.credit import CreditPlanner
-from feedline.broker.gaps import GapTracker
-from feedline.broker.metrics import BrokerMetrics
-from feedline.broker.peers import Peer, PeerTable, connection
 from feedline.codec import DecodeError, Limits
 from feedline.logs import RateLimitedLog
+from feedline.serving.coordinator import ExactPlan, ExactStreams
+from feedline.serving.credit import CreditPlanner
+from feedline.serving.gaps import GapTracker
+from feedline.serving.held import Held
+from feedline.serving.metrics import BrokerMetrics
+from feedline.serving.peers import Peer, PeerTable, connection
 
 log = logging.getLogger(__name__)
 _HELLO_RATE = 10  # new registrations per second from one connection, at most
