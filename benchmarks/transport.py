@@ -1,13 +1,14 @@
-"""Transport benchmark: feedline against plain ZeroMQ and tensorpack, same batches, same run.
+"""Transport benchmark: feedline against plain ZeroMQ and tensorpack, every batch size.
 
-Ways to move constant 64x224x224x3 uint8 batches with int32 labels from a producer process to
-a consumer process (each side its own process, every variant the same):
+Ways to move constant batches from a producer process to a consumer process (each side its
+own process, every variant the same), at each batch size of ``--sizes``:
 
 - ``feedline``:  ``feedline producer`` -> tcp -> ``feedline broker`` -> ipc -> RemoteDataZMQ
 - ``direct``:    ``feedline producer`` -> tcp -> ``RemoteDataZMQ(bind=True)``: the trainer
                  serves its producers, one hop (direct mode)
-- ``before``:    the same with another checkout of feedline (``--before DIR``): the code as
-                 it was, measured in the same run (a change must not make this slower)
+- ``before``:    ``feedline`` and ``direct`` (``before-direct``) run from another checkout
+                 (``--before DIR``): the code as it was, measured in the same run; ``--tree
+                 NAME=DIR`` adds more (``NAME``, ``NAME-direct``): each step of a change
 - ``relay``:     PUSH -> tcp -> ``zmq.proxy`` (PULL/PUSH, own process) -> ipc -> PULL
 - ``raw``:       PUSH -> tcp -> PULL, one hop, the cheapest framing there is
 - ``raw-threads``: the same with feedline's thread layout and nothing else: at each end the
@@ -19,26 +20,34 @@ a consumer process (each side its own process, every variant the same):
                  consumer, 4 per sender). What credit flow control costs by itself
 - ``tensorpack``: tensorpack's ``send_dataflow_zmq`` -> tcp -> its ``RemoteDataZMQ`` (msgpack)
 
-The consumers turn every batch into numpy arrays (views where the library gives views) and
-touch nothing else. Rounds alternate between the variants; the report gives medians and the
-ratios of each to the relay and to raw.
+A batch is ``[data, labels]``: ``data`` uint8 224x224x3 images where the size allows (150K is
+one image, 1M seven, 9.6M 64, 64M 425), a byte array of the size otherwise (16K), and one
+int32 label per image. The consumers turn every batch into numpy arrays (views where the
+library gives views) and touch nothing else; each reports its bytes, batches and its own
+CPU-seconds (user + system, all its threads: for direct mode that is the training process
+serving its producers). Rounds alternate between the variants, size by size; the report
+gives, per size, medians of GB/s, batches/s and consumer CPU-seconds per GB, and the ratios
+to the relay, to raw and to tensorpack.
 
-    python benchmarks/transport.py --rounds 3 --seconds 5 [--before ../feedline-old]
+    python benchmarks/transport.py --rounds 5 --seconds 3 --json docs/transport_sizes.json
+    python benchmarks/plot_transport.py docs/transport_sizes.json docs/transport_sizes.png
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -46,189 +55,70 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.transport_children import (  # noqa: E402
+    CONSUMER,
+    RELAY,
+    SENDER,
+    SENDER_CREDIT,
+    SENDER_THREADS,
+    TP_SENDER,
+)
 from feedline.procs import Child, free_port, wait_for  # noqa: E402
 
 HWM = 4  # plain ZeroMQ queues as deep as feedline's credit windows, so memory is comparable
+IMAGE = 224 * 224 * 3
+DEFAULT_SIZES = ["16K", "150K", "1M", "9.6M", "64M"]
+Result = dict[str, float]  # gbps, batches_per_s, cpu_s_per_gb (and ratios in summaries)
 
-# Every plain ZeroMQ sender: its arguments and the constant batch (ADDR N SIDE [HWM]).
-_BATCH = """
-    import queue, sys, threading, numpy as np, zmq
-    addr, n, side = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    HWM = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    images = np.zeros((n, side, side, 3), np.uint8)
-    labels = np.zeros(n, np.int32)
-"""
 
-# With feedline's thread layout: the owner thread hands each batch to an I/O thread that owns
-# the socket (``io``, defined before this), through a bounded queue.
-_OWNER = """
-    q = queue.Queue(maxsize=1)
-    threading.Thread(target=io, daemon=True).start()
-    while True:
-        q.put([b"batch", images, labels])
-"""
+@dataclass(frozen=True)
+class Size:
+    """One batch size: ``shape`` of the uint8 data array and ``labels`` int32 labels."""
 
-SENDER = textwrap.dedent(_BATCH + """
-    header = b"batch"  # plain ZeroMQ: no real header, the cheapest possible framing
-    s = zmq.Context().socket(zmq.PUSH)
-    s.setsockopt(zmq.SNDHWM, HWM)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(addr)
-    while True:
-        s.send_multipart([header, images, labels], copy=False)
-""")
+    name: str
+    shape: tuple[int, ...]
+    labels: int
 
-# The same, with feedline's thread layout and nothing else (at both ends).
-SENDER_THREADS = textwrap.dedent(_BATCH + """
-    def io():
-        s = zmq.Context().socket(zmq.PUSH)
-        s.setsockopt(zmq.SNDHWM, HWM)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(addr)
-        while True:
-            s.send_multipart(q.get(), copy=False)
-""" + _OWNER)
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n + 4 * self.labels
 
-# The same with a credit loop: the I/O thread sends only what the consumer granted (a DEALER
-# that says hello, then reads grants: ASCII counts), as feedline's producers do.
-SENDER_CREDIT = textwrap.dedent(_BATCH + """
-    def io():
-        s = zmq.Context().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(addr)
-        s.send(b"hello")
-        poller = zmq.Poller()
-        poller.register(s, zmq.POLLIN)
-        credit, head = 0, None
-        while True:
-            while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                credit += int(s.recv())
-            while credit > 0:
-                if head is None:
-                    try:
-                        head = q.get_nowait()
-                    except queue.Empty:
-                        break
-                s.send_multipart(head, copy=False)
-                head, credit = None, credit - 1
-            poller.poll(5)
-""" + _OWNER)
+    @staticmethod
+    def parse(text: str, side: int = 224) -> Size:
+        """``16K``, ``150K``, ``1M``, ``9.6M``, ``64M`` or bytes: images of ``side`` where
+        a whole number of them is within 10% of the size, a byte array otherwise."""
+        m = re.fullmatch(r"([0-9.]+)([KMG]?)B?", text.strip().upper())
+        if m is None:
+            raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 16K, 1M, 9.6M)")
+        nbytes = int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)])
+        image = side * side * 3
+        images = round(nbytes / image)
+        if images >= 1 and abs(images * image - nbytes) <= 0.1 * nbytes:
+            return Size(text, (images, side, side, 3), images)
+        return Size(text, (max(1, nbytes),), 1)
 
-RELAY = textwrap.dedent("""
-    import sys, zmq
-    ctx = zmq.Context()
-    front, back = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    hwm = int(sys.argv[3])
-    for s in (front, back):
-        s.setsockopt(zmq.RCVHWM, hwm); s.setsockopt(zmq.SNDHWM, hwm); s.setsockopt(zmq.LINGER, 0)
-    front.bind(sys.argv[1]); back.bind(sys.argv[2])
-    zmq.proxy(front, back)
-""")
+    @staticmethod
+    def images(n: int, side: int) -> Size:
+        return Size(f"{n}x{side}", (n, side, side, 3), n)
 
-TP_SENDER = textwrap.dedent("""
-    import sys, numpy as np
-    from tensorpack.dataflow import DataFlow
-    from tensorpack.dataflow.remote import send_dataflow_zmq
-    addr, n, side = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    class Const(DataFlow):
-        def __iter__(self):
-            images = np.zeros((n, side, side, 3), np.uint8)
-            labels = np.zeros(n, np.int32)
-            while True:
-                yield [images, labels]
-    send_dataflow_zmq(Const(), addr, hwm=4)
-""")
+    def args(self) -> list[str]:
+        return [",".join(map(str, self.shape)), str(self.labels)]
 
-# The measuring consumers: run in their own process, print {"bytes": B, "seconds": S}.
-CONSUMER = textwrap.dedent("""
-    import json, sys, time
-    import numpy as np
-    kind, addr, n, side, seconds = sys.argv[1:6]
-    n, side, seconds = int(n), int(side), float(seconds)
-    def arrays(frames):  # plain ZeroMQ's image and label frames as numpy views
-        return (np.frombuffer(frames[0].buffer, np.uint8).reshape(n, side, side, 3),
-                np.frombuffer(frames[1].buffer, np.int32))
-    if kind in ("feedline", "feedline-direct"):
-        from feedline.consumer import RemoteDataZMQ
-        # Direct mode: its window is every batch in flight (queued here or granted); plain
-        # ZeroMQ holds HWM batches at each end: the same depth is 2 x HWM.
-        window = 2 * 4 if kind == "feedline-direct" else 4
-        # bind= only where it is needed: --before may be a checkout that predates it.
-        extra = {"bind": True} if kind == "feedline-direct" else {}
-        src = RemoteDataZMQ(addr, timeout=60, window=window, **extra)
-        it = iter(src)
-        def one():
-            images, labels = next(it)
-            return images.nbytes + labels.nbytes
-    elif kind == "plain-credit":  # an I/O thread grants what the queue has room for
-        import queue, threading, zmq
-        WINDOW, PER_SENDER = 8, 4  # direct mode's: the trainer's window, a producer's
-        q = queue.Queue(maxsize=WINDOW)
-        def io():
-            sock = zmq.Context().socket(zmq.ROUTER)
-            sock.setsockopt(zmq.RCVHWM, WINDOW + 16)
-            sock.bind(addr)
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            sender, granted = None, 0  # granted: not arrived yet
-            while True:
-                poller.poll(5)
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    f = sock.recv_multipart(copy=False)
-                    sender = f[0].bytes
-                    if len(f) == 4:  # [sender, tag, images, labels]
-                        granted -= 1
-                        q.put_nowait(arrays(f[2:]))
-                room = min(WINDOW - q.qsize() - granted, PER_SENDER - granted)
-                if sender is not None and room > 0:
-                    sock.send_multipart([sender, str(room).encode()])
-                    granted += room
-        threading.Thread(target=io, daemon=True).start()
-        def one():
-            images, labels = q.get()
-            return images.nbytes + labels.nbytes
-    elif kind == "tensorpack":
-        from tensorpack.dataflow.remote import RemoteDataZMQ as TPRemote
-        src = TPRemote(addr, hwm=4)
-        src.reset_state()
-        it = iter(src)
-        def one():
-            images, labels = next(it)
-            return images.nbytes + labels.nbytes
-    else:
-        import queue, threading, zmq
-        sock = zmq.Context().socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, 4)
-        (sock.bind if kind.startswith("plain-bind") else sock.connect)(addr)
-        def recv():
-            a, b = arrays(sock.recv_multipart(copy=False)[1:])
-            return a.nbytes + b.nbytes
-        if kind == "plain-bind-threads":  # an I/O thread owns the socket, a queue between
-            q = queue.Queue(maxsize=8)
-            def io():
-                while True:
-                    q.put(recv())
-            threading.Thread(target=io, daemon=True).start()
-            one = q.get
-        else:
-            one = recv
-    for _ in range(10):  # warm up: connections made, pipes full
-        one()
-    count, nbytes, t0 = 0, 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        nbytes += one()
-        count += 1
-    print(json.dumps({"bytes": nbytes, "seconds": time.perf_counter() - t0}), flush=True)
-    import os
-    os._exit(0)
-""")
+
+def result(r: dict[str, float]) -> Result:
+    """GB/s, batches/s and CPU-seconds per GB of a consumer's report."""
+    return {"gbps": r["bytes"] / r["seconds"] / 1e9, "batches_per_s": r["batches"] / r["seconds"],
+            "cpu_s_per_gb": r["cpu"] / (r["bytes"] / 1e9)}
 
 
 class Run:
-    """One variant's processes in a work directory; :meth:`measure` returns GB/s."""
+    """One variant's processes in a work directory; :meth:`consume` measures."""
 
-    def __init__(self, work: Path, n: int, side: int, seconds: float) -> None:
-        self.work, self.n, self.side, self.seconds = work, n, side, seconds
+    def __init__(self, work: Path, size: Size, seconds: float) -> None:
+        self.work, self.size, self.seconds = work, size, seconds
         self.children: list[Child] = []
 
     def child(self, argv: list[str], name: str, tree: Path = ROOT) -> Child:
@@ -243,86 +133,107 @@ class Run:
     def python(self, script: str, args: list[str], name: str, tree: Path = ROOT) -> Child:
         return self.child([sys.executable, "-c", script, *args], name, tree)
 
-    def consume(self, kind: str, addr: str, tree: Path = ROOT) -> float:
-        env = {**os.environ, "PYTHONPATH": str(tree), "TF_CPP_MIN_LOG_LEVEL": "3",
-               "TENSORPACK_SERIALIZE": "msgpack"}
-        out = subprocess.run([sys.executable, "-c", CONSUMER, kind, addr, str(self.n),
-                              str(self.side), str(self.seconds)], env=env, cwd=self.work,
-                             capture_output=True, text=True, timeout=self.seconds + 120)
+    def sender(self, script: str, addr: str, name: str, hwm: bool = True) -> Child:
+        return self.python(script, [addr, *self.size.args(), *([str(HWM)] if hwm else [])],
+                           name)
+
+    def consumer_argv(self, kind: str, addr: str) -> list[str]:
+        warmup = min(1.0, max(0.3, self.seconds / 5))
+        return [sys.executable, "-c", CONSUMER, kind, addr, *self.size.args(),
+                str(self.seconds), str(warmup)]
+
+    @staticmethod
+    def consumer_env(tree: Path) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(tree), "TF_CPP_MIN_LOG_LEVEL": "3",
+                "TENSORPACK_SERIALIZE": "msgpack"}
+
+    def consume(self, kind: str, addr: str, tree: Path = ROOT) -> Result:
+        out = subprocess.run(self.consumer_argv(kind, addr), env=self.consumer_env(tree),
+                             cwd=self.work, capture_output=True, text=True,
+                             timeout=self.seconds + 120)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
         if not lines:
             raise RuntimeError(f"{kind} consumer failed: {out.stderr[-2000:]}")
-        r = json.loads(lines[-1])
-        return float(r["bytes"] / r["seconds"] / 1e9)
+        return result(json.loads(lines[-1]))
+
+    def fake_config(self) -> Path:
+        cfg = self.work / "fake.yaml"
+        cfg.write_text(yaml.safe_dump({"source": {"fake": {
+            "shapes": [list(self.size.shape), [self.size.labels]], "dtypes": ["uint8", "int32"],
+            "random": False, "size": 10**9}}}))
+        return cfg
 
     def close(self) -> None:
         for c in reversed(self.children):
             c.stop(timeout=5)
 
 
-def via_broker(run: Run, tree: Path) -> float:
+# What a variant's consumer is: its kind (benchmarks/transport_children.py), address, tree.
+Target = tuple[str, str, Path]
+
+
+def via_broker(run: Run, tree: Path) -> Target:
     ingress = f"tcp://127.0.0.1:{free_port()}"
     egress = f"ipc://{run.work}/feedline.sock"
-    cfg = run.work / "fake.yaml"
-    cfg.write_text(yaml.safe_dump({"source": {"fake": {
-        "shapes": [[run.n, run.side, run.side, 3], [run.n]], "dtypes": ["uint8", "int32"],
-        "random": False, "size": 100000}}}))
+    cfg = run.fake_config()
     run.child([sys.executable, "-m", "feedline.broker", "--ingress", ingress, "--egress", egress,
                "--metrics-port", "0", "--log-level", "WARNING"], "broker", tree)
-    run.child([sys.executable, "-m", "feedline.producer", "--config", str(cfg), "--broker", ingress,
-               "--log-level", "WARNING"], "producer", tree)
+    run.child([sys.executable, "-m", "feedline.producer", "--config", str(cfg), "--broker",
+               ingress, "--log-level", "WARNING"], "producer", tree)
     wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
-    return run.consume("feedline", egress, tree)
+    return "feedline", egress, tree
 
 
-def direct(run: Run) -> float:
+def direct(run: Run, tree: Path = ROOT) -> Target:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    cfg = run.work / "fake.yaml"
-    cfg.write_text(yaml.safe_dump({"source": {"fake": {
-        "shapes": [[run.n, run.side, run.side, 3], [run.n]], "dtypes": ["uint8", "int32"],
-        "random": False, "size": 100000}}}))
-    run.child([sys.executable, "-m", "feedline.producer", "--config", str(cfg), "--broker", addr,
-               "--log-level", "WARNING"], "producer")
-    return run.consume("feedline-direct", addr)
+    run.child([sys.executable, "-m", "feedline.producer", "--config", str(run.fake_config()),
+               "--broker", addr, "--log-level", "WARNING"], "producer", tree)
+    return "feedline-direct", addr, tree
 
 
-def relay(run: Run) -> float:
+def relay(run: Run) -> Target:
     front = f"tcp://127.0.0.1:{free_port()}"
     back = f"ipc://{run.work}/relay.sock"
     run.python(RELAY, [front, back, str(HWM)], "relay")
-    run.python(SENDER, [front, str(run.n), str(run.side), str(HWM)], "sender")
-    return run.consume("plain", back)
+    run.sender(SENDER, front, "sender")
+    return "plain", back, ROOT
 
 
-def raw(run: Run) -> float:
+def raw(run: Run) -> Target:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    run.python(SENDER, [addr, str(run.n), str(run.side), str(HWM)], "sender")
-    return run.consume("plain-bind", addr)
+    run.sender(SENDER, addr, "sender")
+    return "plain-bind", addr, ROOT
 
 
-def raw_threads(run: Run) -> float:
+def raw_threads(run: Run) -> Target:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    run.python(SENDER_THREADS, [addr, str(run.n), str(run.side), str(HWM)], "sender")
-    return run.consume("plain-bind-threads", addr)
+    run.sender(SENDER_THREADS, addr, "sender")
+    return "plain-bind-threads", addr, ROOT
 
 
-def raw_credit(run: Run) -> float:
+def raw_credit(run: Run) -> Target:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    run.python(SENDER_CREDIT, [addr, str(run.n), str(run.side)], "sender")
-    return run.consume("plain-credit", addr)
+    run.sender(SENDER_CREDIT, addr, "sender", hwm=False)
+    return "plain-credit", addr, ROOT
 
 
-def tensorpack(run: Run) -> float:
+def tensorpack(run: Run) -> Target:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    run.python(TP_SENDER, [addr, str(run.n), str(run.side)], "tp-sender")
-    return run.consume("tensorpack", addr)
+    run.sender(TP_SENDER, addr, "tp-sender", hwm=False)
+    return "tensorpack", addr, ROOT
 
 
-def variants(before: Path | None) -> dict[str, Callable[[Run], float]]:
-    out: dict[str, Callable[[Run], float]] = {"feedline": lambda r: via_broker(r, ROOT)}
-    if before is not None:
-        out["before"] = lambda r: via_broker(r, before)
+def variants(before: Path | None,
+             trees: dict[str, Path] | None = None) -> dict[str, Callable[[Run], Target]]:
+    """Each variant starts its sending side and says where its consumer receives.
+    ``before`` and each of ``trees`` add a broker and a direct variant run from that tree."""
+    other = {**({"before": before} if before is not None else {}), **(trees or {})}
+    out: dict[str, Callable[[Run], Target]] = {"feedline": lambda r: via_broker(r, ROOT)}
+    for name, tree in other.items():
+        out[name] = functools.partial(via_broker, tree=tree)
     out["direct"] = direct
+    for name, tree in other.items():
+        out[f"{name}-direct"] = functools.partial(direct, tree=tree)
     out["relay"] = relay
     out["raw"] = raw
     out["raw-threads"] = raw_threads
@@ -332,48 +243,96 @@ def variants(before: Path | None) -> dict[str, Callable[[Run], float]]:
     return out
 
 
+def summary(runs: dict[str, list[Result]]) -> dict[str, Result]:
+    """Per variant: medians of each measure, and the GB/s ratios to relay, raw, tensorpack."""
+    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]}
+           for k, v in runs.items() if v}
+    for v in med.values():
+        for ref in ("relay", "raw", "tensorpack"):
+            if ref in med:
+                v[f"vs_{ref}"] = v["gbps"] / med[ref]["gbps"]
+        if "raw" in med:
+            v["cpu_vs_raw"] = v["cpu_s_per_gb"] / med["raw"]["cpu_s_per_gb"]
+    return med
+
+
+def report(size: Size, runs: dict[str, list[Result]], med: dict[str, Result]) -> None:
+    print(f"\nbatches of {size.nbytes / 1e6:.3f} MB ({size.name}: uint8 "
+          f"{'x'.join(map(str, size.shape))} + {size.labels} int32)")
+    print(f"{'variant':<11} {'GB/s per round':<32} {'median':>7} {'batches/s':>10} "
+          f"{'CPU-s/GB':>9} {'vs relay':>9} {'vs raw':>7} {'vs tp':>6} {'CPU vs raw':>10}")
+    for k, v in med.items():
+        rounds = " / ".join(f"{r['gbps']:.2f}" for r in runs[k])
+        ratios = [f"{v[f'vs_{ref}']:.2f}x" if f"vs_{ref}" in v else "-"
+                  for ref in ("relay", "raw", "tensorpack")]
+        cpu_ratio = f"{v['cpu_vs_raw']:.2f}x" if "cpu_vs_raw" in v else "-"
+        print(f"{k:<11} {rounds:<32} {v['gbps']:>7.2f} {v['batches_per_s']:>10.0f} "
+              f"{v['cpu_s_per_gb']:>9.3f} {ratios[0]:>9} {ratios[1]:>7} {ratios[2]:>6} "
+              f"{cpu_ratio:>10}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run")
-    ap.add_argument("--batch", type=int, default=64, help="images per batch")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
+    ap.add_argument("--sizes", nargs="+", default=None,
+                    help=f"batch sizes (default {' '.join(DEFAULT_SIZES)}): images of --side "
+                         "where a whole number fits, a byte array otherwise")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="one size instead: this many images per batch")
     ap.add_argument("--side", type=int, default=224, help="image side")
     ap.add_argument("--before", type=Path, default=None,
                     help="another feedline checkout to measure beside this one")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="another checkout measured as variants NAME (broker) and "
+                         "NAME-direct (repeatable: each step of a change, side by side)")
     ap.add_argument("--only", nargs="*", default=None, help="variants to run (default all)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    runs = variants(args.before)
+    if args.batch is not None:
+        sizes = [Size.images(args.batch, args.side)]
+    else:
+        sizes = [Size.parse(s, args.side) for s in (args.sizes or DEFAULT_SIZES)]
+    trees = {}
+    for spec in args.tree:
+        name, sep, path = spec.partition("=")
+        if not sep or not Path(path, "feedline").is_dir():
+            raise SystemExit(f"--tree {spec}: give NAME=DIR, DIR a feedline checkout")
+        trees[name] = Path(path).resolve()
+    runs = variants(args.before, trees)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only}
-    results: dict[str, list[float]] = {k: [] for k in runs}
-    mb = (args.batch * args.side * args.side * 3 + 4 * args.batch) / 1e6
-    print(f"batches of {mb:.1f} MB, {args.rounds} rounds x {args.seconds:.0f}s per variant")
+    results: dict[str, dict[str, list[Result]]] = {s.name: {k: [] for k in runs} for s in sizes}
+    total = args.rounds * len(sizes) * len(runs)
+    print(f"{len(sizes)} sizes x {len(runs)} variants x {args.rounds} rounds x "
+          f"{args.seconds:.0f}s ({total} runs)")
+    done = 0
     with tempfile.TemporaryDirectory(prefix="feedline-bench-") as tmp:
         for r in range(args.rounds):
-            for name, fn in runs.items():
-                work = Path(tmp) / f"{name}-{r}"
-                work.mkdir()
-                run = Run(work, args.batch, args.side, args.seconds)
-                try:
-                    gbps = fn(run)
-                finally:
-                    run.close()
-                results[name].append(gbps)
-                print(f"  round {r + 1} {name:<11} {gbps:6.2f} GB/s  "
-                      f"{gbps * 1e3 / mb:7.1f} batches/s", flush=True)
-                time.sleep(0.5)  # let the previous round's sockets go
-    med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"\n{'variant':<11} {'median GB/s':>12} {'batches/s':>10} {'vs relay':>9} "
-          f"{'vs raw':>7} {'vs tensorpack':>14}")
-    for k, v in med.items():
-        ratios = [f"{v / med[ref]:.2f}x" if med.get(ref) else "-"
-                  for ref in ("relay", "raw", "tensorpack")]
-        print(f"{k:<11} {v:>12.2f} {v * 1e3 / mb:>10.1f} {ratios[0]:>9} {ratios[1]:>7} "
-              f"{ratios[2]:>14}")
+            for size in sizes:
+                for name, fn in runs.items():
+                    work = Path(tmp) / f"{name}-{size.name}-{r}"
+                    work.mkdir()
+                    run = Run(work, size, args.seconds)
+                    try:
+                        res = run.consume(*fn(run))
+                    finally:
+                        run.close()
+                    results[size.name][name].append(res)
+                    done += 1
+                    print(f"  [{done}/{total}] round {r + 1} {size.name:>5} {name:<11} "
+                          f"{res['gbps']:6.2f} GB/s {res['batches_per_s']:8.0f} batches/s "
+                          f"{res['cpu_s_per_gb']:6.3f} CPU-s/GB", flush=True)
+                    time.sleep(0.3)  # let the previous run's sockets go
+    out: dict[str, dict[str, object]] = {"sizes": {}}
+    for size in sizes:
+        med = summary(results[size.name])
+        report(size, results[size.name], med)
+        out["sizes"][size.name] = {"bytes": size.nbytes, "shape": list(size.shape),
+                                   "runs": results[size.name], "median": med}
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": results, "median": med}, indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
