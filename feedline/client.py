@@ -9,8 +9,9 @@ on while the owner computes for minutes, and :meth:`ClientLoop.stop` is safe fro
 
 The loop: poll the waker and the links' sockets; hand each received control message to the
 role (``on_message``); tell the role it was woken (``on_wake``); do each link's liveness work
-(``Link.tick``) and the role's (``on_tick``); at the end let the role say its last words
-(``on_close``) before the links close with a bounded flush.
+(``Link.tick``) and the role's (``on_tick``); then ``after_turn`` (a consumer wakes its
+iterating thread there, once for everything the turn received). At the end the role says its
+last words (``on_close``) before the links close with a bounded flush.
 """
 
 from __future__ import annotations
@@ -92,10 +93,15 @@ class Role(Protocol):
 
 class ClientLoop:
     """Start with :meth:`start`; ``make(ctx)`` builds the role (and its links) in the
-    thread. Errors of the loop end it and are kept in :attr:`error` for the owner to raise."""
+    thread. Errors of the loop end it and are kept in :attr:`error` for the owner to raise.
 
-    def __init__(self, name: str, make: Callable[[zmq.Context], Role], waker: Waker) -> None:
+    A role may also have ``poll_timeout_ms()``: the longest the loop may sleep now (``None``:
+    as its links say)."""
+
+    def __init__(self, name: str, make: Callable[[zmq.Context], Role], waker: Waker,
+                 after_turn: Callable[[], None] | None = None) -> None:
         self.name, self._make, self.waker = name, make, waker
+        self._after_turn = after_turn
         self.stopping = threading.Event()
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -145,6 +151,9 @@ class ClientLoop:
     def _loop(self, role: Role) -> None:
         poller = zmq.Poller()
         polled: tuple[object, ...] = ()
+        role_timeout = getattr(role, "poll_timeout_ms", None)
+        after_turn = self._after_turn
+        wake_fd = self.waker.fileno()
         while not self.stopping.is_set():
             links = role.links()
             own = role.sockets()
@@ -154,20 +163,28 @@ class ClientLoop:
             if len(want) != len(polled) or any(a is not b for a, b in zip(want, polled,
                                                                           strict=True)):
                 poller, polled = zmq.Poller(), want
-                poller.register(self.waker.fileno(), zmq.POLLIN)
+                poller.register(wake_fd, zmq.POLLIN)
                 for sock in want:
                     poller.register(sock, zmq.POLLIN)
             timeout = min((link.poll_timeout_ms() for link in links), default=100)
+            if role_timeout is not None:
+                mine = role_timeout()
+                if mine is not None:
+                    timeout = min(timeout, mine)
             events = dict(poller.poll(timeout))
-            if self.waker.fileno() in events:
+            if wake_fd in events:
                 self.waker.drain()
-            ready = [s for s in own if s in events]
-            if ready:
-                role.on_ready(ready)
+            if own:
+                ready = [s for s in own if s in events]
+                if ready:
+                    role.on_ready(ready)
             role.on_wake()
             for link in links:
-                if any(s in events for s in link.poll_sockets()):
+                if (link.socket is not None and link.socket in events) or (
+                        link.monitored and any(s in events for s in link.poll_sockets())):
                     link.receive(role.on_message)
             for link in links:
                 link.tick()
             role.on_tick()
+            if after_turn is not None:
+                after_turn()

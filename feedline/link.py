@@ -224,6 +224,11 @@ class Link:
         """The sockets the owner's poller waits on for this link."""
         return [s for s in (self.socket, self._monitor) if s is not None]
 
+    @property
+    def monitored(self) -> bool:
+        """A CURVE handshake monitor is polled besides the socket."""
+        return self._monitor is not None
+
     def receive(self, on_message: OnMessage, budget: int = 1000) -> int:
         """Handle up to ``budget`` waiting messages; the owner's get ``on_message``.
         Returns how many messages were read."""

@@ -12,8 +12,8 @@ credit returns to the broker instead of shrinking the window for good.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,6 +26,7 @@ from feedline.client import ClientLoop, Waker
 from feedline.consumer.metrics import ConsumerMetrics
 from feedline.cursor import Cursor
 from feedline.errors import ProducerError
+from feedline.handover import Inbox
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
@@ -65,6 +66,8 @@ class EpochMark:
 
 
 _MAX_PRODUCERS = 4096  # per-producer statistics kept, at most
+_STREAMING = 0.02  # seconds since the last delivery arrived: more are on the way
+_EXPECTING_POLL_MS = 5  # the loop's longest sleep while takes are left for arrivals to report
 
 
 class Shared:
@@ -78,7 +81,8 @@ class Shared:
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics(registry)
         # Old registrations' batches may still sit here after a broker restart: 2 windows.
-        self.queue: queue.Queue[Any] = queue.Queue(maxsize=2 * window + 64)
+        # The I/O thread wakes the iterating thread once per loop turn (Inbox.flush).
+        self.queue: Inbox[Any] = Inbox(maxsize=2 * window + 64)
         self.metrics.local_queue.set_function(self.queue.qsize)
         self.metrics.window.set(window)
         self.lock = threading.Lock()
@@ -98,10 +102,11 @@ class Shared:
         self.resume: Cursor | None = None
         self.collect_keys = False
         self.taken_keys: list[tuple[int, int, int]] = []
-        # Direct mode: batches are granted and arriving, so the I/O thread runs again soon
-        # and plans for what was taken meanwhile: a take need not wake it (a turn of its loop
-        # for every batch taken, besides the one for every batch that arrives). Written by
-        # the I/O thread before it reads ``taken`` again; read here after ``taken`` grew.
+        # Batches are on their way (direct mode: granted; via a broker: the broker has room
+        # for more, or they are in the pipe), so the I/O thread runs again soon and reports or
+        # plans for what was taken meanwhile: a take need not wake it (a turn of its loop for
+        # every batch taken, besides the one for every batch that arrives). Written by the
+        # I/O thread before it reads ``taken`` again; read here after ``taken`` grew.
         self.expecting = False
 
     def fresh(self) -> Shared:
@@ -163,6 +168,8 @@ class ConsumerIO:
         self._reject_log = RateLimitedLog(log)
         self._refused = 0  # deliveries of this registration refused here: taken, for credit
         self._reported = 0  # the last TAKEN total sent
+        self._arrived = 0  # deliveries of this registration that arrived (refused included)
+        self._arrived_at = 0.0  # when the last one did
         self.link = Link(ctx, addr, self._hello, cfg, curve=curve,
                          on_register=self._on_register, on_reject=self._count_reject,
                          rcvhwm=2 * shared.window + 64, what=f"consumer {shared.consumer_id}")
@@ -186,7 +193,7 @@ class ConsumerIO:
         with self.shared.lock:
             self.shared.registration = registration
             self.shared.taken = 0
-        self._refused = self._reported = 0
+        self._refused = self._reported = self._arrived = 0
 
     def _count_reject(self, reason: str) -> None:
         self.shared.metrics.rejected.labels(reason).inc()
@@ -208,7 +215,7 @@ class ConsumerIO:
             with s.lock:
                 s.resume = None  # applied: later registrations report what we took
         elif isinstance(msg, m.EpochEnd):
-            self._put(EpochMark(msg.epoch), counts=False)
+            self._put(EpochMark(msg.epoch))
         elif isinstance(msg, m.Deliver):
             self._deliver(msg, frames)
         elif isinstance(msg, m.Eos):
@@ -217,7 +224,7 @@ class ConsumerIO:
         elif isinstance(msg, m.Error):
             err = ProducerError(msg.producer, msg.message, msg.traceback)
             if s.on_error == "raise":
-                self._put(Marker(err), counts=False)
+                self._put(Marker(err))
             else:
                 log.error("%s", err)
         elif isinstance(msg, m.Refused):
@@ -230,6 +237,10 @@ class ConsumerIO:
 
     def _deliver(self, env: m.Deliver, frames: list[zmq.Frame]) -> None:
         s = self.shared
+        registration = env.registration or self.link.registration
+        if registration == self.link.registration:
+            self._arrived += 1
+            self._arrived_at = time.monotonic()
         try:
             batch = wire.decode_batch(frames, self.limits)
         except wire.DecodeError as e:
@@ -237,11 +248,17 @@ class ConsumerIO:
             self._reject_log.warning("refused a batch from the broker: %s", e)
             self._refused += 1  # its credit returns all the same
             return
+        q = s.queue
+        if len(q) >= q.maxsize:  # only if the broker ignored our window
+            self._count_reject("over_window")
+            self._refused += 1
+            return
         with s.lock:
             st = s.producer(batch.producer)
             st.received += 1
             st.bytes += batch.nbytes
             st.lost += env.gap
+            s.queued_bytes += batch.wire_bytes
         s.metrics.received_batches.inc()
         s.metrics.received_bytes.inc(batch.nbytes)
         if env.gap:
@@ -249,22 +266,15 @@ class ConsumerIO:
         # Tagged with the registration it was delivered under: a batch of an earlier one
         # (still in the pipe when we registered again) is data all the same, but its credit
         # belongs to a registration the broker no longer counts.
-        self._put(Delivery(env.registration or self.link.registration, batch,
-                           batch.wire_bytes), counts=True)
+        q.put_nowait(Delivery(registration, batch, batch.wire_bytes))
 
-    def _put(self, item: Any, counts: bool) -> None:
-        try:
-            if isinstance(item, Delivery):
-                with self.shared.lock:
-                    self.shared.queued_bytes += item.nbytes
-            self.shared.queue.put_nowait(item)
-        except queue.Full:  # only if the broker ignored our window
-            if isinstance(item, Delivery):
-                with self.shared.lock:
-                    self.shared.queued_bytes -= item.nbytes
+    def _put(self, item: Any) -> None:
+        """A marker (an epoch's end, a producer's error), in order with the batches."""
+        q = self.shared.queue
+        if len(q) >= q.maxsize:
             self._count_reject("over_window")
-            if counts:
-                self._refused += 1
+            return
+        q.put_nowait(item)
 
     def on_wake(self) -> None:
         self._report()
@@ -273,14 +283,33 @@ class ConsumerIO:
         self._report()
 
     def _report(self) -> None:
-        """Return credit: TAKEN with the batches taken (or refused) under this registration."""
+        """Return credit: TAKEN with the batches taken (or refused) under this registration,
+        one cumulative total for every take since the last report.
+
+        Takes do not wake this thread while more deliveries are expected (``expecting``): the
+        broker has room for more by our count (arrived and not reported is under the window),
+        and one arrived within ``_STREAMING``. The next arrival then runs this and reports
+        them all; if none comes (the broker's byte budget, not its count, was what stopped
+        it), :meth:`poll_timeout_ms` keeps the wait for it short.
+        """
+        s = self.shared
         if not self.link.welcomed:
+            s.expecting = False
             return
-        with self.shared.lock:
-            total = self.shared.taken + self._refused
-        taken = m.Taken(taken=total, registration=self.link.registration)
-        if total != self._reported and self.link.send_msg(taken):
-            self._reported = total
+        while True:
+            taken = s.taken
+            total = taken + self._refused
+            if total != self._reported and self.link.send_msg(
+                    m.Taken(taken=total, registration=self.link.registration)):
+                self._reported = total
+            s.expecting = (self._arrived - self._reported < s.window
+                           and time.monotonic() - self._arrived_at < _STREAMING)
+            if s.taken == taken:  # a take that read the old flag is seen here
+                return
+
+    def poll_timeout_ms(self) -> int | None:
+        """The loop's longest sleep: short while takes may wait for an arrival to report."""
+        return _EXPECTING_POLL_MS if self.shared.expecting else None
 
     def on_close(self) -> None:
         self.link.send_msg(m.Bye())

@@ -2,31 +2,34 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from feedline.metrics import OwnedCounter, OwnedHistogram
 
 # Time the model waited for the next batch: ~0 when input keeps up, large when input-bound.
 WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ConsumerMetrics:
+    """The per-batch series are counted without a lock (:class:`OwnedCounter`): the received
+    ones by the I/O thread only, ``wait`` by the iterating thread only."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.received_batches = Counter(
-            "feedline_consumer_received_batches", "Batches received from the broker.",
-            registry=r)
-        self.received_bytes = Counter(
-            "feedline_consumer_received_bytes", "Array bytes received from the broker.",
-            registry=r)
-        self.lost_batches = Counter(
+        self.received_batches = OwnedCounter(
+            "feedline_consumer_received_batches", "Batches received from the broker.", r)
+        self.received_bytes = OwnedCounter(
+            "feedline_consumer_received_bytes", "Array bytes received from the broker.", r)
+        self.lost_batches = OwnedCounter(
             "feedline_consumer_lost_batches",
-            "Batches the broker reported missing from producer sequences.", registry=r)
+            "Batches the broker reported missing from producer sequences.", r)
         self.rejected = Counter(
             "feedline_consumer_rejected_messages", "Messages refused, by reason.",
             ["reason"], registry=r)
-        self.wait = Histogram(
+        self.wait = OwnedHistogram(
             "feedline_consumer_wait_seconds",
             "Time the training loop waited for a batch (long waits: input-bound).",
-            buckets=WAIT_BUCKETS, registry=r)
+            WAIT_BUCKETS, r)
         self.local_queue = Gauge(
             "feedline_consumer_local_queue_batches",
             "Batches received and not yet taken by the training loop.", registry=r)
