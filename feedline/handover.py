@@ -8,7 +8,7 @@ here wake the other thread only when it sleeps, and not for every item:
 - :class:`Inbox` (I/O thread -> owner: a consumer's batches). ``put_nowait`` never wakes;
   the I/O thread calls :meth:`Inbox.flush` once per loop turn, which wakes a sleeping owner
   once for everything the turn received.
-- :class:`Outbox` (owner -> I/O thread: a producer's batches). The owner sleeps only while
+- :class:`Backlog` (owner -> I/O thread: a producer's batches). The owner sleeps only while
   it is full; the I/O thread wakes it when the box has drained to half, so an owner that
   makes small batches quickly is woken once for several. Bounded in items *and* bytes: small
   batches queue deeper than large ones.
@@ -122,7 +122,7 @@ class Inbox(Generic[T]):
         return not self._items
 
 
-class Outbox(Generic[T]):
+class Backlog(Generic[T]):
     """Items from the owner to the I/O thread: at most ``max_items`` and ``max_bytes`` (but
     always one, whatever its size). The owner's :meth:`put` sleeps while the box is full;
     the I/O thread's :meth:`get_nowait` wakes it once the box has drained to half."""
@@ -145,6 +145,8 @@ class Outbox(Generic[T]):
         """Queue ``item`` of ``nbytes``, sleeping up to ``timeout`` for room; False if
         there was none (the caller checks its stop conditions and tries again)."""
         if not self._room(nbytes):
+            if timeout <= 0:
+                return False
             deadline = time.monotonic() + timeout
             while not self._sleeper.sleep(lambda: self._room(nbytes), deadline
                                           - time.monotonic()):

@@ -5,29 +5,34 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from feedline.metrics import OwnedCounter, OwnedHistogram
 
 # Credit waits range from none (trainer keeps up) to seconds (trainer is the bottleneck).
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ProducerMetrics:
+    """The per-batch series count without a lock (:class:`OwnedCounter`): the sent ones by
+    the I/O thread only, ``credit_wait`` and ``pipeline_seconds`` by the sending thread."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.sent_batches = Counter(
-            "feedline_producer_sent_batches", "Batches sent to the broker.", registry=r)
-        self.sent_bytes = Counter(
-            "feedline_producer_sent_bytes", "Array bytes sent to the broker.", registry=r)
-        self.credit_wait = Histogram(
+        self.sent_batches = OwnedCounter(
+            "feedline_producer_sent_batches", "Batches sent to the broker.", r)
+        self.sent_bytes = OwnedCounter(
+            "feedline_producer_sent_bytes", "Array bytes sent to the broker.", r)
+        self.credit_wait = OwnedHistogram(
             "feedline_producer_credit_wait_seconds",
             "Time a batch waited for broker credit (long waits: the trainer is the bottleneck).",
-            buckets=WAIT_BUCKETS, registry=r)
-        self.pipeline_seconds = Counter(
+            WAIT_BUCKETS, r)
+        self.pipeline_seconds = OwnedCounter(
             "feedline_producer_pipeline_seconds",
             "Time spent waiting for the pipeline's next batch (its rate near 1: preprocessing "
-            "is the bottleneck).", registry=r)
+            "is the bottleneck).", r)
         self.registrations = Counter(
             "feedline_producer_registrations",
             "HELLOs to a broker (first connect, reconnects, broker restarts).", registry=r)

@@ -41,6 +41,7 @@ from feedline.producer.channel import (
     SkipItem,
     UnitAsk,
     UnitEnd,
+    item_bytes,
 )
 from feedline.producer.dataflow.base import as_dataflow
 from feedline.producer.metrics import ProducerMetrics
@@ -195,28 +196,20 @@ class Sender:
         out = self._out
         assert out.loop is not None and out.waker is not None
         self._raise_pending()
-        try:
-            out.idle.clear()
-            out.items.put_nowait(item)
-            out.nudge()
-            return
-        except queue.Full:
-            pass
-        t0 = time.monotonic()
-        while True:
-            out.nudge()  # unless it holds a batch: then only a grant makes room
-            try:
-                out.items.put(item, timeout=_POLL)
-                break
-            except queue.Full:
-                pass
-            self._raise_pending()
-            if stop is not None and stop.is_set():
-                raise Stopped("stopped while waiting for credit")
+        nbytes = item_bytes(item)
+        if not out.items.put(item, nbytes, 0):
+            # The backlog is full: the I/O thread waits for credit (it wakes us when half of
+            # the backlog has left), or for the broker.
+            t0 = time.monotonic()
+            while not out.items.put(item, nbytes, _POLL):
+                self._raise_pending()
+                if stop is not None and stop.is_set():
+                    raise Stopped("stopped while waiting for credit")
+            waited = time.monotonic() - t0
+            self.credit_wait_seconds += waited
+            self.metrics.credit_wait.observe(waited)
+        out.handed += 1
         out.nudge()
-        waited = time.monotonic() - t0
-        self.credit_wait_seconds += waited
-        self.metrics.credit_wait.observe(waited)
 
     def _raise_pending(self) -> None:
         out = self._out
@@ -244,9 +237,19 @@ class Sender:
 
     def flush(self, timeout: float) -> bool:
         """Wait until everything handed over was sent (bounded); True if it was."""
-        if self._out.waker is not None:
-            self._out.waker.wake()
-        return self._out.idle.wait(timeout)
+        out = self._out
+        target, deadline = out.handed, time.monotonic() + timeout
+        while out.done < target:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            out.idle.clear()  # set again by the I/O thread once it sent all it was handed
+            if out.done >= target:
+                break
+            if out.waker is not None:
+                out.waker.wake()
+            out.idle.wait(min(left, 0.05))
+        return True
 
     def close(self) -> None:
         """Let what was handed over leave (up to ``flush_ms``), say BYE (frees our credit at
