@@ -32,7 +32,7 @@ from feedline.codec import (
 
 ARRAY_EXT = 1  # the msgpack ExtType code of an array reference
 U32 = struct.Struct(">I")
-
+_U8, _U16, _U64 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">Q")
 
 
 class _Flattener:
@@ -82,10 +82,7 @@ class _Flattener:
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
         if arr.dtype.kind == "b":
-            try:
-                check_bools(arr)
-            except DecodeError:
-                raise EncodeError("a bool array holds bytes other than 0 and 1") from None
+            _check_bools(arr)
         self.nbytes += arr.nbytes
         if self.nbytes > lim.max_message_bytes:
             raise EncodeError(f"the datapoint's arrays exceed max_message_bytes="
@@ -128,10 +125,28 @@ class Prepared:
         Exact delivery: ``unit`` >= 0 adds the batch's place in its work unit: ``"u"`` the
         unit, ``"i"`` its index there, ``"l"`` true for the unit's last batch."""
         head = (b"\x89" if unit < 0 else b"\x8c") + _V_K + b"\xa1p" + producer \
-            + b"\xa1q" + packb(session) + b"\xa1s" + packb(seq) + b"\xa1e" + packb(epoch)
+            + b"\xa1q" + uint(session) + b"\xa1s" + uint(seq) + b"\xa1e" + uint(epoch)
         if unit >= 0:
-            head += b"\xa1u" + packb(unit) + b"\xa1i" + packb(index) + b"\xa1l" + packb(last)
+            head += b"\xa1u" + uint(unit) + b"\xa1i" + uint(index) + b"\xa1l" \
+                + (b"\xc3" if last else b"\xc2")
         return [head + self.tail, *self.arrays]
+
+
+def uint(n: int) -> bytes:
+    """A non-negative int as msgpack packs it (the shortest form), without a Packer: the
+    header of every batch has three of them."""
+    if n < 0x80:
+        return _FIXINT[n] if n >= 0 else packb(n)
+    if n < 0x100:
+        return b"\xcc" + _U8.pack(n)
+    if n < 0x10000:
+        return b"\xcd" + _U16.pack(n)
+    if n < 0x100000000:
+        return b"\xce" + U32.pack(n)
+    return b"\xcf" + _U64.pack(n) if n < 1 << 64 else packb(n)
+
+
+_FIXINT = [bytes([i]) for i in range(0x80)]
 
 
 _V_K = packb("v") + packb(PROTOCOL_VERSION) + packb("k") + packb(int(Kind.BATCH))
@@ -140,7 +155,58 @@ _V_K = packb("v") + packb(PROTOCOL_VERSION) + packb("k") + packb(int(Kind.BATCH)
 def prepare_batch(datapoint: Any, limits: Limits = DEFAULT_LIMITS,
                   producer_id_len: int = 0) -> Prepared:
     """Check and flatten ``datapoint``; raises :class:`EncodeError` naming the limit for
-    anything a receiver applying ``limits`` would refuse."""
+    anything a receiver applying ``limits`` would refuse.
+
+    A list or tuple of C-contiguous arrays (what a batching pipeline yields) is checked once
+    per layout (dtypes, shapes, limits): its header tail is remembered (:data:`_TAILS`), and a
+    batch of a known layout checks only what can differ between two batches of it (its
+    bool bytes). Anything else is walked whole.
+    """
+    if type(datapoint) is list or type(datapoint) is tuple:
+        key = _layout(datapoint, limits, producer_id_len)
+        if key is not None:
+            hit = _TAILS.get(key)
+            if hit is not None and hit[0] is limits:
+                for a in datapoint:
+                    if a.dtype.kind == "b":
+                        _check_bools(a)
+                nbytes = sum([a.nbytes for a in datapoint])
+                if nbytes <= limits.max_message_bytes:
+                    return Prepared(hit[1], tuple(datapoint), nbytes, nbytes + hit[2])
+            prepared = _prepare(datapoint, limits, producer_id_len)
+            if len(_TAILS) >= _MAX_TAILS:
+                _TAILS.clear()
+            _TAILS[key] = (limits, prepared.tail, prepared.wire_bytes - prepared.nbytes)
+            return prepared
+    return _prepare(datapoint, limits, producer_id_len)
+
+
+_MAX_TAILS = 64  # layouts remembered; a pipeline has one or a few
+# (limits id, producer id length, container, (dtype, shape) of each array) -> (limits, the
+# header's tail, the header's bytes): what prepare_batch found for that layout.
+_TAILS: dict[tuple, tuple[Limits, bytes, int]] = {}
+
+
+def _layout(dp: list | tuple, limits: Limits, id_len: int) -> tuple | None:
+    """The key of a list or tuple of C-contiguous arrays, or None (walked whole)."""
+    if not 0 < len(dp) <= 64:
+        return None
+    sig = []
+    for a in dp:
+        if type(a) is not np.ndarray or not a.flags.c_contiguous:
+            return None
+        sig.append((a.dtype.str, a.shape))
+    return (id(limits), id_len, type(dp) is tuple, *sig)
+
+
+def _check_bools(a: np.ndarray) -> None:
+    try:
+        check_bools(a)
+    except DecodeError:
+        raise EncodeError("a bool array holds bytes other than 0 and 1") from None
+
+
+def _prepare(datapoint: Any, limits: Limits, producer_id_len: int) -> Prepared:
     flat = _Flattener(limits)
     structure = flat.walk(datapoint, 0)
     try:
