@@ -78,9 +78,17 @@ Check = Callable[[Any, Limits], Any]
 
 
 def _int(lo: int, hi: int | Callable[[Limits], int]) -> Check:
+    if callable(hi):
+        top = hi
+
+        def check_limit(v: Any, lim: Limits) -> int:
+            if type(v) is not int or not lo <= v <= top(lim):  # a bool is no count
+                raise _Bad
+            return v
+        return check_limit
+
     def check(v: Any, lim: Limits) -> int:
-        top = hi(lim) if callable(hi) else hi
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= top:
+        if type(v) is not int or not lo <= v <= hi:  # type(): a bool is no count
             raise _Bad
         return v
     return check
@@ -337,8 +345,10 @@ def broker_of(msg: Message) -> int | None:
     return None
 
 
-_Spec = tuple[str, str, Check, Any]  # attribute, wire key, check, default (MISSING: required)
+# attribute, wire key, check, default (MISSING: required), default factory (or MISSING)
+_Spec = tuple[str, str, Check, Any, Any]
 _SPECS: dict[type, tuple[_Spec, ...]] = {}
+_MISSING = dataclasses.MISSING
 
 
 def _specs(cls: type) -> tuple[_Spec, ...]:
@@ -346,10 +356,8 @@ def _specs(cls: type) -> tuple[_Spec, ...]:
     specs = _SPECS.get(cls)
     if specs is None:
         specs = _SPECS[cls] = tuple(
-            (f.name, f.metadata["key"], f.metadata["check"],
-             f.default if f.default is not dataclasses.MISSING else
-             (f.default_factory if f.default_factory is not dataclasses.MISSING  # type: ignore[misc]
-              else dataclasses.MISSING)) for f in dataclasses.fields(cls))
+            (f.name, f.metadata["key"], f.metadata["check"], f.default, f.default_factory)
+            for f in dataclasses.fields(cls))
     return specs
 
 
@@ -357,7 +365,7 @@ def encode(msg: Message) -> bytes:
     """The one frame of ``msg``."""
     out: dict[str, Any] = {"v": PROTOCOL_VERSION, "k": int(msg.KIND)}  # type: ignore[union-attr]
     d = msg.__dict__
-    for name, key, _, _ in _specs(type(msg)):
+    for name, key, _, _, _ in _specs(type(msg)):
         out[key] = d[name]
     return packb(out)
 
@@ -376,13 +384,22 @@ def from_map(header: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> Message
     if cls is None:
         raise DecodeError("bad_kind", f"{kind.name} is not a control message")
     values: dict[str, Any] = {}
-    for name, key, check, default in _specs(cls):
-        if key not in header:
-            if default is dataclasses.MISSING:
+    for name, key, check, default, factory in _specs(cls):
+        v = header.get(key, _MISSING)
+        if v is _MISSING:
+            if default is not _MISSING:
+                values[name] = default
+            elif factory is not _MISSING:
+                values[name] = factory()
+            else:
                 raise DecodeError(f"bad_{kind.name.lower()}", f"missing field {key!r}")
             continue
         try:
-            values[name] = check(header[key], limits)
+            values[name] = check(v, limits)
         except _Bad:
             raise DecodeError(f"bad_{kind.name.lower()}", f"field {key!r}") from None
-    return cls(**values)  # type: ignore[no-any-return]
+    # Every field is in ``values``, checked: set them as the frozen class's __init__ would,
+    # without its object.__setattr__ per field (a control message per batch arrives).
+    msg: Any = object.__new__(cls)
+    msg.__dict__.update(values)
+    return msg
