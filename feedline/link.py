@@ -49,6 +49,7 @@ from feedline.security import ClientKeys
 log = logging.getLogger(__name__)
 _WARN_AFTER_TRIES = 3  # unanswered HELLOs before the link says what it sees
 _UNREACHABLE_WARN = 10.0  # seconds without any answer before "cannot reach"
+_REMEMBER_BYTES = 64  # control frames up to this size are remembered with their message
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ class Link:
         self.refusal: m.Refused | None = None  # the last registration refusal, for errors
         self._tries = 0
         self._warned = False
+        self._last_raw = b""  # the last small frame decoded, and its message (_decode)
+        self._last_msg: m.Message | None = None
         now = time.monotonic()
         self._last_recv = self._last_send = self._last_tick = self._hello_at = now
         self._hello_retry = 0.0
@@ -248,13 +251,25 @@ class Link:
                 continue
             n += 1
             try:
-                msg = m.decode(frames[0], self.cfg.limits)
+                msg = self._decode(frames[0])
             except DecodeError as e:
                 self._reject(e)
                 continue
             if self._handle(msg) and self.socket is not None:
                 on_message(self, msg, frames[1:])
         return n
+
+    def _decode(self, frame: Any) -> m.Message:
+        """:func:`messages.decode`, remembering the last small frame: a batch's envelope
+        (DELIVER) is the same bytes batch after batch, and messages are immutable."""
+        if len(frame) > _REMEMBER_BYTES:
+            return m.decode(frame, self.cfg.limits)
+        raw = frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
+        if raw == self._last_raw and self._last_msg is not None:
+            return self._last_msg
+        msg = m.decode(raw, self.cfg.limits)
+        self._last_raw, self._last_msg = raw, msg
+        return msg
 
     def _reject(self, e: DecodeError) -> None:
         self._on_reject(e.reason)
