@@ -99,7 +99,7 @@ def _instance(cls: type) -> messages.Message:
     return cls(**values)
 
 
-@pytest.mark.parametrize("cls", sorted(set(messages._CLASSES.values()), key=lambda c: c.__name__))
+@pytest.mark.parametrize("cls", sorted(set(messages._CLASSES.values()), key=str))
 def test_every_control_message_decodes_to_what_was_encoded(cls):
     msg = _instance(cls)
     got = messages.decode(messages.encode(msg))
