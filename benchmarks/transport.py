@@ -6,9 +6,10 @@ own process, every variant the same), at each batch size of ``--sizes``:
 - ``feedline``:  ``feedline producer`` -> tcp -> ``feedline broker`` -> ipc -> RemoteDataZMQ
 - ``direct``:    ``feedline producer`` -> tcp -> ``RemoteDataZMQ(bind=True)``: the trainer
                  serves its producers, one hop (direct mode)
-- ``before``:    ``feedline`` and ``direct`` (``before-direct``) run from another checkout
-                 (``--before DIR``): the code as it was, measured in the same run; ``--tree
-                 NAME=DIR`` adds more (``NAME``, ``NAME-direct``): each step of a change
+- ``before``, ``direct-before``: ``feedline`` and ``direct`` run from another checkout
+                 (``--before DIR``): the code as it was, measured in the same run (a change
+                 must not make either slower); ``--tree NAME=DIR`` adds more (``NAME``,
+                 ``direct-NAME``): each step of a change, side by side
 - ``relay``:     PUSH -> tcp -> ``zmq.proxy`` (PULL/PUSH, own process) -> ipc -> PULL
 - ``raw``:       PUSH -> tcp -> PULL, one hop, the cheapest framing there is
 - ``raw-threads``: the same with feedline's thread layout and nothing else: at each end the
@@ -233,7 +234,7 @@ def variants(before: Path | None,
         out[name] = functools.partial(via_broker, tree=tree)
     out["direct"] = direct
     for name, tree in other.items():
-        out[f"{name}-direct"] = functools.partial(direct, tree=tree)
+        out[f"direct-{name}"] = functools.partial(direct, tree=tree)
     out["relay"] = relay
     out["raw"] = raw
     out["raw-threads"] = raw_threads
@@ -286,7 +287,7 @@ def main() -> None:
                     help="another feedline checkout to measure beside this one")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="another checkout measured as variants NAME (broker) and "
-                         "NAME-direct (repeatable: each step of a change, side by side)")
+                         "direct-NAME (repeatable: each step of a change, side by side)")
     ap.add_argument("--only", nargs="*", default=None, help="variants to run (default all)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
