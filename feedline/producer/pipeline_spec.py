@@ -25,6 +25,10 @@ from feedline.producer.dataflow import (
     LocallyShuffleData,
     RepeatedData,
 )
+from feedline.producer.dataflow.parquet import Parquet
+from feedline.producer.dataflow.tfrecord import TFRecord
+from feedline.producer.dataflow.webdataset import WebDataset
+from feedline.producer.shards.retry import RetryPolicy
 
 
 class ConfigError(ValueError):
@@ -203,9 +207,41 @@ def _generator(a: Args, seed: int) -> DataFlow:
     return DataFromGenerator(gen, size=size)
 
 
+def _sharded(cls: Callable[..., DataFlow]) -> Callable[[Args, int], DataFlow]:
+    """The builder of a sharded source (webdataset, tfrecord, parquet): the same keys for
+    each (docs/pipelines.md, "Sharded datasets")."""
+    def build(a: Args, seed: int) -> DataFlow:
+        urls, manifest = a.get("urls"), a.text("manifest")
+        if urls is None and manifest is None:
+            raise ConfigError(f"{a.field('urls')}: required (a list, a glob or a brace "
+                              "pattern), or manifest")
+        kw: dict[str, Any] = {"urls": urls, "manifest": manifest}
+        fields = a.get("fields")
+        if fields is not None:
+            if not (isinstance(fields, list) and fields and all(isinstance(f, str)
+                                                                for f in fields)):
+                raise ConfigError(f"{a.field('fields')}: expected a list of names")
+            kw["fields"] = fields
+        for key in ("read_ahead", "chunk_size", "prefetch", "max_sample_bytes",
+                    "shuffle_buffer"):
+            if key in a.m:
+                kw[key] = a.integer(key, lo=1)
+        opts = a.get("storage_options", {})
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"{a.field('storage_options')}: expected a map")
+        kw.update(shuffle=a.flag("shuffle", True), seed=a.integer("seed", seed),
+                  claim=a.flag("claim", True), timeout=a.number("timeout", 30.0, lo=0.1),
+                  retry=RetryPolicy(attempts=a.integer("retries", 6, lo=1)),
+                  storage_options=dict(opts))
+        a.done()
+        return guarded(a.where, lambda: cls(**kw))  # type: ignore[no-any-return]
+    return build
+
+
 SOURCES: dict[str, Callable[[Args, int], DataFlow]] = {
     "fake": _fake, "image_folder": _image_folder, "lmdb": _lmdb, "list": _list,
-    "generator": _generator,
+    "generator": _generator, "webdataset": _sharded(WebDataset), "tfrecord": _sharded(TFRecord),
+    "parquet": _sharded(Parquet),
 }
 
 # -- augmentors (inside an `augment` step) -------------------------------------------------
