@@ -8,7 +8,8 @@ from typing import Protocol
 class Readable(Protocol):
     """A byte stream read front to back (:class:`~feedline.producer.shards.stream.ChunkStream`)."""
 
-    offset: int
+    @property
+    def offset(self) -> int: ...
 
     def read(self, n: int) -> bytes: ...
 
