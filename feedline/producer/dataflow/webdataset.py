@@ -57,7 +57,10 @@ class WebDataset(ShardedSource):
                         fields[ext] = data
                     break
                 except CorruptRecord as e:
-                    # The sample being put together is lost with its member: one place.
+                    # The sample read so far stands if it has every field (its members were
+                    # whole); the corrupt member takes a place of its own.
+                    if key is not None:
+                        yield self._guard(url, key, fields)
                     yield e
                     key, fields = None, {}
                     if not e.resumable:
