@@ -84,6 +84,8 @@ class Location:
                 raise LocationError(f"{self.protocol}:// needs a package that is not "
                                     f"installed ({hint}): {e}") from None
             self._fs = cls(skip_instance_cache=True, **self._defaults(), **self.options)
+            if self.protocol in ("s3", "s3a"):
+                self._fs.retries = 1  # s3fs's own retry loop (a class attribute): ours count
             self._pid = os.getpid()
         return self._fs
 
@@ -97,12 +99,9 @@ class Location:
 
             return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(
                 total=None, sock_connect=t, sock_read=t)}}
-        if self.protocol in ("s3", "s3a"):
-            out: dict[str, Any] = {"retries": 1}
-            if "config_kwargs" not in self.options:
-                out["config_kwargs"] = {"connect_timeout": t, "read_timeout": t,
-                                        "retries": {"max_attempts": 1, "mode": "standard"}}
-            return out
+        if self.protocol in ("s3", "s3a") and "config_kwargs" not in self.options:
+            return {"config_kwargs": {"connect_timeout": t, "read_timeout": t,
+                                      "retries": {"max_attempts": 1, "mode": "standard"}}}
         return {}
 
     def unstrip(self, path: str) -> str:
