@@ -321,7 +321,7 @@ def send_dataflow(
     stats = SendStats()
     shards = claiming_source(df)  # a sharded source reads the shards the broker hands out
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream, exact=claim_spec(shards, epochs) if shards else None) as sender:
+                stream=stream, exact=None if shards is None else claim_spec(shards, epochs)) as sender:
         if shards is not None:
             shards.attach(SenderClaims(sender, stop))
         rate = _RateLog(sender, log_interval, skipped)
