@@ -5,7 +5,6 @@ themselves with no list per machine."""
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import yaml

@@ -320,8 +320,9 @@ def send_dataflow(
     df.reset_state()
     stats = SendStats()
     shards = claiming_source(df)  # a sharded source reads the shards the broker hands out
+    spec = None if shards is None else claim_spec(shards, epochs)
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream, exact=None if shards is None else claim_spec(shards, epochs)) as sender:
+                stream=stream, exact=spec) as sender:
         if shards is not None:
             shards.attach(SenderClaims(sender, stop))
         rate = _RateLog(sender, log_interval, skipped)
