@@ -70,11 +70,18 @@ def prepare(data: Path, work: Path) -> None:
 def feedline_iter(variant: str, data: str, work: Path, url: str):
     import cv2
 
-    from feedline.producer.dataflow import BatchData, ImageFolder, MapDataComponent, RepeatedData
+    from feedline.producer.dataflow import (
+        BatchData,
+        DataFlow,
+        ImageFolder,
+        MapDataComponent,
+        RepeatedData,
+    )
     from feedline.producer.dataflow.webdataset import WebDataset
     from feedline.producer.image import ImageNetTrain
 
     cv2.setNumThreads(1)
+    src: DataFlow
     if variant == "folder":
         src = ImageFolder(data, shuffle=True)
     else:
@@ -115,6 +122,8 @@ def wds_lib_iter(work: Path):
 def tf_iter(work: Path):
     import tensorflow as tf
 
+    from benchmarks.pipeline import tf_train_crop
+
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     files = sorted(str(p) for p in (work / "tfrecord").glob("*.tfrecord"))
@@ -123,17 +132,7 @@ def tf_iter(work: Path):
 
     def prep(rec):
         ex = tf.io.parse_single_example(rec, feats)
-        data = ex["image/encoded"]
-        shape = tf.io.extract_jpeg_shape(data)
-        begin, size, _ = tf.image.sample_distorted_bounding_box(
-            shape, tf.zeros([0, 0, 4]), area_range=(0.08, 1.0),
-            aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=10,
-            use_image_if_no_bounding_boxes=True)
-        oy, ox, _ = tf.unstack(begin)
-        h, w, _ = tf.unstack(size)
-        img = tf.io.decode_and_crop_jpeg(data, tf.stack([oy, ox, h, w]), channels=3)
-        img = tf.image.random_flip_left_right(tf.image.resize(img, [224, 224]))
-        return tf.cast(img, tf.uint8), ex["image/class/label"]
+        return tf_train_crop(ex["image/encoded"]), ex["image/class/label"]
 
     opts = tf.data.Options()
     opts.threading.private_threadpool_size = 1
@@ -218,8 +217,8 @@ def main() -> None:
            for v in variants}
     wall = {v: statistics.median(x["images_per_s"] for x in runs if x["variant"] == v)
             for v in variants}
-    print(f"\n| variant | img/s (one core) | img/CPU-s | vs folder | vs wds-local |\n"
-          f"|---|---|---|---|---|")
+    print("\n| variant | img/s (one core) | img/CPU-s | vs folder | vs wds-local |\n"
+          "|---|---|---|---|---|")
     for v in variants:
         vs_f = f"{med[v] / med['folder']:.2f}x" if "folder" in med else "-"
         vs_w = f"{med[v] / med['wds-local']:.2f}x" if "wds-local" in med else "-"

@@ -243,8 +243,9 @@ def test_pipelines_yaml_builds_and_lmdb_commands_run(session: Session):
         if b.lang == "yaml":
             cfg = yaml.safe_load(session.text(b.code))
             if cfg.get("delivery") == "exact":
-                pipe = build_exact(cfg)
-                _, (images, labels) = next(pipe.batches(0, 0))
+                _, batch = next(build_exact(cfg).batches(0, 0))
+                assert batch is not None
+                images, labels = batch
             else:
                 with build_pipeline(cfg) as df:
                     df.reset_state()
