@@ -118,3 +118,55 @@ def test_exact_over_http_faults_and_kill9_loses_and_repeats_nothing(broker_proc,
                 assert not lost and not dup, (epoch, sorted(lost), dup)
         assert not victim.alive()  # it was killed in epoch 1
     assert plan.injected["503"] >= 5 and plan.injected["reset"] >= 3, plan.injected
+
+
+def _manifest(root: Path, counts: list[int]) -> str:
+    from feedline.producer.shards.manifest import Manifest, ShardInfo
+
+    path = root / "manifest.json"
+    path.write_text(Manifest("webdataset", [ShardInfo(f"train-{k:06d}.tar", n)
+                                            for k, n in enumerate(counts)]).to_json())
+    return str(path)
+
+
+def _exact(manifest: str, unit_size: int | None = 3) -> dict:
+    return {"delivery": "exact", "seed": 5, "exact": {"unit_size": unit_size},
+            "source": {"webdataset": {"manifest": manifest, "fields": ["bin", "cls"],
+                                      "shuffle_buffer": 4}},
+            "steps": [{"map": {"function": "tests.shard_support:id_and_digest",
+                               "component": None}}, {"batch": {"batch_size": 2}}]}
+
+
+def ids_of(batches) -> list[list[int] | None]:
+    return [None if b is None else [int(i) for i in np.asarray(b[0])] for _, b in batches]
+
+
+def test_units_are_slices_of_shards_and_restart_anywhere_the_same(tmp_path: Path):
+    make_wds(tmp_path, shards=3, per_shard=7, nbytes=100)
+    pipe = build_exact(_exact(_manifest(tmp_path, [7, 7, 7])))
+    assert pipe.spec.dataset_size == 9 and pipe.spec.unit_size == 1  # 3 slices of each shard
+    for epoch in range(2):
+        seen: list[int] = []
+        for u in range(9):
+            full = ids_of(pipe.batches(epoch, u))
+            assert len(full) == pipe.slots(epoch, u)
+            for j in range(len(full)):  # a unit made again from batch j: the same batches
+                assert ids_of(pipe.batches(epoch, u, j)) == full[j:]
+            seen += [i for b in full for i in b or []]
+        assert sorted(seen) == list(range(21))
+    whole = build_exact(_exact(_manifest(tmp_path, [7, 7, 7]), unit_size=None))
+    assert whole.spec.dataset_size == 3  # a unit is a shard
+
+
+def test_a_corrupt_record_leaves_its_place_empty_in_every_run(tmp_path: Path):
+    make_wds(tmp_path, shards=2, per_shard=4, nbytes=600)
+    shard = tmp_path / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:2 * 2560 + 512 + 300])  # 2 samples, then a cut .bin
+    pipe = build_exact(_exact(_manifest(tmp_path, [4, 4]), unit_size=None))
+    got = [sorted(i for b in ids_of(pipe.batches(0, u)) for i in b or [])
+           for u in range(2)]
+    assert sorted(got) == [[0, 1, 2, 3], [4, 5]]
+    again = [sorted(i for b in ids_of(pipe.batches(0, u)) for i in b or []) for u in range(2)]
+    assert again == got
+    src = pipe.source
+    assert src.stats.corrupt_records == 2  # type: ignore[union-attr]  # once per run

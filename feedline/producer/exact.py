@@ -90,7 +90,7 @@ class ExactPipeline:
         return order
 
     def slots(self, epoch: int, unit: int) -> int:
-        n = self.source.unit_length(unit) if isinstance(self.source, UnitSource) else \
+        n = self.source.unit_length(epoch, unit) if isinstance(self.source, UnitSource) else \
             len(self.unit_samples(epoch, unit))
         return -(-n // self.batch_size)
 

@@ -254,9 +254,18 @@ class ShardedSource(DataFlow):
             self.set_units(None)
         return len(self._table or [])
 
-    def unit_length(self, unit: int) -> int:
+    def _slice(self, epoch: int, unit: int) -> tuple[int, int, int]:
+        """Unit ``unit`` of ``epoch``: (shard, first sample, samples); units are read in an
+        order shuffled per epoch (the coordinator numbers them the same every epoch)."""
         self.units()
-        return self._table[unit][2]  # type: ignore[index]
+        assert self._table is not None
+        order = list(range(len(self._table)))
+        if self.shuffle:
+            np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, _UNIT_ORDER]).shuffle(order)
+        return self._table[order[unit]]
+
+    def unit_length(self, epoch: int, unit: int) -> int:
+        return self._slice(epoch, unit)[2]
 
     def read_unit(self, epoch: int, unit: int, skip: int = 0,
                   shuffle: bool = True) -> Iterator[tuple[int, Any]]:
@@ -264,12 +273,7 @@ class ShardedSource(DataFlow):
         ``epoch`` (a pure function of (seed, epoch, unit)), from its ``skip``-th on. A
         sample's id is its place in the dataset (shards in list order); None stands for a
         corrupt record. ShardError if the shard cannot be read."""
-        self.units()
-        assert self._table is not None
-        order = list(range(len(self._table)))
-        if self.shuffle:
-            np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, _UNIT_ORDER]).shuffle(order)
-        s, start, count = self._table[order[unit]]
+        s, start, count = self._slice(epoch, unit)
         base = int(self._offsets[s])
 
         def in_place() -> Iterator[tuple[int, Any]]:
