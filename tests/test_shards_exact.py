@@ -9,6 +9,7 @@ import hashlib
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import yaml

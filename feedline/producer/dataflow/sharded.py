@@ -66,10 +66,10 @@ class ShardedSource(DataFlow):
     def __init__(self, urls: str | Sequence[str] | None = None, *, manifest: str | None = None,
                  fields: Sequence[str] = (), shuffle: bool = True, seed: int = 0,
                  shard: tuple[int, int] = (0, 1), read_ahead: int = 2,
-                 chunk_size: int = 4 << 20, prefetch: int = 2,
+                 chunk_size: int = 2 << 20, prefetch: int = 2,
                  retry: RetryPolicy | None = None, timeout: float = 30.0,
                  storage_options: dict[str, Any] | None = None,
-                 max_sample_bytes: int = 64 << 20, shuffle_buffer: int = 256,
+                 max_sample_bytes: int = 16 << 20, shuffle_buffer: int = 256,
                  claim: bool = True) -> None:
         if urls is None and manifest is None:
             raise ValueError("needs urls (a list, a glob or a brace pattern) or a manifest")

@@ -32,13 +32,19 @@ class WebDataset(ShardedSource):
         super().__init__(urls, fields=fields, **kw)
         if not self.fields:
             raise ValueError("fields: at least one member extension")
+        self._alts = [spec.split(";") for spec in self.fields]
 
     def _sample(self, url: str, key: str, members_: dict[str, bytes]) -> list[Any]:
         where = f"{url}#{key}"
         out = []
-        for spec in self.fields:
-            ext, data = pick(members_, spec, where)
-            out.append(wds_field(ext, data, f"{where}.{ext}"))
+        for alts, spec in zip(self._alts, self.fields, strict=True):
+            for ext in alts:
+                data = members_.get(ext)
+                if data is not None:
+                    out.append(wds_field(ext, data, f"{where}.{ext}"))
+                    break
+            else:
+                pick(members_, spec, where)  # raises: the sample has none of them
         return out
 
     def _read(self, url: str) -> Iterator[Any]:

@@ -38,7 +38,7 @@ class StreamClosed(Exception):
 class ChunkStream:
     """``read(n)``: exactly ``n`` bytes, fewer only at the shard's end."""
 
-    def __init__(self, loc: Location, url: str, *, chunk_size: int = 4 << 20, prefetch: int = 2,
+    def __init__(self, loc: Location, url: str, *, chunk_size: int = 2 << 20, prefetch: int = 2,
                  retry: RetryPolicy | None = None, stats: ShardStats | None = None,
                  start: int = 0) -> None:
         if chunk_size < 1 or prefetch < 1:

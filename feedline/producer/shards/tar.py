@@ -16,7 +16,6 @@ convert`` write; links, directories and other entries are skipped.
 from __future__ import annotations
 
 import io
-import posixpath
 import tarfile
 from collections.abc import Iterator
 
@@ -28,14 +27,15 @@ _REGULAR = (b"0", b"\0", b"7")
 _META_LIMIT = 1 << 20  # a long name or pax header larger than this is not one
 
 
-def _octal(field: bytes, where: str) -> int:
-    if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
+def _octal(field: bytes, shard: str, at: int) -> int:
+    if field[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
         return int.from_bytes(field[1:], "big")
     text = field.split(b"\0", 1)[0].strip()
     try:
         return int(text, 8) if text else 0
     except ValueError:
-        raise CorruptRecord(where, f"bad number {text!r} in a tar header", False) from None
+        raise CorruptRecord(f"{shard}#{at}", f"bad number {text!r} in a tar header",
+                            False) from None
 
 
 def _pax_path(data: bytes) -> str | None:
@@ -59,32 +59,32 @@ def members(stream: Readable, shard: str, max_member: int = 1 << 30,
     over ``max_member`` bytes is a resumable CorruptRecord (its header says where the next
     one starts, so the reader goes on after it when called again)."""
     long_name: str | None = None
+    read, skip = stream.read, stream.skip
     while True:
         at = stream.offset
-        hdr = stream.read(BLOCK)
+        hdr = read(BLOCK)
         if not hdr or hdr == _ZERO:
             return  # the end blocks, or an archive that ends without them
-        where = f"{shard}#{at}"
         if len(hdr) < BLOCK:
-            raise CorruptRecord(where, "the shard ends inside a tar header", False)
-        stored = _octal(hdr[148:156], where)
-        if stored != sum(hdr[:148]) + 8 * 32 + sum(hdr[156:]):
-            raise CorruptRecord(where, "bad tar header checksum", False)
-        size = _octal(hdr[124:136], where)
+            raise CorruptRecord(f"{shard}#{at}", "the shard ends inside a tar header", False)
+        # The checksum counts its own field as spaces (8 * 32).
+        if _octal(hdr[148:156], shard, at) != sum(hdr) - sum(hdr[148:156]) + 256:
+            raise CorruptRecord(f"{shard}#{at}", "bad tar header checksum", False)
+        size = _octal(hdr[124:136], shard, at)
         typ = hdr[156:157]
         pad = -size % BLOCK
         if typ in (b"L", b"x"):
             if size > _META_LIMIT:
-                raise CorruptRecord(where, f"a {size}-byte tar name header", False)
-            data = stream.read(size)
-            stream.skip(pad)
+                raise CorruptRecord(f"{shard}#{at}", f"a {size}-byte tar name header", False)
+            data = read(size)
+            skip(pad)
             if len(data) < size:
-                raise CorruptRecord(where, "the shard ends inside a tar header", False)
+                raise CorruptRecord(f"{shard}#{at}", "the shard ends inside a tar header", False)
             long_name = (data.rstrip(b"\0").decode("utf-8", "surrogateescape") if typ == b"L"
                          else _pax_path(data) or long_name)
             continue
         if typ not in _REGULAR:
-            stream.skip(size + pad)
+            skip(size + pad)
             long_name = None
             continue
         name = long_name
@@ -95,22 +95,22 @@ def members(stream: Readable, shard: str, max_member: int = 1 << 30,
                 name = f"{prefix}/{name}"
         long_name = None
         if size > max_member:
-            got = stream.skip(size + pad)
+            got = skip(size + pad)
             raise CorruptRecord(f"{shard}#{name}", f"a {size}-byte member (more than "
                                 f"max_sample_bytes)", got == size + pad)
-        data = stream.read(size)
+        data = read(size)
         if len(data) < size:
             raise CorruptRecord(f"{shard}#{name}", f"the shard ends inside this member "
                                 f"({len(data)} of {size} bytes)", False)
-        stream.skip(pad)
+        if pad:
+            skip(pad)
         yield name, data
 
 
 def split_key(name: str) -> tuple[str, str]:
     """``dir/base.ext1.ext2`` -> (``dir/base``, ``ext1.ext2`` lower-cased)."""
-    d, base = posixpath.split(name)
-    stem, _, ext = base.partition(".")
-    return (f"{d}/{stem}" if d else stem), ext.lower()
+    dot = name.find(".", name.rfind("/") + 1)
+    return (name, "") if dot < 0 else (name[:dot], name[dot + 1:].lower())
 
 
 def write_sample(tar: tarfile.TarFile, key: str, fields: dict[str, bytes]) -> int:
