@@ -153,3 +153,53 @@ def test_producers_of_a_stream_split_the_shards_each_once_per_epoch(broker_proc,
         wait_for(lambda: not any(p.alive() for p in procs), 30, what="producers to finish")
     assert seen == Counter({i: 2 for i in range(60)})
     assert len(by_producer) == 3, by_producer  # the shards were split, not read by one
+
+
+class ListFeed:
+    """Claims from a list, as the broker would hand them out (then None: finished)."""
+
+    def __init__(self, claims: list[tuple[int, int]]) -> None:
+        self.claims = list(claims)
+
+    def claim(self) -> tuple[int, int] | None:
+        return self.claims.pop(0) if self.claims else None
+
+
+def test_a_pass_is_one_epochs_claims_and_the_next_claim_waits_for_the_next_pass(tmp_path):
+    from feedline.producer.dataflow.webdataset import WebDataset
+
+    make_wds(tmp_path, shards=4, per_shard=3, nbytes=50)
+    ds = WebDataset(str(tmp_path / "*.tar"), fields=["bin", "cls"], shuffle=False)
+    ds.reset_state()
+    ds.attach(ListFeed([(0, 1), (0, 3), (1, 0), (1, 2)]))
+    first = sorted(int(i) for _, i in ds)
+    assert first == [3, 4, 5, 9, 10, 11] and not ds.finished
+    second = sorted(int(i) for _, i in ds)
+    assert second == [0, 1, 2, 6, 7, 8] and ds.finished
+    assert list(ds) == []
+    # shuffled: unit u of epoch e is shard order(e)[u], the same on every producer
+    ds2 = WebDataset(str(tmp_path / "*.tar"), fields=["bin", "cls"], seed=9)
+    ds2.reset_state()
+    ds2.attach(ListFeed([(2, 0)]))
+    assert sorted(int(i) // 3 for _, i in ds2) == [ds2.order(2)[0]] * 3
+
+
+def test_runner_mode_needs_a_static_shard_and_a_shard_turns_claims_off(tmp_path):
+    import pytest
+
+    from feedline.producer.claims import claiming_source
+    from feedline.producer.pipeline import ConfigError, build_pipeline
+
+    make_wds(tmp_path, shards=2, per_shard=2, nbytes=50)
+    src = {"webdataset": {"urls": str(tmp_path / "*.tar"), "fields": ["bin", "cls"]}}
+    with pytest.raises(ConfigError, match="parallel.mode: runner"):
+        build_pipeline({"source": src, "parallel": {"mode": "runner", "workers": 2},
+                        "steps": [{"batch": {"batch_size": 2}}]})
+    with build_pipeline({"source": src}) as df:
+        assert claiming_source(df) is not None
+    with build_pipeline({"source": src, "shard": {"index": 1, "count": 2}}) as df:
+        assert claiming_source(df) is None
+    with pytest.raises(ConfigError, match=r"source.webdataset.urls: required"):
+        build_pipeline({"source": {"webdataset": {"fields": ["bin"]}}})
+    with pytest.raises(ConfigError, match=r"source.webdataset.chunk: unknown key"):
+        build_pipeline({"source": {"webdataset": {**src["webdataset"], "chunk": 1}}})
