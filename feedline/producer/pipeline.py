@@ -202,7 +202,8 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
     a = Args(args, f"source.{name}")
     ds = SOURCES[name](a, seed)
     a.done()
-    if par["mode"] == "runner" and isinstance(ds, ShardedSource) and "shard" not in cfg:
+    if par["mode"] == "runner" and isinstance(ds, ShardedSource) and ds.claims \
+            and "shard" not in cfg:
         raise ConfigError(f"parallel.mode: runner runs whole copies of the source in worker "
                           f"processes, and source.{name} claims its shards from the broker in "
                           "the producer's: use mode: process (the map steps in worker "
