@@ -207,7 +207,7 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
         raise ConfigError(f"parallel.mode: runner runs whole copies of the source in worker "
                           f"processes, and source.{name} claims its shards from the broker in "
                           "the producer's: use mode: process (the map steps in worker "
-                          "processes) or thread")
+                          "processes), or give the source a static shard (claim: false)")
     if "shard" in cfg:
         s = Args(cfg["shard"], "shard")
         index = s.integer("index", required=True, lo=0)
