@@ -163,6 +163,27 @@ def measure(variant: str, data: str, work: Path, url: str, batches: int, warmup:
             "images_per_s": n / wall, "images_per_cpu_s": n / cpu_s}
 
 
+def table(runs: list[dict], variants: list[str]) -> str:
+    """Medians per variant, and the median over rounds of each round's ratio to ``folder``
+    and to ``wds-local`` (measured side by side: drift in the machine's load cancels)."""
+    def med(v: str, key: str) -> float:
+        return statistics.median(x[key] for x in runs if x["variant"] == v)
+
+    def ratio(v: str, base: str) -> str:
+        if base not in variants:
+            return "-"
+        by_round: dict[int, dict[str, float]] = {}
+        for x in runs:
+            by_round.setdefault(x["round"], {})[x["variant"]] = x["images_per_cpu_s"]
+        return f"{statistics.median(r[v] / r[base] for r in by_round.values()):.2f}x"
+
+    lines = ["| variant | img/s (one core) | img/CPU-s | vs folder | vs wds-local |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {v} | {med(v, 'images_per_s'):.0f} | {med(v, 'images_per_cpu_s'):.0f} | "
+              f"{ratio(v, 'folder')} | {ratio(v, 'wds-local')} |" for v in variants]
+    return "\n" + "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,18 +234,9 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(10)
-    med = {v: statistics.median(x["images_per_cpu_s"] for x in runs if x["variant"] == v)
-           for v in variants}
-    wall = {v: statistics.median(x["images_per_s"] for x in runs if x["variant"] == v)
-            for v in variants}
-    print("\n| variant | img/s (one core) | img/CPU-s | vs folder | vs wds-local |\n"
-          "|---|---|---|---|---|")
-    for v in variants:
-        vs_f = f"{med[v] / med['folder']:.2f}x" if "folder" in med else "-"
-        vs_w = f"{med[v] / med['wds-local']:.2f}x" if "wds-local" in med else "-"
-        print(f"| {v} | {wall[v]:.0f} | {med[v]:.0f} | {vs_f} | {vs_w} |")
+    print(table(runs, variants))
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "median_per_cpu_s": med}, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
