@@ -4,6 +4,7 @@ parsed syntax tree, for the tests that read the code itself (test_errors, test_l
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -38,3 +39,13 @@ def modules() -> tuple[Module, ...]:
                           is_package))
     assert len(out) > 100, f"only {len(out)} modules under {PACKAGE}"
     return tuple(out)
+
+
+@cache
+def extension_modules() -> frozenset[str]:
+    """The C extensions' module names (``PyInit_<name>`` in a C file of the package)."""
+    out = set()
+    for path in PACKAGE.rglob("*.c"):
+        package = ".".join(path.parent.relative_to(ROOT).parts)
+        out |= {f"{package}.{n}" for n in re.findall(r"PyInit_(\w+)", path.read_text())}
+    return frozenset(out)
