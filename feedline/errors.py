@@ -32,6 +32,11 @@ FeedlineError and that no product module raises a builtin error beyond those.
     |   +-- ReceiveTimeout        ... no batch within the consumer's timeout
     +-- Stopped                   a blocking call gave up because its stop event was set
 
+Two more live next to the code whose protocol they are part of: ``UnknownLength``
+(``len()`` of a DataFlow stage without one: a TypeError, so ``list()`` works;
+:mod:`feedline.producer.dataflow.base`) and ``Unsupported`` (a JPEG the fused decoder leaves
+to OpenCV; :mod:`feedline.producer.image.turbo`).
+
 Kernel module: it imports nothing, so every component can raise these (the components' own
 modules re-export the ones they raise under their old names, e.g. ``feedline.codec.DecodeError``).
 """
