@@ -26,7 +26,7 @@ import zmq
 from feedline import messages as m
 from feedline import wire
 from feedline.client import ClientLoop, Waker
-from feedline.errors import FeedlineError
+from feedline.errors import BatchTooLarge as BatchTooLarge
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.producer.metrics import ProducerMetrics
@@ -35,10 +35,6 @@ from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)
 _CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
-
-
-class BatchTooLarge(FeedlineError):
-    """A batch no broker can take: larger than every broker's memory budget or limit."""
 
 
 @dataclass(frozen=True)

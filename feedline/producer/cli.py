@@ -7,8 +7,7 @@ import logging
 import os
 import socket
 
-from feedline import endpoints, security
-from feedline.codec import EncodeError
+from feedline import endpoints
 from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
@@ -134,7 +133,7 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
     """Exact delivery: serve the units the broker hands out (docs/pipelines.md)."""
     try:
         curve = client_keys(args)
-    except (security.KeyFileError, security.CurveUnavailable) as e:
+    except FeedlineError as e:  # a key file, CURVE
         raise SystemExit(f"feedline producer: {e}") from None
     if args.epochs is not None:
         pipe.epochs = args.epochs
@@ -159,7 +158,7 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
     try:
         sent = send_exact(pipe, args.broker, producer_id=producer_id, link=link, curve=curve,
                           stop=stop, registry=registry)
-    except (FeedlineError, EncodeError) as e:
+    except FeedlineError as e:
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
     log.info("sent %d batches", sent)
     return 0
@@ -169,7 +168,7 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
     stages = pipeline_stages(df)
     try:
         curve = client_keys(args)
-    except (security.KeyFileError, security.CurveUnavailable) as e:
+    except FeedlineError as e:  # a key file, CURVE
         raise SystemExit(f"feedline producer: {e}") from None
     epochs = args.epochs if args.epochs is not None else cfg.get("epochs")
     stop = stop_on_signals()
@@ -197,7 +196,7 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
                               stream=cfg.get("stream", "default"),
                               log_interval=args.log_interval,
                               skipped=lambda: sum(s.skipped for s in stages))
-    except (FeedlineError, EncodeError) as e:
+    except FeedlineError as e:
         # What the operator must change (a batch larger than the broker's --max-bytes, a
         # datapoint over the protocol's limits): one line, not a traceback.
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None

@@ -65,6 +65,7 @@ from feedline.producer.pipeline_spec import (
     call_with_args,
     guarded,
     load_object,
+    located,
     one_key,
 )
 
@@ -255,9 +256,7 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
         try:
             ds = CountData(STEPS[step](ds, a, step_seed), f"{i}:{step}")
         except (ValueError, TypeError) as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(f"{where}: {e}") from None
+            raise located(where, e) from None
         a.done()
     if funcs:
         ds = _wrap_map(ds, funcs, par, on_error, fused)

@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from feedline.errors import ConfigError as ConfigError
 from feedline.producer import image
 from feedline.producer.dataflow import (
     BatchData,
@@ -29,10 +30,6 @@ from feedline.producer.dataflow.parquet import Parquet
 from feedline.producer.dataflow.tfrecord import TFRecord
 from feedline.producer.dataflow.webdataset import WebDataset
 from feedline.producer.shards.retry import RetryPolicy
-
-
-class ConfigError(ValueError):
-    """A pipeline file is invalid; the message names the field."""
 
 
 class Args:
@@ -148,10 +145,17 @@ def guarded(where: str, build: Callable[[], Any]) -> Any:
     """Run a constructor; its ValueError/TypeError becomes a ConfigError at ``where``."""
     try:
         return build()
-    except ConfigError:
-        raise
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise located(where, e) from None
+
+
+def located(where: str, e: Exception) -> ConfigError:
+    """``e`` as a ConfigError that names the place in the file: ``where`` put in front,
+    unless the message starts with it already (those of :class:`Args`)."""
+    if isinstance(e, ConfigError) and str(e).startswith((f"{where}:", f"{where}.",
+                                                          f"{where}[")):
+        return e
+    return ConfigError(f"{where}: {e}")
 
 
 # -- sources: (args, seed) -> DataFlow ------------------------------------------------------

@@ -24,8 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
+from feedline.errors import FeedlineError
 
-class UnknownLength(NotImplementedError, TypeError):
+
+class UnknownLength(FeedlineError, NotImplementedError, TypeError):
     """Raised by ``len()`` of a stage whose length is unknown.
 
     A NotImplementedError as in tensorpack, and a TypeError so that ``list(df)`` (which asks
