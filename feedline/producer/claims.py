@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from feedline import messages as m
+from feedline.errors import ConfigError
 from feedline.producer.channel import ExactSpec
 from feedline.producer.dataflow.base import DataFlow, stages
 from feedline.producer.dataflow.sharded import ShardedSource
@@ -24,7 +25,7 @@ def claiming_source(df: DataFlow) -> ShardedSource | None:
     """The sharded source under ``df`` that claims its shards, if any (at most one)."""
     found = [s for s in stages(df) if isinstance(s, ShardedSource) and s.claims]
     if len(found) > 1:
-        raise ValueError("a pipeline can claim shards for one sharded source, not "
+        raise ConfigError("a pipeline can claim shards for one sharded source, not "
                          f"{len(found)}: give the others a static shard")
     return found[0] if found else None
 

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from feedline.errors import ConfigError, DataNotFound, FeedlineError, Unavailable
 from feedline.flags import HelpFormatter
 
 _SOURCE: Any = None  # the dataset, in each worker process (set before the fork)
@@ -49,7 +50,7 @@ def parse_size(text: str) -> int:
     num = t.rstrip("KMGIB")
     unit = t[len(num):]
     if unit not in units or not num.replace(".", "", 1).isdigit() or float(num) <= 0:
-        raise ValueError(f"--shard-size {text!r}: expected a size such as 256MB")
+        raise ConfigError(f"--shard-size {text!r}: expected a size such as 256MB")
     return int(float(num) * units[unit])
 
 
@@ -59,7 +60,7 @@ def prepare_jpeg_function() -> Any:
 
     fn = getattr(image, "prepare_jpeg", None)
     if fn is None:
-        raise ValueError("--prepare-jpeg: not available in this build (it needs "
+        raise Unavailable("--prepare-jpeg: not available in this build (it needs "
                          "feedline.producer.image.prepare_jpeg, the lossless restart-interval "
                          "transcode); convert without it")
     return fn
@@ -74,7 +75,7 @@ def open_source(path: str, list_file: str | None) -> Any:
         return ImageFolder(root=p, list_file=list_file, shuffle=False)
     if p.is_file():
         return LMDBSerializer.load(p, shuffle=False)
-    raise FileNotFoundError(f"{path}: no such image folder or LMDB file")
+    raise DataNotFound(f"{path}: no such image folder or LMDB file")
 
 
 def _read(i: int) -> tuple[bytes, int]:
@@ -108,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
         target = parse_size(args.shard_size)
         transform = prepare_jpeg_function() if args.prepare_jpeg else None
         if args.workers < 1:
-            raise ValueError(f"--workers {args.workers}: expected >= 1")
+            raise ConfigError(f"--workers {args.workers}: expected >= 1")
         _SOURCE = open_source(args.source, args.list_file)
-    except (ValueError, OSError) as e:
+    except (FeedlineError, OSError) as e:
         return fail(str(e))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

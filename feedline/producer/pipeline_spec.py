@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from feedline.errors import ConfigError as ConfigError
+from feedline.errors import Unavailable
 from feedline.producer import image
 from feedline.producer.dataflow import (
     BatchData,
@@ -238,7 +239,10 @@ def _sharded(cls: Callable[..., DataFlow]) -> Callable[[Args, int], DataFlow]:
                   retry=RetryPolicy(attempts=a.integer("retries", 6, lo=1)),
                   storage_options=dict(opts))
         a.done()
-        return guarded(a.where, lambda: cls(**kw))  # type: ignore[no-any-return]
+        try:
+            return guarded(a.where, lambda: cls(**kw))  # type: ignore[no-any-return]
+        except Unavailable as e:  # a store client or pyarrow that is not installed
+            raise ConfigError(f"{a.where}: {e}") from None
     return build
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from feedline.errors import ConfigError, Unavailable
 from feedline.producer.dataflow.shard_fields import column_value
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.shards.retry import ShardError, is_transient
@@ -14,7 +15,7 @@ def _pq() -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError("parquet needs pyarrow: pip install 'feedline[parquet]'") from None
+        raise Unavailable("parquet needs pyarrow: pip install 'feedline[parquet]'") from None
     return pq
 
 
@@ -33,7 +34,7 @@ class Parquet(ShardedSource):
         _pq()
         super().__init__(urls, fields=fields, **kw)
         if not self.fields:
-            raise ValueError("fields: at least one column")
+            raise ConfigError("fields: at least one column")
 
     def _open(self, url: str) -> Any:
         f = self.location(url).fs().open(url, "rb", block_size=self.chunk_size,

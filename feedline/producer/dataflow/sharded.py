@@ -39,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.base import DataFlow, UnknownLength
 from feedline.producer.dataflow.shard import check_shard, shard_positions
 from feedline.producer.shards import manifest as mf
@@ -72,12 +73,12 @@ class ShardedSource(DataFlow):
                  max_sample_bytes: int = 16 << 20, shuffle_buffer: int = 256,
                  claim: bool = True) -> None:
         if urls is None and manifest is None:
-            raise ValueError("needs urls (a list, a glob or a brace pattern) or a manifest")
+            raise ConfigError("needs urls (a list, a glob or a brace pattern) or a manifest")
         for name, v in (("read_ahead", read_ahead), ("chunk_size", chunk_size),
                         ("prefetch", prefetch), ("max_sample_bytes", max_sample_bytes),
                         ("shuffle_buffer", shuffle_buffer)):
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+                raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
         self.options = dict(storage_options or {})
         self.manifest_url = manifest
         self.manifest = mf.read(manifest, self.options) if manifest else None
@@ -224,15 +225,20 @@ class ShardedSource(DataFlow):
     def _counts(self, required: bool = True) -> list[int] | None:
         if self.manifest is not None:
             return self.manifest.counts(self.urls)
-        counts = [self._count(u) for u in self.urls] if required else [None]
-        if any(c is None for c in counts):
+        counts = []
+        for u in self.urls:
+            c = self._count(u)
+            if c is None:
+                break
+            counts.append(c)
+        if len(counts) < len(self.urls):
             if not required:
                 return None
             raise mf.ManifestError(
                 f"the sample count of each shard is needed (exact delivery numbers samples by "
                 f"it): give the manifest `feedline convert` wrote beside the shards, or write "
                 f"one with `feedline info {self.urls[0]} ... --manifest manifest.json`")
-        return counts  # type: ignore[return-value]
+        return counts
 
     def set_units(self, unit_size: int | None) -> None:
         """Cut units for exact delivery: whole shards (None), or slices of at most

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.shard_fields import feature
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.shards.records import CorruptRecord
@@ -26,7 +27,7 @@ class TFRecord(ShardedSource):
                  fields: Sequence[str] = DEFAULT_FIELDS, **kw: Any) -> None:
         super().__init__(urls, fields=fields, **kw)
         if not self.fields:
-            raise ValueError("fields: at least one feature key")
+            raise ConfigError("fields: at least one feature key")
 
     def _read(self, url: str) -> Iterator[Any]:
         stream = self.stream(url)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.shard_fields import pick, wds_field
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.shards.records import CorruptRecord
@@ -31,7 +32,7 @@ class WebDataset(ShardedSource):
                  fields: Sequence[str] = DEFAULT_FIELDS, **kw: Any) -> None:
         super().__init__(urls, fields=fields, **kw)
         if not self.fields:
-            raise ValueError("fields: at least one member extension")
+            raise ConfigError("fields: at least one member extension")
         self._alts = [spec.split(";") for spec in self.fields]
 
     def _sample(self, url: str, key: str, members_: dict[str, bytes]) -> list[Any]:

@@ -22,12 +22,15 @@ from typing import Any
 import fsspec
 from braceexpand import braceexpand
 
+from feedline.errors import DataError, Unavailable
+
 EXTRAS = {"http": "http", "https": "http", "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _GLOB = set("*?[")
 
 
-class LocationError(ValueError):
-    """Shard names that cannot be expanded or a store that cannot be used; says what to do."""
+class LocationError(DataError):
+    """Shard names that cannot be expanded (a glob that matches nothing, a name given twice);
+    the message says which."""
 
 
 def protocol_of(url: str) -> str:
@@ -81,8 +84,8 @@ class Location:
             except (ImportError, ValueError) as e:
                 extra = EXTRAS.get(self.protocol)
                 hint = f"pip install 'feedline[{extra}]'" if extra else "install its fsspec driver"
-                raise LocationError(f"{self.protocol}:// needs a package that is not "
-                                    f"installed ({hint}): {e}") from None
+                raise Unavailable(f"{self.protocol}:// needs a package that is not "
+                                  f"installed ({hint}): {e}") from None
             self._fs = cls(skip_instance_cache=True, **self._defaults(), **self.options)
             if self.protocol in ("s3", "s3a"):
                 self._fs.retries = 1  # s3fs's own retry loop (a class attribute): ours count

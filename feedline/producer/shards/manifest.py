@@ -18,12 +18,13 @@ import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from feedline.errors import DataError
 from feedline.producer.shards.locations import Location, basename, protocol_of
 
 VERSION = 1
 
 
-class ManifestError(ValueError):
+class ManifestError(DataError):
     """A manifest that cannot be read or does not fit its shards; says which and why."""
 
 
@@ -71,7 +72,7 @@ def parse(text: str, where: str) -> Manifest:
         shards = [ShardInfo(str(s["name"]), int(s["samples"]), int(s.get("bytes", 0)),
                             str(s.get("sha256", ""))) for s in d["shards"]]
         if any(s.samples < 0 for s in shards):
-            raise ValueError("a negative sample count")
+            raise ManifestError("a negative sample count")
         return Manifest(str(d.get("format", "")), shards, int(d.get("version", VERSION)))
     except (ValueError, KeyError, TypeError) as e:
         raise ManifestError(f"{where}: not a feedline shard manifest ({type(e).__name__}: "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from feedline.errors import SampleError
+
 
 class Readable(Protocol):
     """A byte stream read front to back (:class:`~feedline.producer.shards.stream.ChunkStream`)."""
@@ -16,7 +18,7 @@ class Readable(Protocol):
     def skip(self, n: int) -> int: ...
 
 
-class CorruptRecord(Exception):
+class CorruptRecord(SampleError):
     """A record that cannot be read (bad CRC, bad header, cut short). ``where`` names it
     (``shard#offset`` or ``shard#key``). ``resumable``: the reader can go on after it (a
     bad CRC over a record whose length is intact); otherwise the rest of the shard is lost

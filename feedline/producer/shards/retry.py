@@ -11,11 +11,13 @@ import random
 import threading
 from dataclasses import dataclass
 
+from feedline.errors import ConfigError, DataError, FeedlineError
+
 # Libraries whose exceptions are I/O failures of a request (their 4xx arrive with a status).
 _IO_MODULES = ("aiohttp", "botocore", "aiobotocore", "urllib3", "requests", "http")
 
 
-class ShardError(Exception):
+class ShardError(DataError):
     """A shard could not be read after every retry; ``name`` says which."""
 
     def __init__(self, name: str, why: str) -> None:
@@ -23,7 +25,7 @@ class ShardError(Exception):
         self.name, self.why = name, why
 
 
-class ShortRead(OSError):
+class ShortRead(FeedlineError, ConnectionError):
     """A read returned fewer bytes than the object holds before its end: a cut body."""
 
 
@@ -65,7 +67,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.base < 0 or self.cap < 0:
-            raise ValueError(f"retry: attempts >= 1 and non-negative delays, got {self}")
+            raise ConfigError(f"retry: attempts >= 1 and non-negative delays, got {self}")
 
     def delay(self, failures: int) -> float:
         return min(self.cap, self.base * 2 ** max(0, failures - 1)) * random.uniform(0.5, 1.5)

@@ -22,6 +22,7 @@ import queue
 import threading
 from typing import Any
 
+from feedline.errors import ConfigError, Stopped
 from feedline.producer.shards.locations import Location
 from feedline.producer.shards.retry import RetryPolicy, ShardError, ShortRead, is_transient
 from feedline.producer.shards.stats import ShardStats
@@ -31,7 +32,7 @@ _POLL = 0.1
 _EOF = b""
 
 
-class StreamClosed(Exception):
+class StreamClosed(Stopped):
     """The stream was closed (its source stopped) while a read waited."""
 
 
@@ -42,7 +43,7 @@ class ChunkStream:
                  retry: RetryPolicy | None = None, stats: ShardStats | None = None,
                  start: int = 0) -> None:
         if chunk_size < 1 or prefetch < 1:
-            raise ValueError(f"chunk_size and prefetch must be >= 1, got {chunk_size}, "
+            raise ConfigError(f"chunk_size and prefetch must be >= 1, got {chunk_size}, "
                              f"{prefetch}")
         self.loc, self.url = loc, url
         self.chunk_size, self.retry = chunk_size, retry or RetryPolicy()

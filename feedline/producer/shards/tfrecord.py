@@ -24,6 +24,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
+from feedline.errors import DataError
 from feedline.producer.shards.records import CorruptRecord, Readable
 
 _MASK_DELTA = 0xA282EAD8
@@ -74,7 +75,7 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
     shift = result = 0
     while True:
         if i >= len(buf) or shift > 63:
-            raise ValueError("truncated varint")
+            raise DataError("truncated varint")
         b = buf[i]
         i += 1
         result |= (b & 0x7F) << shift
@@ -96,16 +97,16 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
         elif wt == 2:
             ln, i = _varint(buf, i)
             if i + ln > n:
-                raise ValueError("truncated field")
+                raise DataError("truncated field")
             v, i = buf[i:i + ln], i + ln
         elif wt == 1:
             v, i = buf[i:i + 8], i + 8
         elif wt == 5:
             v, i = buf[i:i + 4], i + 4
         else:
-            raise ValueError(f"wire type {wt}")
+            raise DataError(f"wire type {wt}")
         if i > n:
-            raise ValueError("truncated field")
+            raise DataError("truncated field")
         yield num, wt, v
 
 
