@@ -37,11 +37,14 @@ from feedline.producer.dataflow import (
     MultiProcessMapData,
     MultiProcessRunner,
     MultiThreadMapData,
+    Parquet,
     ProxyDataFlow,
     RepeatedData,
     Reseedable,
     Shardable,
     TestDataSpeed,
+    TFRecord,
+    WebDataset,
     as_dataflow,
     stages,
 )
@@ -303,6 +306,12 @@ CASES = [
          shardable=True),
     Case(LMDBData, lambda d, s: LMDBData(d.lmdb, shuffle=False), shardable=True,
          variant="sequential"),
+    Case(WebDataset, lambda d, s: WebDataset(manifest=shards(d, "wds"), seed=s), seeded=True,
+         shardable=True),
+    Case(TFRecord, lambda d, s: TFRecord(manifest=shards(d, "tfrecord"), seed=s), seeded=True,
+         shardable=True),
+    Case(Parquet, lambda d, s: Parquet(shards(d, "parquet"), seed=s), seeded=True,
+         shardable=True),
     # transforms, over the image folder
     Case(ProxyDataFlow, lambda d, s: ProxyDataFlow(folder(d))),
     Case(BatchData, lambda d, s: BatchData(MapData(folder(d), pixels_resized), 5,
@@ -327,6 +336,40 @@ CASES = [
         MapDataComponent(folder(d), ImageNetTrain(32, seed=s)), 2, strict=True),
          seeded=True, ordered=False),
 ]
+
+
+def shards(d: Data, kind: str) -> str:
+    """The records as six shards of two (written once per module): the manifest's path
+    (Parquet: a glob; its footers count)."""
+    from feedline.producer.shards.manifest import Manifest, ShardInfo
+    from feedline.producer.shards.tfrecord import encode_example, frame
+    from feedline.producer.shards.writer import ShardJob, write_shard
+
+    out = d.root.parent / kind
+    if not out.exists():
+        tmp = d.root.parent / f"{kind}.partial"
+        tmp.mkdir()
+        infos = []
+        for k in range(6):
+            recs = d.records[2 * k:2 * k + 2]
+            if kind == "wds":
+                infos.append(write_shard(ShardJob(str(tmp / f"s-{k}.tar"), range(2 * k, 2 * k + 2)),
+                                         lambda i: (d.records[i][0].tobytes(), d.records[i][1])))
+            elif kind == "tfrecord":
+                (tmp / f"s-{k}.tfrecord").write_bytes(b"".join(frame(encode_example(
+                    {"image/encoded": r[0].tobytes(), "image/class/label": int(r[1])}))
+                    for r in recs))
+                infos.append(ShardInfo(f"s-{k}.tfrecord", 2))
+            else:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                pq.write_table(pa.table({"image": [r[0].tobytes() for r in recs],
+                                         "label": [int(r[1]) for r in recs]}),
+                               tmp / f"s-{k}.parquet")
+        (tmp / "manifest.json").write_text(Manifest(kind, infos).to_json())
+        tmp.rename(out)
+    return str(out / ("s-*.parquet" if kind == "parquet" else "manifest.json"))
 
 
 def pixels_resized(dp: list) -> list:

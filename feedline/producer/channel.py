@@ -63,11 +63,14 @@ class UnitEnd:
 
 @dataclass(frozen=True)
 class ExactSpec:
-    """What an exact producer declares: the dataset's size, a unit's, the epochs (0: all)."""
+    """What a producer that works by units declares: the dataset's size, a unit's, the
+    epochs (0: all). ``delivery`` is ``exact``, or ``training`` for a training producer that
+    claims its shards from the broker (``dataset_size``: the shards, ``unit_size`` 1)."""
 
     dataset_size: int
     unit_size: int
     epochs: int = 0
+    delivery: str = m.EXACT
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ class ProducerIO:
                 next_seq=ch.seq if ch else 0, max_batch_bytes=self.out.largest,
                 stream=self.out.stream, registration=registration,
                 last_broker=(ch.link.broker_id or 0) if ch else 0,
-                delivery=m.EXACT if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
+                delivery=x.delivery if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
                 unit_size=x.unit_size if x else 0, epochs=x.epochs if x else 0)
 
         def registered(_registration: int) -> None:

@@ -42,6 +42,7 @@ from feedline.producer.channel import (
     UnitAsk,
     UnitEnd,
 )
+from feedline.producer.claims import SenderClaims, claim_spec, claiming_source
 from feedline.producer.dataflow.base import as_dataflow
 from feedline.producer.metrics import ProducerMetrics
 from feedline.producer.targets import Targets
@@ -318,8 +319,12 @@ def send_dataflow(
     df = as_dataflow(df)
     df.reset_state()
     stats = SendStats()
+    shards = claiming_source(df)  # a sharded source reads the shards the broker hands out
+    spec = None if shards is None else claim_spec(shards, epochs)
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream) as sender:
+                stream=stream, exact=spec) as sender:
+        if shards is not None:
+            shards.attach(SenderClaims(sender, stop))
         rate = _RateLog(sender, log_interval, skipped)
         t0 = time.monotonic()
         try:
@@ -335,7 +340,9 @@ def send_dataflow(
                     ready = time.monotonic()
                     if stop is not None and stop.is_set():
                         raise Stopped
-                if stats.batches == before:
+                if shards is not None and shards.finished:
+                    break  # the broker handed out every epoch's shards
+                if stats.batches == before and shards is None:
                     raise DataError("the dataflow yielded nothing in a whole epoch")
                 epoch += 1
                 stats.epochs = epoch

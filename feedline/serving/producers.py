@@ -31,6 +31,7 @@ from feedline import wire
 from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
+from feedline.serving.claims import ClaimStreams
 from feedline.serving.coordinator import ExactPlan, ExactStreams
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
@@ -95,6 +96,7 @@ class ProducerSide:
                  exact: ExactStreams | None = None) -> None:
         self._send, self.sink, self.metrics, self.limits = send, sink, metrics, limits
         self.exact = exact if exact is not None else ExactStreams()
+        self.claims = ClaimStreams()  # training streams whose producers claim shards
         self.cfg, self.instance, self._cut_off = cfg, instance, cut_off
         self.max_batch_bytes = min(cfg.max_bytes,
                                    limits.max_message_bytes + limits.max_header_bytes)
@@ -179,6 +181,12 @@ class ProducerSide:
 
     def _unit_message(self, p: Producer, msg: m.UnitRequest | m.UnitDone) -> None:
         c = self.exact.get(p.stream)
+        claims = self.claims.get(p.stream) if c is None else None
+        if claims is not None:  # a training producer claims a shard, or starts one
+            reply = claims.answer(p.ident, msg, self.instance, p.registration)
+            if reply is not None:
+                self._control(p.ident, reply)
+            return
         if c is None or msg.registration != p.registration:
             if c is None:
                 raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
@@ -261,6 +269,9 @@ class ProducerSide:
                 why = got if isinstance(got, str) else ""
         elif exact is not None:
             why = f"stream {msg.stream!r} is exact: every producer of it must be"
+        elif msg.dataset_size > 0:  # a training producer that claims its shards
+            claims = self.claims.join(msg.stream, msg.dataset_size, msg.epochs, ident)
+            why = claims if isinstance(claims, str) else ""
         if why:
             self._control(ident, m.Refused(broker=self.instance, reason="delivery_mismatch",
                                            detail=why))
@@ -372,6 +383,7 @@ class ProducerSide:
         c = self.exact.get(p.stream)
         if c is not None:
             c.release(ident)  # its unit goes to another producer
+        self.claims.leave(p.stream, ident)
         self.metrics.producer_label.release(p.label)
         self._info.info("producer %s dropped (%s)", p.name, reason)
         self.metrics.dropped_peers.labels("producer", reason).inc()
