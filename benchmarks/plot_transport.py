@@ -39,12 +39,13 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path)
     ap.add_argument("out", type=Path)
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="variants to draw (default: feedline's, before, and the anchors)")
     args = ap.parse_args()
     sizes = json.loads(args.results.read_text())["sizes"]
     order = sorted(sizes, key=lambda s: sizes[s]["bytes"])
     xs = [sizes[s]["bytes"] for s in order]
-    variants = [v for v in STYLE if v in sizes[order[0]]["median"]]
-    variants += [v for v in sizes[order[0]]["median"] if v not in variants]
+    variants = [v for v in args.only or STYLE if v in sizes[order[0]]["median"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for v in variants:
         colour, line = STYLE.get(v, ("#9467bd", "-"))
