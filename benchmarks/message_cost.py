@@ -10,6 +10,7 @@ work, not its waits, nor libzmq's or the kernel's) and prints, per thread, the f
 that held it, in microseconds per batch (inclusive, from samples: approximate).
 
     python benchmarks/message_cost.py --variants raw direct feedline --size 150K --seconds 5
+    python benchmarks/message_cost.py --variants direct direct-before --before DIR --size 16K
     python benchmarks/message_cost.py --variants direct --size 16K --profile
 """
 
@@ -82,10 +83,10 @@ def profile_summary(path: Path, batches: int, top: int) -> list[str]:
 
 
 def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
-            top: int) -> None:
+            top: int, before: Path | None = None) -> None:
     run = Run(work, size, seconds)
     try:
-        kind, addr, tree = variants(None)[name](run)
+        kind, addr, tree = variants(before)[name](run)
         cons = subprocess.Popen([*run.consumer_argv(kind, addr), "hold"],
                                 env=run.consumer_env(tree), cwd=work, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
@@ -152,6 +153,8 @@ def main() -> None:
                     help="transport.py variants to measure (default raw direct feedline)")
     ap.add_argument("--size", default="150K", help="batch size (as transport.py --sizes)")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per variant")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="another checkout: variants before and direct-before run from it")
     ap.add_argument("--profile", action="store_true", help="also sample with py-spy")
     ap.add_argument("--top", type=int, default=25, help="functions per thread in a profile")
     args = ap.parse_args()
@@ -160,7 +163,7 @@ def main() -> None:
         for name in args.variants:
             work = Path(tmp) / name
             work.mkdir()
-            measure(name, size, args.seconds, work, args.profile, args.top)
+            measure(name, size, args.seconds, work, args.profile, args.top, args.before)
 
 
 if __name__ == "__main__":
