@@ -97,7 +97,7 @@ def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
         if not line.startswith("MARK"):
             raise RuntimeError(f"{name}: consumer said {line!r}")
         names = {role: py_names(pid) for role, pid in procs.items()}
-        before = {role: thread_times(pid) for role, pid in procs.items()}
+        at_start = {role: thread_times(pid) for role, pid in procs.items()}
         spies = []
         if profile:
             for role, pid in procs.items():
@@ -124,7 +124,7 @@ def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
     for role in procs:
         rows = []
         for tid, (comm, ns) in after[role].items():
-            ns0 = before[role].get(tid, (comm, 0))[1]
+            ns0 = at_start[role].get(tid, (comm, 0))[1]
             label = names[role].get(tid, comm)
             rows.append((label, (ns - ns0) / 1e3 / batches))
         total = sum(v for _, v in rows)
