@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from feedline.broker.buffer import Buffer
+from feedline.serving.budget import Budget
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
@@ -17,7 +18,7 @@ MiB = 1 << 20
 
 def planner(max_batches: int = 32, max_bytes: int = 64 * MiB, window: int = 4,
             lease: float = 2.0) -> CreditPlanner:
-    return CreditPlanner(max_batches, max_bytes, window, lease)
+    return CreditPlanner(Budget(max_batches, max_bytes), window, lease)
 
 
 def totals(cp: CreditPlanner) -> tuple[int, int]:
