@@ -62,14 +62,18 @@ def waiting(sock: zmq.Socket) -> bool:
 
 def recv_message(sock: zmq.Socket, max_frames: int, flags: int = zmq.NOBLOCK,
                  keepalive: Callable[[], None] | None = None,
-                 max_bytes: int | None = None) -> list[zmq.Frame]:
+                 max_bytes: int | None = None,
+                 oversized: Callable[[str, int], None] | None = None) -> list[zmq.Frame]:
     """One whole message as zero-copy frames, at most ``max_frames`` of them and (if given)
     ``max_bytes`` bytes in all.
 
     Raises ``zmq.Again`` if none is waiting (with ``zmq.NOBLOCK``), :class:`Oversized` for a
     message with more frames or bytes (read to its end: the socket is ready for the next
-    one). ``keepalive`` is called now and then while such a message is drained, so that the
-    caller can keep its peers' links alive meanwhile.
+    one). ``oversized(reason, fd)`` is called as soon as a message is found too large or too
+    long, before the rest of it is read (``fd``: its connection, ``zmq.SRCFD``, -1 if
+    unknown): a caller that cuts the sender off there stops what it sends next while this one
+    is drained. ``keepalive`` is called now and then while such a message is drained, so that
+    the caller can keep its peers' links alive meanwhile.
     """
     first = sock.recv(flags, copy=False)
     frames = [first]
@@ -101,6 +105,8 @@ def recv_message(sock: zmq.Socket, max_frames: int, flags: int = zmq.NOBLOCK,
         fd = -1
     frames.clear()  # keep nothing of it
     del first
+    if oversized is not None:
+        oversized(reason, fd)
     while more:
         f = sock.recv(copy=False)
         more = f.more

@@ -17,8 +17,10 @@ docs/architecture.md is read off it:
   streams there are;
 - :meth:`Budget.max_message`: the largest message a producer or tensorpack may send (a batch
   never outgrows the whole budget); frames are weighed against it as they are read
-  (:mod:`feedline.framing`), and tensorpack's ingress reads a datapoint only while what is
-  free of the budget has room for the largest one seen (:meth:`Budget.has_room`).
+  (:mod:`feedline.framing`).
+
+tensorpack's ingress takes no share of its own: it is one more producer to the credit
+planner (:mod:`feedline.serving.tensorpack`), within the same shares.
 
 Pure values: no clock, no sockets. Batches and bytes always come in that order.
 """
@@ -93,7 +95,3 @@ class Budget:
         """The largest message (wire bytes, header included) a host reads: what the limits
         allow, and never more than the whole budget."""
         return min(self.max_bytes, limits.max_message_bytes + limits.max_header_bytes)
-
-    def has_room(self, held_bytes: int, reserved_bytes: int, size: int) -> bool:
-        """``size`` more bytes fit beside what is held and what is granted to producers."""
-        return held_bytes + reserved_bytes + size <= self.max_bytes

@@ -133,21 +133,26 @@ class Endpoint:
         """Hand waiting messages to ``side`` (at most :data:`DRAIN_BUDGET`); returns how many
         were read. ``keepalive`` runs now and then while an oversized message is read."""
         handler, table = side.on_message, side.peers
+
+        def oversized(reason: str, fd: int) -> None:
+            if reason == TOO_LARGE:
+                # Larger than anything this host takes (WELCOME says so, and no credit covers
+                # it): the sender ignores the rules. Cut off at once, before the rest of the
+                # message is read: what it sends next is then never held.
+                self.refusals.cut_off(*connection(fd), table.role, reason)
+
         n = 0
         for n in range(1, DRAIN_BUDGET + 1):
             if n > 1 and not waiting(self.sock):
                 return n - 1
             try:
                 frames = recv_message(self.sock, self.max_frames + 1, keepalive=keepalive,
-                                      max_bytes=self.max_message + _ENVELOPE)
+                                      max_bytes=self.max_message + _ENVELOPE,
+                                      oversized=oversized)
             except zmq.Again:
                 return n - 1
             except Oversized as e:
                 self.refuse(e.reason, f"{e.what} in {e.seconds:.1f}s", table, e.first)
-                if e.reason == TOO_LARGE:
-                    # Larger than anything this host would take (it says so in WELCOME, and
-                    # no credit covers it): the sender ignores the rules.
-                    self.refusals.cut_off(*connection(e.fd), table.role, e.reason)
                 continue
             ident = frames[0].bytes
             if len(frames) < 2:

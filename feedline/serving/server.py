@@ -42,16 +42,6 @@ from feedline.serving.producers import IngressConfig, ProducerSide, Sink
 from feedline.serving.tensorpack import TensorpackIngress
 
 
-def ingress_hwm(zap: bool) -> int:
-    """The producers' socket's receive high-water mark: one message ahead per connection.
-    With a ZAP handler (CURVE keys) libzmq 4.3.5 keeps one place of each connection's pipe
-    taken (found by test: with 1, no message of a CURVE peer is ever delivered), so 2."""
-    return INGRESS_HWM + 1 if zap else INGRESS_HWM
-
-
-INGRESS_HWM = 1
-
-
 @dataclass(frozen=True)
 class Remedy:
     """How the user of a host says what :func:`check_exposure` asks for (flags or
@@ -137,11 +127,9 @@ class Server:
             if cfg.curve is not None:
                 denied = metrics.curve_denied
                 self._auth = cfg.curve.authenticator(ctx, on_denied=lambda _a, _k: denied.inc())
-            # libzmq holds a message whole before its first frame is readable, whatever its
-            # size: it takes one message ahead per connection (ingress_hwm), and a producer's
-            # other batches wait in its own queue until we read.
+            # A producer has at most its window of batches in flight, plus a few controls.
             self.ingress = self.bind(cfg.ingress, "ingress", cfg.how.ingress, zmq.ROUTER,
-                                     rcvhwm=ingress_hwm(cfg.curve is not None),
+                                     rcvhwm=cfg.producer_window + 16,
                                      max_message=cfg.budget.max_message(cfg.limits))
             tp_ep = None
             if cfg.tensorpack is not None:
@@ -159,7 +147,8 @@ class Server:
                           stream=cfg.stream, recovery_grace=cfg.recovery_grace),
             instance, self.refusals.cut_off, exact)
         self.attach(self.ingress, self.producers)
-        self.tensorpack = (TensorpackIngress(tp_ep, sink, metrics, cfg.limits, cfg.budget,
+        self.tensorpack = (TensorpackIngress(tp_ep, sink, metrics, cfg.limits,
+                                             self.producers.planner,
                                              cfg.stream or cfg.tensorpack_stream)
                            if tp_ep is not None else None)
 
@@ -190,13 +179,16 @@ class Server:
 
     # -- the loop's steps ---------------------------------------------------------------
     def sockets(self) -> list[zmq.Socket]:
-        """What to poll now: every endpoint with a side, and tensorpack's only while the
-        budget has room for its largest datapoint (its PUSH's high-water mark then pushes
-        back on the sender, the only flow control a tensorpack producer knows)."""
+        """What to poll now: every endpoint with a side, and tensorpack's only while it holds
+        credit (its PUSH's high-water mark then pushes back on the sender, the only flow
+        control a tensorpack producer knows). Call once a loop turn."""
         out = [ep.sock for ep, _ in self._sides]
         tp = self.tensorpack
-        if tp is not None and tp.has_room(self.producers.outstanding()[1]):
-            out.append(tp.sock)
+        if tp is not None:
+            if tp.has_room():
+                out.append(tp.sock)
+            elif tp.credit.wanting:
+                self.producers.dirty = True  # plan: it asked
         return out
 
     def awake(self, now: float) -> None:
@@ -207,7 +199,7 @@ class Server:
         self._last = now
 
     def on_ready(self, ready: Sequence[zmq.Socket]) -> bool:
-        """Drain the ready sockets; True if the producers' socket had messages."""
+        """Drain the ready sockets; True if producers (or tensorpack) sent something."""
         t0 = time.monotonic()
         got = False
         for ep, side in reversed(self._sides):  # what frees room (consumers) first
@@ -215,8 +207,8 @@ class Server:
                 n = ep.drain(side, self.keepalive)
                 got = got or (n > 0 and side is self.producers)
         tp = self.tensorpack
-        if tp is not None and tp.sock in ready:
-            tp.drain(self.producers.outstanding()[1], self._refuse_tensorpack)
+        if tp is not None and tp.sock in ready and tp.drain(self._refuse_tensorpack):
+            got = self.producers.dirty = True
         now = time.monotonic()
         if now - t0 > self.cfg.heartbeat_timeout / 2:
             # The peers' messages waited behind a long drain: their silence was ours.
