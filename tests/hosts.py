@@ -21,13 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from feedline.consumer import RemoteDataZMQ
-from feedline.errors import ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.producer import send_dataflow
+from feedline.wire import Batch
 from tests.direct_trainer import summary
-from tests.flow_support import FAST, Metrics
+from tests.flow_support import FAST, CountingConsumer, Metrics
 
 KINDS = ("broker", "direct")
 
@@ -65,28 +64,13 @@ class EgressTrainer(Trainer):
 
     def __init__(self, addr: str, window: int = 4, link: LinkConfig = FAST) -> None:
         super().__init__()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(addr, window, link),
-                                        name="egress-trainer", daemon=True)
-        self._thread.start()
+        self._consumer = CountingConsumer(addr, window, link, keep=self._keep)
 
-    def _run(self, addr: str, window: int, link: LinkConfig) -> None:
-        with RemoteDataZMQ(addr, window=window, timeout=0.3, return_meta=True,
-                           link=link) as src:
-            while not self._stop.is_set():
-                try:
-                    for b in src:
-                        self._got.append({"p": b.producer, "s": b.seq,
-                                          "a": summary(b.datapoint)})
-                        if self._stop.is_set():
-                            break
-                except ReceiveTimeout:
-                    continue
+    def _keep(self, b: Batch) -> None:
+        self._got.append({"p": b.producer, "s": b.seq, "a": summary(b.datapoint)})
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(15)
-        assert not self._thread.is_alive(), "consumer thread did not stop"
+        self._consumer.close()
 
 
 class LedgerTrainer(Trainer):
