@@ -10,6 +10,7 @@ import zmq
 from feedline import endpoints, security, wire
 from feedline.broker.config import BrokerConfig
 from feedline.broker.core import Broker
+from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
     add_liveness_flags,
@@ -101,7 +102,7 @@ def _curve_from_args(args: argparse.Namespace) -> security.ServerKeys | None:
     exposed tensorpack ingress with or without them (the serving core's rule, checked here
     too so that nothing starts: :func:`feedline.serving.server.check_exposure`).
 
-    Raises ValueError (KeyFileError, CurveUnavailable) with a message for the operator.
+    Raises ConfigError (KeyFileError) or CurveUnavailable with a message for the operator.
     """
     keys = server_keys(args)
     # Warned about (with --insecure) by the core when it binds.
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_addresses(args)
         config = config_from_args(args)
-    except (ValueError, security.CurveUnavailable) as e:
+    except FeedlineError as e:  # a setting, an address, a key file, CURVE: one line
         raise SystemExit(f"feedline broker: {e}") from None
     stop = stop_on_signals()
     from prometheus_client import CollectorRegistry

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import zmq
 
 from feedline import messages as m
+from feedline import wire
 from feedline.consumer.io import Delivery, EpochMark, Marker, Shared
 from feedline.errors import ProducerError
 from feedline.link import LinkConfig
@@ -67,19 +68,19 @@ class _LocalSink:
         if item.broadcast:
             self._control(m.decode(item.frames[0]))
             return True
-        if item.batch is None:  # every ingress decodes what it accepts (Held.batch)
-            raise ValueError("a batch that was not decoded")
+        # Every ingress hands over the batch it decoded; one that did not is decoded here.
+        batch = item.batch if item.batch is not None else wire.decode_batch(item.frames)
         with s.lock:
-            st = s.producer(item.batch.producer)
+            st = s.producer(batch.producer)
             st.received += 1
-            st.bytes += item.batch.nbytes
+            st.bytes += batch.nbytes
             st.lost += item.gap
             s.queued_bytes += item.nbytes
         s.metrics.received_batches.inc()
-        s.metrics.received_bytes.inc(item.batch.nbytes)
+        s.metrics.received_bytes.inc(batch.nbytes)
         if item.gap:
             s.metrics.lost_batches.inc(item.gap)
-        s.queue.put_nowait(Delivery(0, item.batch, item.nbytes))  # credit made the room
+        s.queue.put_nowait(Delivery(0, batch, item.nbytes))  # credit made the room
         return True
 
     def epoch_end(self, stream: str, epoch: int) -> None:

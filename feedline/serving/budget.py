@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from feedline.codec import Limits
+from feedline.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,16 @@ class Share:
 
 @dataclass(frozen=True)
 class Budget:
-    """``max_batches`` batches and ``max_bytes`` bytes, both >= 1 (ValueError otherwise)."""
+    """``max_batches`` batches and ``max_bytes`` bytes, both >= 1 (ConfigError otherwise)."""
 
     max_batches: int
     max_bytes: int
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
-            raise ValueError(f"the budget's batches must be >= 1, not {self.max_batches}")
+            raise ConfigError(f"the budget's batches must be >= 1, not {self.max_batches}")
         if self.max_bytes < 1:
-            raise ValueError(f"the budget's bytes must be >= 1, not {self.max_bytes}")
+            raise ConfigError(f"the budget's bytes must be >= 1, not {self.max_bytes}")
 
     def part(self, parts: int) -> Share:
         """One of ``parts`` equal parts (at least one batch and one byte)."""

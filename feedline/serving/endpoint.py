@@ -13,7 +13,7 @@ once and holds for both.
 - **Receive.** :meth:`Endpoint.drain` reads at most :data:`DRAIN_BUDGET` messages a turn,
   each frame by frame with its frame count and its size weighed as it arrives
   (:func:`feedline.framing.recv_message`), and hands each to its side's handler. What a
-  handler refuses (``DecodeError``) or fails on is refused and counted
+  handler refuses (:class:`~feedline.errors.Refusal`) or fails on is refused and counted
   (:class:`Refusals`: a metric by reason, a rate-limited log line naming the socket and the
   peer); nothing a peer sends stops the loop. The sender of a message larger than the host
   ever takes is cut off: no honest peer sends one (WELCOME tells producers the largest, and
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import zmq
 
 from feedline import endpoints
-from feedline.codec import DecodeError
+from feedline.errors import Refusal
 from feedline.framing import TOO_LARGE, Oversized, recv_message, waiting
 from feedline.logs import RateLimitedLog
 from feedline.security import ServerKeys
@@ -164,7 +164,7 @@ class Endpoint:
                 fd = -1
             try:
                 handler(ident, frames[1:], fd, time.monotonic())
-            except DecodeError as e:
+            except Refusal as e:  # DecodeError included: both are counted
                 self.refuse(e.reason, str(e), table, ident)
             except Exception as e:  # a peer's message must never stop the host
                 self.refuse("internal_error", f"{type(e).__name__}: {e}"[:200], table, ident)

@@ -33,6 +33,7 @@ import zmq
 
 from feedline import endpoints, security
 from feedline.codec import Limits
+from feedline.errors import ConfigError
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.coordinator import ExactStreams
@@ -66,8 +67,8 @@ def check_exposure(addrs: Sequence[str | None], tensorpack: str | None, keyed: b
 
     Without keys, every address (``addrs`` and ``tensorpack``) must be loopback-only
     (``ipc://``, ``127.0.0.0/8``, ...); with keys, tensorpack's still must (its PUSH cannot
-    speak CURVE). Raises ValueError (one line: which address, why, what to do) unless
-    ``insecure``; returns the exposed addresses (to warn about when ``insecure``)."""
+    speak CURVE). Raises :class:`~feedline.errors.ConfigError` (one line: which address, why,
+    what to do) unless ``insecure``; returns the exposed addresses (to warn about then)."""
     if keyed:
         exposed = security.exposed([tensorpack])
         why = ("tensorpack's send_dataflow_zmq cannot speak CURVE, so anyone who reaches it "
@@ -78,7 +79,7 @@ def check_exposure(addrs: Sequence[str | None], tensorpack: str | None, keyed: b
         why = "anyone who reaches it could inject or read training data"
         todo = f"{how.keys}, bind 127.0.0.1 / ipc://, or pass {how.insecure}"
     if exposed and not insecure:
-        raise ValueError(f"refusing to listen on {', '.join(exposed)} without CURVE keys: "
+        raise ConfigError(f"refusing to listen on {', '.join(exposed)} without CURVE keys: "
                          f"{why}. {todo[0].upper()}{todo[1:]} on a network you trust")
     return exposed
 
