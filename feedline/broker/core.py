@@ -140,11 +140,17 @@ class Broker:
                  f", tensorpack {self.tensorpack_endpoint}" if self.tensorpack_endpoint else "")
         tick = max(0.001, self.cfg.heartbeat_interval / 4)
         next_tick = time.monotonic()
+        poller = zmq.Poller()
+        polled: tuple[zmq.Socket, ...] = ()
         try:
             while not stop.is_set():
-                poller = zmq.Poller()
-                for sock in server.sockets():
-                    poller.register(sock, zmq.POLLIN)
+                # A new poller only when the sockets to poll change (tensorpack's comes and
+                # goes with its credit): building one each turn cost a few us a batch.
+                socks = tuple(server.sockets())
+                if socks != polled:
+                    poller, polled = zmq.Poller(), socks
+                    for sock in socks:
+                        poller.register(sock, zmq.POLLIN)
                 events = dict(poller.poll(int(tick * 1000)))
                 server.awake(time.monotonic())
                 if events:

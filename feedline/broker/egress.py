@@ -50,6 +50,9 @@ class Consumer(Peer):
     taken: int = 0
     inflight: deque[Held] = field(default_factory=deque)  # delivered, not yet taken
     inflight_bytes: int = 0
+    # Its DELIVER envelope for a batch without a gap: the same bytes for every batch of this
+    # registration, built once (encoding one per batch cost the broker ~3 us a batch).
+    envelope: bytes = b""
 
     def room(self, size: int, cap: int, cap_batches: int, orphan: Orphan | None = None) -> bool:
         """Room for a batch of ``size`` within its window and byte budget, and within the
@@ -167,6 +170,7 @@ class ConsumerSide:
         c = Consumer(ident=ident, name=msg.consumer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
                      fd=fd, fd_ino=ino, window=msg.window, max_bytes=msg.max_bytes)
+        c.envelope = self._envelope(c, 0)
         if msg.cursor:
             self._cursor(msg.stream, msg.cursor)
         self.consumers.add(c)
@@ -257,8 +261,7 @@ class ConsumerSide:
                 if c is None:
                     break
                 self.buffer.pop(stream)
-                env = m.encode(m.Deliver(broker=self.instance, gap=item.gap,
-                                         registration=c.registration))
+                env = self._envelope(c, item.gap) if item.gap else c.envelope
                 status = self._send(c.ident, [env, *item.frames])
                 if status:
                     self.buffer.requeue(stream, item)
@@ -269,6 +272,10 @@ class ConsumerSide:
                 self._delivered(c, item, now)
                 sent += 1
         return sent
+
+    def _envelope(self, c: Consumer, gap: int) -> bytes:
+        """The DELIVER frame in front of a batch to ``c`` that follows ``gap`` lost ones."""
+        return m.encode(m.Deliver(broker=self.instance, gap=gap, registration=c.registration))
 
     def _next(self, ring: deque[bytes], size: int) -> Consumer | None:
         for _ in range(len(ring)):

@@ -36,6 +36,7 @@ The rules, each a bound:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from feedline.serving.budget import Budget, Share
 
@@ -86,6 +87,8 @@ class CreditPlanner:
         self.window, self.lease = window, lease
         self.producers: dict[bytes, ProducerCredit] = {}
         self._rr = 0
+        self._new = budget.new_producers  # the budget is frozen: its shares are constants
+        self._per_stream: dict[tuple[int, bool], Share] = {}
 
     # -- what happened ------------------------------------------------------------------
     def join(self, key: bytes, declared: int, stream: str = "default") -> ProducerCredit:
@@ -150,22 +153,58 @@ class CreditPlanner:
         for its own share (its producers' first credits come from the new producers' share
         anyway). ``unread``: the streams no consumer reads now."""
         produced = {p.stream for p in self.producers.values() if p.received > 0}
-        produced |= {s for s, (b, y) in by_stream.items() if b > 0 or y > 0}
+        return self._shares({p.stream for p in self.producers.values()}, produced, by_stream,
+                            unread)
+
+    def _shares(self, streams: set[str] | dict[str, Any], produced: set[str],
+                by_stream: dict[str, tuple[int, int]], unread: set[str]) -> dict[str, Share]:
+        """:meth:`shares` given the producers' streams and those of them that have sent."""
+        produced = produced | {s for s, (b, y) in by_stream.items() if b > 0 or y > 0}
         out = {}
-        for s in {p.stream for p in self.producers.values()} | produced:
-            k = len(produced) + (s not in produced)
-            out[s] = self.budget.per_stream(k, read=s not in unread)
+        n = len(produced)
+        cache = self._per_stream
+        for s in produced.union(streams):
+            key = (n + (s not in produced), s not in unread)
+            share = cache.get(key)
+            if share is None:
+                share = cache[key] = self.budget.per_stream(*key)
+            out[s] = share
         return out
 
-    def _stream_room(self, by_stream: dict[str, tuple[int, int]],
-                     unread: set[str]) -> dict[str, list[int]]:
+    def _tally(self) -> tuple[int, int, dict[str, list[int]], set[str], int, int]:
+        """One pass over the producers for a plan: the outstanding batches and reserved bytes
+        of all (as :meth:`outstanding`), of each stream, and of those that have not sent yet;
+        and the streams that some producer has sent on. (A plan runs once per batch or so:
+        the separate sums it replaces cost a broker ~10 us a batch.)"""
+        out_b = out_y = fresh_b = fresh_y = 0
+        mine: dict[str, list[int]] = {}
+        produced: set[str] = set()
+        for p in self.producers.values():
+            ob, oy = p.granted - p.received, p.granted_bytes - p.received_bytes
+            ob, oy = (ob if ob > 0 else 0), (oy if oy > 0 else 0)
+            out_b += ob
+            out_y += oy
+            t = mine.get(p.stream)
+            if t is None:
+                mine[p.stream] = [ob, oy]
+            else:
+                t[0] += ob
+                t[1] += oy
+            if p.received > 0:
+                produced.add(p.stream)
+            else:
+                fresh_b += ob
+                fresh_y += oy
+        return out_b, out_y, mine, produced, fresh_b, fresh_y
+
+    def _stream_room(self, by_stream: dict[str, tuple[int, int]], unread: set[str],
+                     mine: dict[str, list[int]], produced: set[str]) -> dict[str, list[int]]:
         """Free [batches, bytes] of each stream's share (held and granted count)."""
         room = {}
-        for s, share in self.shares(by_stream, unread).items():
+        for s, share in self._shares(mine, produced, by_stream, unread).items():
             b, y = by_stream.get(s, (0, 0))
-            mine = [p for p in self.producers.values() if p.stream == s]
-            room[s] = [share.batches - b - sum(p.outstanding for p in mine),
-                       share.nbytes - y - sum(p.reserved for p in mine)]
+            ob, oy = mine.get(s, (0, 0))
+            room[s] = [share.batches - b - ob, share.nbytes - y - oy]
         return room
 
     def plan(self, now: float, held_batches: int, held_bytes: int,
@@ -174,13 +213,13 @@ class CreditPlanner:
         """Grant what the room allows; ask idle holders back if someone waits for room.
         ``by_stream``: what is held of each stream (one stream if not given); ``unread``:
         the streams no consumer reads now."""
-        out_b, out_y = self.outstanding()
+        out_b, out_y, mine, produced, fresh_b, fresh_y = self._tally()
         free_b = self.budget.max_batches - held_batches - out_b
         free_y = self.budget.max_bytes - held_bytes - out_y
         if by_stream is None:
             by_stream = {p.stream: (held_batches, held_bytes) for p in self.producers.values()}
-        room = self._stream_room(by_stream, unread or set())
-        fresh = self._fresh_room()
+        room = self._stream_room(by_stream, unread or set(), mine, produced)
+        fresh = self._fresh_room(fresh_b, fresh_y)
         grants: dict[bytes, None] = {}
         starving = False
         keys = list(self.producers)
@@ -247,12 +286,10 @@ class CreditPlanner:
         revokes = self._revocations(now) if starving else []
         return Plan(list(grants), revokes)
 
-    def _fresh_room(self) -> list[int]:
+    def _fresh_room(self, b: int, y: int) -> list[int]:
         """[batches, bytes, holds nothing] left of the budget's share that producers which
-        have not sent a batch yet may hold together."""
-        fresh = [p for p in self.producers.values() if p.received == 0]
-        b, y = sum(p.outstanding for p in fresh), sum(p.reserved for p in fresh)
-        share = self.budget.new_producers
+        have not sent a batch yet may hold together, given what they hold (``b``, ``y``)."""
+        share = self._new
         return [share.batches - b, share.nbytes - y, int(b == y == 0)]
 
     @staticmethod
