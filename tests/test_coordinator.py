@@ -10,7 +10,9 @@ import pytest
 
 from feedline.codec import DecodeError
 from feedline.cursor import Cursor
-from feedline.serving.coordinator import Assignment, Coordinator, ExactPlan, ExactStreams, Journal
+from feedline.serving.coordinator import Assignment, Coordinator, ExactPlan
+from feedline.serving.exact_streams import ExactConfig, ExactStreams, Refusal
+from feedline.serving.journal import Journal
 
 PLAN = ExactPlan(dataset_size=10, unit_size=4, epochs=2)  # units 0 1 2: 4, 4, 2 samples
 
@@ -25,6 +27,11 @@ def run_unit(c: Coordinator, owner: bytes, batches: int, settle: bool = True) ->
         for i in range(batches):
             c.settle((a.epoch, a.unit, i))
     return a
+
+
+def restart(path: Path) -> Coordinator:
+    """The coordinator a restarted broker makes from the journal at ``path``."""
+    return Coordinator("val", PLAN, Journal(path), Journal(path).read("val"))
 
 
 def test_units_are_handed_out_once_and_an_epoch_ends_when_every_batch_is_taken():
@@ -94,66 +101,73 @@ def test_the_journal_brings_a_restarted_broker_back_to_where_it_was(tmp_path: Pa
     c.accept((0, a.unit, 0))
     c.settle((0, a.unit, 0))
     c.commit()
-    again = Coordinator("val", PLAN, Journal(path))  # the broker restarted
-    assert again.epoch == 0 and again.done == {0}
+    again = restart(path)  # the broker restarted
+    assert again.epoch == 0 and set(again.done) == {0}
     b = again.request(b"q")
     assert isinstance(b, Assignment) and (b.unit, b.start) == (a.unit, 1)
     # A torn last line (the broker died while writing) is ignored, what came before stands.
     with open(path, "a") as f:
-        f.write('{"settled": [1, [')
-    assert Coordinator("val", PLAN, Journal(path)).done == {0}
+        f.write('0badf00d {"settled": [1, [')
+    assert set(restart(path).done) == {0}
 
 
 def test_a_journal_of_another_plan_is_not_applied(tmp_path: Path):
-    path = tmp_path / "val.exact.jsonl"
-    c = Coordinator("val", PLAN, Journal(path))
+    streams = ExactStreams(ExactConfig(tmp_path))
+    c = streams.join("val", PLAN, 0.0)
+    assert isinstance(c, Coordinator)
     run_unit(c, b"p", 2)
-    other = Coordinator("val", ExactPlan(100, 4, 2), Journal(path))
-    assert other.done == set()
+    c.commit()
+    other = ExactStreams(ExactConfig(tmp_path)).join("val", ExactPlan(100, 4, 2), 0.0)
+    assert isinstance(other, Coordinator) and other.done == {}
 
 
 def test_consumers_reports_restore_what_the_journal_had_not_written_yet():
     c = Coordinator("val", PLAN)  # no journal: everything of the epoch was lost
-    report = Cursor("val", 0, {0: {0, 1}, 1: {0}})
-    c.merge(report)
+    report = Cursor.of("val", 0, {0: {0, 1}, 1: {0}})
+    c.journal = Journal(Path("/nonexistent/val.exact.jsonl"))  # as restored from one
+    assert c.merge(report) == ([], False)
+    c.journal = None
     a = c.request(b"p")
     assert isinstance(a, Assignment) and (a.unit, a.start) == (0, 2)
 
 
-def test_resuming_from_a_checkpoint_rolls_back_to_it_once():
+def test_resuming_from_a_checkpoint_sets_the_epoch_to_it():
     c = Coordinator("val", PLAN)
     for _ in range(3):
         run_unit(c, b"p", 2, settle=False)
     for key in [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]:
         c.settle(key)  # the job took these, but its checkpoint has only unit 0
-    ckpt = Cursor("val", 0, {0: {0, 1}}, resume=True)
-    c.resume(ckpt)
+    ckpt = Cursor.of("val", 0, {0: {0, 1}})
+    assert c.resume(ckpt) == (False, [])
     a = c.request(b"p")
     assert isinstance(a, Assignment) and (a.unit, a.start) == (1, 0), "unit 1 again"
     c.accept((0, 1, 0))
     c.settle((0, 1, 0))
-    assert not c.resume(ckpt), "the same checkpoint is applied once (several ranks send it)"
-    assert 0 in c.units[1].settled
+    c.resume(ckpt)  # the job crashed again and resumes from the same checkpoint
+    assert c.units[1].settled == 0, "what was taken after the checkpoint is served again"
 
 
 def test_exact_streams_refuse_a_second_plan_and_keep_early_cursors():
     streams = ExactStreams()
-    early = Cursor("val", 0, {0: {0}})
-    assert streams.report("val", early) is None  # no producer yet: kept for later
-    c = streams.join("val", PLAN)
-    assert isinstance(c, Coordinator) and 0 in c.units[0].settled
-    assert isinstance(streams.join("val", ExactPlan(11, 4)), str)
+    early = Cursor.of("val", 0, {0: {0}})
+    early.resume = True
+    assert streams.cursor(b"c1", "val", early.encode(), 0.0) is None  # no producer: kept
+    c = streams.join("val", PLAN, 0.0)
+    assert isinstance(c, Coordinator) and c.units[0].settled == 1
+    streams.attach("val", exact=True)
+    assert isinstance(streams.join("val", ExactPlan(11, 4), 0.0), Refusal)
 
 
 def test_a_cursor_survives_bytes_and_dicts_and_refuses_garbage():
-    c = Cursor("val", 3, {0: {0, 5, 9}, 7: set(range(100))}, resume=True)
+    c = Cursor.of("val", 3, {0: {0, 5, 9}, 7: set(range(100))}, pipeline=77)
+    c.resume = True
     back = Cursor.decode(c.encode())
-    assert (back.stream, back.epoch, back.taken, back.token, back.resume) == \
-        (c.stream, c.epoch, c.taken, c.token, True)
+    assert (back.stream, back.epoch, back.taken, back.pipeline, back.resume) == \
+        (c.stream, c.epoch, c.taken, 77, True)
     assert Cursor.from_dict(c.to_dict()).taken == c.taken
-    merged = Cursor.merge([Cursor("val", 3, {0: {1}}), back, Cursor("val", 2, {9: {9}})])
+    merged = Cursor.merge([Cursor.of("val", 3, {0: {1}}), back, Cursor.of("val", 2, {9: {9}})])
     assert merged.taken[0] == {0, 1, 5, 9} and 9 not in merged.taken
     for bad in (b"", b"XXXX" + c.encode()[4:], c.encode() + b"x", c.encode()[:-1],
-                b"FLC1" + b"\0" * 17 + b"\xff\xff\xff\xff"):
+                b"FLC2" + b"\0" * 9 + b"\xff\xff\xff\xff"):
         with pytest.raises(DecodeError):
             Cursor.decode(bad)

@@ -32,6 +32,8 @@ class BrokerConfig:
     metrics_addr: str = "0.0.0.0"
     curve: ServerKeys | None = None  # None: plain TCP
     state_dir: str | None = None  # exact streams' journals (their progress survives restarts)
+    exact_ephemeral: bool = False  # without state_dir: serve exact streams from memory only
+    max_streams: int = 64  # streams with state (peers naming them, exact coordinators)
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
@@ -42,5 +44,7 @@ class BrokerConfig:
             raise ValueError("max_bytes must be >= 1")
         if self.max_peers < 1:
             raise ValueError("max_peers must be >= 1")
+        if self.max_streams < 1:
+            raise ValueError("max_streams must be >= 1")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")

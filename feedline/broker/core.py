@@ -35,7 +35,7 @@ from feedline.broker.egress import ConsumerSide
 from feedline.codec import DecodeError
 from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.logs import RateLimitedLog
-from feedline.serving.coordinator import ExactStreams
+from feedline.serving.exact_streams import ExactConfig, ExactStreams
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.peers import cut_off
@@ -104,6 +104,7 @@ class Broker:
         self.ctx = ctx or zmq.Context(io_threads=config.io_threads)
         self.instance = random.getrandbits(62)
         self.stats = BrokerStats()
+        self._exact_labelled: set[str] = set()  # exact streams with series last tick
         self.buffer = Buffer()
         self._reject_log = RateLimitedLog(log, interval=5.0)
         self._sockets: list[zmq.Socket] = []
@@ -117,7 +118,10 @@ class Broker:
             raise
         sink = _Sink(self)
         lim = config.limits
-        self.exact = ExactStreams(Path(config.state_dir) if config.state_dir else None)
+        self.exact = ExactStreams(ExactConfig(
+            Path(config.state_dir) if config.state_dir else None, config.exact_ephemeral,
+            config.max_streams, grace=config.heartbeat_timeout,
+            idle=4 * config.heartbeat_timeout))
         self.egress = ConsumerSide(self._sender(self._egress), self.buffer, self.metrics, lim,
                                    config.max_bytes, config.max_batches, config.max_peers,
                                    self.instance,
@@ -125,9 +129,9 @@ class Broker:
         self.ingress = ProducerSide(
             self._sender(self._ingress), sink, self.metrics, lim,
             IngressConfig(config.max_batches, config.max_bytes, config.producer_window,
-                          config.credit_lease, config.max_peers,
-                          recovery_grace=config.heartbeat_timeout),
+                          config.credit_lease, config.max_peers),
             self.instance, self._cut_off, self.exact)
+        self.exact.live = self._live_streams
         if self._tp_sock is not None:
             self._tp = TensorpackIngress(self._tp_sock, sink, self.metrics, lim,
                                          config.max_bytes, config.tensorpack_stream)
@@ -244,7 +248,9 @@ class Broker:
                                          self.cfg.heartbeat_timeout)
                     self._update_gauges()
                     self._enforce_shares()
-                    self.exact.commit()
+                    self.exact.commit(now)
+                    self.exact.reclaim(now, self._live_streams() | set(self.buffer.streams())
+                                       | {o.stream for o in self.egress.orphans.values()})
                     next_tick = now + tick
         finally:
             self.close()
@@ -344,18 +350,30 @@ class Broker:
             for p in table:
                 key = (p.stream, role)
                 peers[key] = peers.get(key, 0) + 1
-        streams = {s for s, _ in peers} | set(self.buffer.streams()) | set(self.exact.streams)
+        streams = {s for s, _ in peers} | set(self.buffer.streams()) | set(self.exact.streams) \
+            | self._exact_labelled
+        m.exact_streams.set(len(self.exact.streams))
         for s in streams:
             label = m.stream_label.acquire(s)
             m.stream_buffer.labels(label).set(self.buffer.count(s))
             for role in ("producer", "consumer"):
                 m.stream_peers.labels(label, role).set(peers.get((s, role), 0))
             c = self.exact.get(s)
+            if c is None and s in self._exact_labelled:
+                m.forget_exact(label)  # reclaimed
             if c is not None:
                 m.exact_epoch.labels(label).set(c.epoch)
                 m.exact_units.labels(label, "done").set(len(c.done))
                 m.exact_units.labels(label, "total").set(c.plan.units)
+                m.exact_durable.labels(label).set(c.journal is not None
+                                                  and c.journal.error is None)
             m.stream_label.release(label)
+        self._exact_labelled = set(self.exact.streams)
+
+    def _live_streams(self) -> set[str]:
+        """Streams a registered producer or consumer names."""
+        return ({p.stream for p in self.ingress.producers}
+                | {c.stream for c in self.egress.consumers})
 
     # --------------------------------------------------------------------------- close
     def close(self) -> None:

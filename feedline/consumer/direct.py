@@ -26,7 +26,7 @@ import zmq
 from feedline import messages as m
 from feedline.codec import DecodeError, Limits
 from feedline.consumer.io import Delivery, EpochMark, Marker, Shared
-from feedline.errors import ProducerError
+from feedline.errors import FeedlineError, ProducerError
 from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.link import LinkConfig
 from feedline.logs import RateLimitedLog
@@ -90,6 +90,10 @@ class _LocalSink:
     def epoch_end(self, stream: str, epoch: int) -> None:
         self.shared.queue.put_nowait(EpochMark(epoch))
 
+    def refused(self, detail: str) -> None:
+        """Our own resume= was refused (another pipeline's cursor): the iterator raises it."""
+        self.shared.queue.put_nowait(Marker(FeedlineError(f"resume= refused: {detail}")))
+
     def _control(self, msg: m.Message) -> None:
         s = self.shared
         if isinstance(msg, m.Eos):
@@ -135,6 +139,9 @@ class DirectIO:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sink = sink
         shared.collect_keys = True  # exact streams settle here as the model takes batches
+        if shared.resume is not None:  # set when the stream's first producer registers
+            self.ingress.exact.refuse = lambda _ident, reason, detail: sink.refused(detail)
+            self.ingress.exact.cursor(b"", shared.stream, shared.resume.encode(), time.monotonic())
         self._next_tick = 0.0
         self._next_plan = 0.0
         self._arrived = 0.0  # when a batch last arrived
@@ -256,7 +263,7 @@ class DirectIO:
             self.metrics.reserved_bytes.set(out_y)
             self.metrics.peers.labels("producer").set(len(self.ingress.producers))
             self._next_tick = now + cfg.heartbeat_interval / 4
-            self.ingress.exact.commit()
+            self.ingress.exact.commit(now)
         # Plan when the model took a batch (room freed), when something else happened, and
         # every 50 ms (credit leases run on the clock); not after every batch that arrives.
         s = self.shared

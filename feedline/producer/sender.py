@@ -105,6 +105,7 @@ class Sender:
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
         self.credit_wait_seconds = 0.0
         self._seq = 0  # batches handed over, plus skips: the next sequence number (one broker)
+        self._units_given = 0  # exact delivery: work units the broker gave us
         self._closed = False
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
                                  exact=exact)
@@ -137,7 +138,7 @@ class Sender:
 
     # -------------------------------------------------------------------------- send
     def send(self, datapoint: Any, epoch: int = 0, stop: threading.Event | None = None, *,
-             unit: int = -1, index: int = 0, last: bool = False) -> int:
+             unit: int = -1, index: int = 0, last: bool = False, pipeline: int = 0) -> int:
         """Send one datapoint when credit allows; returns its array bytes.
 
         Raises :class:`feedline.wire.EncodeError` (naming the limit) for a datapoint no
@@ -149,7 +150,7 @@ class Sender:
         prepared = wire.prepare_batch(datapoint, self.limits, len(self.producer_id))
         if prepared.wire_bytes > self._out.largest:
             self._out.largest = prepared.wire_bytes
-        self._hand_over(BatchItem(prepared, epoch, unit, index, last), stop)
+        self._hand_over(BatchItem(prepared, epoch, unit, index, last, pipeline), stop)
         self._seq += 1
         return prepared.nbytes
 
@@ -159,7 +160,8 @@ class Sender:
         last units are in progress elsewhere); None once every epoch is served."""
         delay = 0.05
         while True:
-            self._hand_over(UnitAsk(), stop)
+            first = not self._units_given
+            self._hand_over(UnitAsk(first), stop)
             asked = time.monotonic()
             while True:
                 self._raise_pending()
@@ -172,9 +174,10 @@ class Sender:
                     if time.monotonic() - asked > _UNIT_RETRY:
                         # No answer: it was lost with a connection or a broker. Asking
                         # again is safe: the broker gives an owner the unit it holds.
-                        self._hand_over(UnitAsk(), stop)
+                        self._hand_over(UnitAsk(first), stop)
                         asked = time.monotonic()
             if isinstance(got, m.Unit):
+                self._units_given += 1
                 return got
             if got.reason == "finished":
                 return None
