@@ -148,13 +148,16 @@ class Coordinator:
                 self.units.pop(int(u), None)
             elif "settled" in r:
                 u, idx = r["settled"]
+                if int(u) in self.done:
+                    continue
                 p = self._unit(int(u))
                 b = _mask(idx)
                 p.settled |= b
                 p.accepted |= b
             elif "total" in r:
                 u, total = r["total"]
-                self._unit(int(u)).total = int(total)
+                if int(u) not in self.done:
+                    self._unit(int(u)).total = int(total)
         # A unit whose "done" record was lost (cut short) but whose batches are all settled
         # is done: nothing else would ever mark it.
         for u in [u for u, p in self.units.items() if p.complete()]:
@@ -176,10 +179,20 @@ class Coordinator:
                 self._retry_at = now + _RETRY
                 j.rewrite(self._snapshot())
             return
+        self._flush()
+
+    def _flush(self, last: Record | None = None) -> None:
+        """One fsync'd write: what waits, the settled batches, then ``last`` (a unit done
+        comes after its batches: cut short, it is left out and they stand)."""
+        j = self.journal
+        if j is None:
+            return
         for u, b in self._unsaved.items():
             j.add({"settled": [u, runs(b)]})
         self._unsaved.clear()
         self._unsaved_n = 0
+        if last is not None:
+            j.add(last)
         j.commit()
 
     def _save(self, record: Record) -> None:
@@ -330,12 +343,11 @@ class Coordinator:
         assert p.total is not None
         self.done[u] = p.total
         del self.units[u]
-        self._unsaved.pop(u, None)
         if len(self.done) < self.plan.units:
             if write:
-                self._save({"done": [u, p.total]})
-                self.commit()
+                self._flush({"done": [u, p.total]})
             return []
+        self._unsaved.pop(u, None)
         ended = self.epoch
         if self.end and ended + 1 >= self.end:
             self.finished = True
@@ -364,6 +376,7 @@ class Coordinator:
         ended: list[int] = []
         for key in keys:
             ended += self.settle(key)
+        self.commit()  # at once: the consumer that reported it may not live to report again
         return ended, False
 
     def _accepted(self, key: Key) -> bool:
