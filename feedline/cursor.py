@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from feedline.codec import DecodeError
+from feedline.errors import ConfigError, DecodeError
 
 _MAGIC = b"FLC2"
 _U64 = struct.Struct(">Q")
@@ -94,15 +94,15 @@ class Cursor:
         cursors give the same result, whatever their order: every rank may merge them."""
         items = list(cursors)
         if not items:
-            raise ValueError("nothing to merge")
+            raise ConfigError("nothing to merge")
         streams = {c.stream for c in items}
         if len(streams) != 1:
-            raise ValueError(f"cursors of different streams: {sorted(streams)}")
+            raise ConfigError(f"cursors of different streams: {sorted(streams)}")
         epoch = max(c.epoch for c in items)
         latest = [c for c in items if c.epoch == epoch]
         pipelines = {c.pipeline for c in latest if c.pipeline}
         if len(pipelines) > 1:
-            raise ValueError("cursors of different pipelines (their fingerprints differ): "
+            raise ConfigError("cursors of different pipelines (their fingerprints differ): "
                              "merge only the cursors of one job")
         out = Cursor(items[0].stream, epoch, pipeline=pipelines.pop() if pipelines else 0)
         for c in latest:
@@ -120,7 +120,7 @@ class Cursor:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Cursor:
-        """The inverse of :meth:`to_dict` (also reads lists of indices); ValueError for
+        """The inverse of :meth:`to_dict` (also reads lists of indices); ConfigError for
         anything else."""
         try:
             out = Cursor(str(d["stream"]), int(d["epoch"]), pipeline=int(d.get("pipeline", 0)))
@@ -133,8 +133,8 @@ class Cursor:
                     else:
                         _check_run(int(item), 1)
                         out.add(int(u), int(item))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not a cursor: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:  # DecodeError: a run out of bounds
+            raise ConfigError(f"not a cursor: {e}") from None
         return out
 
     # -- bytes ----------------------------------------------------------------------------
@@ -161,10 +161,10 @@ class Cursor:
         try:
             r = _Reader(data)
             if r.take(4) != _MAGIC:
-                raise ValueError("not a feedline cursor (magic)")
+                raise DecodeError("bad_cursor", "not a feedline cursor (magic)")
             flags = r.take(1)[0]
             if flags > 1:
-                raise ValueError("flags")
+                raise DecodeError("bad_cursor", "flags")
             (pipeline,) = _U64.unpack(r.take(8))
             epoch = r.varint()
             stream = r.take(r.varint()).decode()
@@ -174,16 +174,16 @@ class Cursor:
                 first = end + r.varint()
                 n = r.varint()
                 if n < 1 or first + n > max_units:
-                    raise ValueError(f"units beyond {max_units}")
+                    raise DecodeError("bad_cursor", f"units beyond {max_units}")
                 b = r.indices()
                 if not b:
-                    raise ValueError("an empty group")
+                    raise DecodeError("bad_cursor", "an empty group")
                 for u in range(first, first + n):
                     out.bits[u] = b
                 end = first + n
             if r.pos != len(data):
-                raise ValueError("trailing bytes")
-        except (ValueError, IndexError, struct.error) as e:
+                raise DecodeError("bad_cursor", "trailing bytes")
+        except (IndexError, struct.error, UnicodeDecodeError) as e:
             raise DecodeError("bad_cursor", str(e)) from None
         return out
 
@@ -194,14 +194,14 @@ class Cursor:
         try:
             r = _Reader(data)
             if r.take(4) != _MAGIC:
-                raise ValueError("not a feedline cursor (magic)")
+                raise DecodeError("bad_cursor", "not a feedline cursor (magic)")
             flags = r.take(1)[0]
             (pipeline,) = _U64.unpack(r.take(8))
             epoch = r.varint()
             stream = r.take(r.varint()).decode()
             if flags > 1:
-                raise ValueError("flags")
-        except (ValueError, IndexError, struct.error) as e:
+                raise DecodeError("bad_cursor", "flags")
+        except (IndexError, struct.error, UnicodeDecodeError) as e:
             raise DecodeError("bad_cursor", str(e)) from None
         return stream, epoch, pipeline, bool(flags)
 
@@ -223,7 +223,7 @@ def from_runs(items: Iterable[Iterable[int]]) -> int:
 
 def _check_run(start: int, length: int) -> None:
     if start < 0 or length < 1 or start + length > MAX_BITS:
-        raise ValueError(f"indices beyond {MAX_BITS}")
+        raise DecodeError("bad_cursor", f"indices beyond {MAX_BITS}")
 
 
 def _indices(b: int) -> list[int]:
@@ -280,8 +280,6 @@ def _indices_bytes(b: int) -> bytes:
 
 
 def _varint(n: int) -> bytes:
-    if n < 0:
-        raise ValueError("negative")
     out = bytearray()
     while True:
         byte = n & 0x7F
@@ -300,7 +298,7 @@ class _Reader:
     def take(self, n: int) -> bytes:
         out = self.data[self.pos:self.pos + n]
         if len(out) != n:
-            raise ValueError("short")
+            raise DecodeError("bad_cursor", "short")
         self.pos += n
         return out
 
@@ -313,17 +311,17 @@ class _Reader:
                 return n
             shift += 7
             if shift > 63:
-                raise ValueError("varint too long")
+                raise DecodeError("bad_cursor", "varint too long")
 
     def indices(self) -> int:
         form = self.take(1)[0]
         if form == 1:
             nbytes = self.varint()
             if nbytes > MAX_BITS // 8:
-                raise ValueError(f"indices beyond {MAX_BITS}")
+                raise DecodeError("bad_cursor", f"indices beyond {MAX_BITS}")
             return int.from_bytes(self.take(nbytes), "little")
         if form != 0:
-            raise ValueError("form")
+            raise DecodeError("bad_cursor", "form")
         b = end = 0
         for _ in range(self.varint()):
             start = end + self.varint()

@@ -23,15 +23,16 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import zmq
 
 from feedline import messages as m
 from feedline.broker.buffer import Buffer
 from feedline.codec import DecodeError, Limits
+from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
-from feedline.serving.exact_streams import Applied, ExactStreams, Refusal
+from feedline.serving.exact_streams import Applied, ExactStreams
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.peers import HELLO_RATE, HelloRate, Peer, PeerTable, connection
@@ -135,11 +136,11 @@ class ConsumerSide:
             self._control(ident, m.Refused(broker=self.instance, reason="wrong_port",
                                            detail="this is a broker's egress: producers "
                                            "connect to its --ingress address"))
-            raise DecodeError("wrong_port", f"producer {msg.producer} at the egress")
+            raise Refusal("wrong_port", f"producer {msg.producer} at the egress")
         elif cons is None:
             if not isinstance(msg, m.Bye):
                 self._control(ident, m.Reset(broker=self.instance))
-                raise DecodeError("unknown_peer", type(msg).__name__)
+                raise Refusal("unknown_peer", type(msg).__name__)
         else:
             cons.last_seen = now
             if isinstance(msg, m.Taken):
@@ -147,7 +148,7 @@ class ConsumerSide:
             elif isinstance(msg, m.Bye):
                 self.drop(ident, "bye")
             elif not isinstance(msg, m.Heartbeat):
-                raise DecodeError("bad_kind", f"{type(msg).__name__} from a consumer")
+                raise Refusal("bad_kind", f"{type(msg).__name__} from a consumer")
 
     def _hello(self, ident: bytes, msg: m.ConsumerHello, fd: int, now: float) -> None:
         old = self.consumers.get(ident)
@@ -158,22 +159,21 @@ class ConsumerSide:
         if self._hellos.too_often(ident, now):
             # As for producers (what a HELLO carries, a cursor, costs to read): refused and
             # counted; what is registered stays.
-            raise DecodeError("hello_flood", f"consumer {msg.consumer}")
-        refused = self.exact.admit(msg.stream)
-        if refused is not None:
-            self._refuse(ident, refused)
+            raise Refusal("hello_flood", f"consumer {msg.consumer}")
         if old is not None:
             self.drop(ident, "registered_again")
         if self.consumers.full():
             self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
                                            limit=self.consumers.capacity))
-            raise DecodeError("too_many_peers", f"consumer {msg.consumer}")
+            raise Refusal("too_many_peers", f"consumer {msg.consumer}")
         applied = None
-        if msg.cursor:
-            got = self.exact.cursor(ident, msg.stream, msg.cursor, now, self._alive)
-            if isinstance(got, Refusal):
-                self._refuse(ident, got)
-            applied = got
+        try:
+            self.exact.admit(msg.stream)
+            if msg.cursor:
+                applied = self.exact.cursor(ident, msg.stream, msg.cursor, now, self._alive)
+        except Refusal as e:
+            self._refuse_cursor(ident, e.reason, e.detail)
+            raise
         fd, ino = connection(fd)
         c = Consumer(ident=ident, name=msg.consumer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
@@ -192,14 +192,10 @@ class ConsumerSide:
             items, o.items = o.items, []
             self._requeue(o.stream, items)
 
-    def _refuse(self, ident: bytes, why: Refusal) -> NoReturn:
-        self._control(ident, m.Refused(broker=self.instance, reason=why.reason,
-                                       detail=why.detail[: self.limits.max_text_len]))
-        raise DecodeError(why.reason, why.detail)
-
     def _refuse_cursor(self, ident: bytes, reason: str, detail: str) -> None:
-        """A cursor that waited for its stream's first producer is refused: say so, and end
-        that registration (the consumer registers again with it, and is refused at once)."""
+        """A registration or its cursor is refused: say so, and end it if it was welcomed (a
+        cursor that waited for its stream's first producer: the consumer registers again
+        with it, and is refused at once)."""
         self._control(ident, m.Refused(broker=self.instance, reason=reason,
                                        detail=detail[: self.limits.max_text_len]))
         self.drop(ident, "refused")

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from feedline.codec import DecodeError
 from feedline.cursor import MAX_UNITS, Cursor
+from feedline.errors import DecodeError, Refusal
 from feedline.logs import RateLimitedLog
 from feedline.serving.coordinator import Coordinator, ExactPlan
 from feedline.serving.journal import Journal, JournalCorrupt, JournalStale
@@ -38,14 +38,6 @@ from feedline.serving.journal import Journal, JournalCorrupt, JournalStale
 log = logging.getLogger(__name__)
 MAX_PENDING = 64  # cursors waiting for their stream's first producer, at most
 MAX_RESUMED = 4096  # consumers remembered as having resumed from a cursor, at most
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a registration or a cursor is refused: ``reason`` (a metric label) and a line."""
-
-    reason: str
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -93,14 +85,14 @@ class ExactStreams:
         return self.streams.get(stream)
 
     # -- limits -------------------------------------------------------------------------
-    def admit(self, stream: str) -> Refusal | None:
-        """Room for state of ``stream`` (a registration naming it), or why not."""
+    def admit(self, stream: str) -> None:
+        """Room for state of ``stream`` (a registration naming it); :class:`Refusal` if not."""
         known = set(self.streams) | self.live() | {s for s, _ in self._pending.values()}
         if stream in known or len(known) < self.cfg.max_streams:
-            return None
-        return Refusal("too_many_streams",
-                       f"this broker keeps state for {self.cfg.max_streams} streams already "
-                       "(--max-streams): use one of its streams, or raise the limit")
+            return
+        raise Refusal("too_many_streams",
+                      f"this broker keeps state for {self.cfg.max_streams} streams already "
+                      "(--max-streams): use one of its streams, or raise the limit")
 
     def attach(self, stream: str, exact: bool) -> None:
         """A producer of ``stream`` registered (``exact``: an exact one)."""
@@ -113,59 +105,59 @@ class ExactStreams:
             if n == [0, 0]:
                 del self._producers[stream]
 
-    def training_refusal(self, stream: str) -> Refusal | None:
-        """A training producer may not serve an exact stream."""
+    def training_may_join(self, stream: str) -> None:
+        """A training producer may serve ``stream`` (not an exact one, and there is room for
+        it); :class:`Refusal` if not."""
         if stream in self.streams or self._producers.get(stream, [0, 0])[0]:
-            return Refusal("delivery_mismatch",
-                           f"stream {stream!r} is exact (delivery: exact): a training producer "
-                           "needs a stream of its own (its state goes once the exact stream "
-                           f"has been unused for {self.cfg.idle:.0f}s)")
-        return None
+            raise Refusal("delivery_mismatch",
+                          f"stream {stream!r} is exact (delivery: exact): a training producer "
+                          "needs a stream of its own (its state goes once the exact stream "
+                          f"has been unused for {self.cfg.idle:.0f}s)")
+        self.admit(stream)
 
     # -- coordinators -------------------------------------------------------------------
-    def join(self, stream: str, plan: ExactPlan, now: float) -> Coordinator | Refusal:
-        """The coordinator of ``stream`` for a producer with ``plan``, or why it is refused."""
+    def join(self, stream: str, plan: ExactPlan, now: float) -> Coordinator:
+        """The coordinator of ``stream`` for a producer with ``plan``; :class:`Refusal` (its
+        reason, and a line saying what to do) if it is refused."""
         if self.cfg.state_dir is None and not self.cfg.ephemeral:
-            return Refusal("no_state_dir",
-                           f"stream {stream!r} is exact, and this broker has no --state-dir to "
-                           "keep its progress in (a restart would serve its epochs again from "
-                           "epoch 0): start the broker with --state-dir DIR, or with "
-                           "--exact-ephemeral to keep exact streams in memory only")
+            raise Refusal("no_state_dir",
+                          f"stream {stream!r} is exact, and this broker has no --state-dir to "
+                          "keep its progress in (a restart would serve its epochs again from "
+                          "epoch 0): start the broker with --state-dir DIR, or with "
+                          "--exact-ephemeral to keep exact streams in memory only")
         if plan.dataset_size < 1 or plan.unit_size < 1:
-            return Refusal("delivery_mismatch",
-                           "exact delivery needs the dataset's size and a unit size")
+            raise Refusal("delivery_mismatch",
+                          "exact delivery needs the dataset's size and a unit size")
         if plan.units > MAX_UNITS:
-            return Refusal("too_many_units",
-                           f"{plan.units} work units is more than {MAX_UNITS}: use a unit_size "
-                           f"of at least {-(-plan.dataset_size // MAX_UNITS)}")
+            raise Refusal("too_many_units",
+                          f"{plan.units} work units is more than {MAX_UNITS}: use a unit_size "
+                          f"of at least {-(-plan.dataset_size // MAX_UNITS)}")
         n = self._producers.get(stream, [0, 0])
         if n[1]:
-            return Refusal("delivery_mismatch",
-                           f"stream {stream!r} is served in training mode by {n[1]} producer(s): "
-                           "an exact producer needs a stream of its own")
+            raise Refusal("delivery_mismatch",
+                          f"stream {stream!r} is served in training mode by {n[1]} producer(s): "
+                          "an exact producer needs a stream of its own")
         c = self.streams.get(stream)
         if c is None:
             got = self._restore(stream, now, plan)
-            if not isinstance(got, Coordinator):
-                assert got is not None  # with a plan, it makes one or refuses
-                return got
+            assert got is not None  # with a plan, it makes one or refuses
             c = got
         elif not c.plan.same_pipeline(plan):
             if n[0]:
-                return Refusal("delivery_mismatch",
-                               f"stream {stream!r} is served by {n[0]} producer(s) of another "
-                               f"pipeline ({c.plan.dataset_size} samples in units of "
-                               f"{c.plan.unit_size}, fingerprint {c.plan.fingerprint:x}; this "
-                               f"one: {plan.dataset_size} in units of {plan.unit_size}, "
-                               f"{plan.fingerprint:x}): every producer of a stream runs the "
-                               "same pipeline file")
+                raise Refusal("delivery_mismatch",
+                              f"stream {stream!r} is served by {n[0]} producer(s) of another "
+                              f"pipeline ({c.plan.dataset_size} samples in units of "
+                              f"{c.plan.unit_size}, fingerprint {c.plan.fingerprint:x}; this "
+                              f"one: {plan.dataset_size} in units of {plan.unit_size}, "
+                              f"{plan.fingerprint:x}): every producer of a stream runs the "
+                              "same pipeline file")
             c = self._replace(stream, c, plan, now)
         elif not c.plan.fingerprint and plan.fingerprint:  # restored from an older journal
             c.plan = replace(c.plan, fingerprint=plan.fingerprint)
         self._active[stream] = now
         return c
 
-    def load(self, stream: str, now: float) -> Coordinator | Refusal | None:
+    def load(self, stream: str, now: float) -> Coordinator | None:
         """The coordinator of ``stream``: in memory, or restored from its journal (a consumer
         came first after a restart); None if it has neither."""
         c = self.streams.get(stream)
@@ -178,8 +170,7 @@ class ExactStreams:
             return None
         return Journal(self.cfg.state_dir / f"{stream}.exact.jsonl")
 
-    def _restore(self, stream: str, now: float, plan: ExactPlan | None
-                 ) -> Coordinator | Refusal | None:
+    def _restore(self, stream: str, now: float, plan: ExactPlan | None) -> Coordinator | None:
         """Make the coordinator (from its journal if there is one: with ``plan`` None, only
         then)."""
         journal = self._journal(stream)
@@ -190,11 +181,11 @@ class ExactStreams:
                 records = journal.read(stream)
             except (JournalCorrupt, JournalStale) as e:
                 self._log.log(logging.ERROR, "%s", e)
-                return Refusal("journal_stale" if isinstance(e, JournalStale)
-                               else "journal_corrupt", str(e))
+                raise Refusal("journal_stale" if isinstance(e, JournalStale)
+                              else "journal_corrupt", str(e)) from None
             except OSError as e:
-                return Refusal("journal_corrupt", f"stream {stream!r}: cannot use the state "
-                               f"directory {self.cfg.state_dir}: {e.strerror}")
+                raise Refusal("journal_corrupt", f"stream {stream!r}: cannot use the state "
+                              f"directory {self.cfg.state_dir}: {e.strerror}") from None
         old = ExactPlan.of(records[0]) if records and "plan" in records[0] else None
         if plan is None:
             if old is None:
@@ -204,9 +195,7 @@ class ExactStreams:
             log.warning("stream %s: its journal %s is of another pipeline (%s): this one (%s) "
                         "starts at epoch 0", stream, journal.path if journal else "", old, plan)
             records = []
-        refused = self.admit(stream)
-        if refused is not None:
-            return refused
+        self.admit(stream)
         c = Coordinator(stream, plan, journal, records, self.cfg.grace, now)
         self.streams[stream] = c
         self._active[stream] = now
@@ -224,54 +213,54 @@ class ExactStreams:
     # -- consumers' cursors -------------------------------------------------------------
     def cursor(self, ident: bytes, stream: str, data: bytes, now: float,
                others_alive: Callable[[list[bytes]], list[bytes]] = lambda xs: xs,
-               ) -> Applied | Refusal | None:
-        """A consumer's cursor (its HELLO's): applied now, kept until its stream has a
-        coordinator (None), or refused. ``others_alive`` filters other consumers to those
-        still connected (the broker probes them)."""
+               ) -> Applied | None:
+        """A consumer's cursor (its HELLO's): applied now, or kept until its stream has a
+        coordinator (None); :class:`Refusal` if it is refused. ``others_alive`` filters other
+        consumers to those still connected (the broker probes them)."""
         try:
             name, _, _, resume = Cursor.peek(data)
         except DecodeError as e:
-            return Refusal("bad_cursor", f"resume= is not a feedline cursor: {e}")
+            raise Refusal("bad_cursor", f"resume= is not a feedline cursor: {e}") from None
         if name != stream:
-            return Refusal("bad_cursor", f"a cursor of stream {name!r}, not {stream!r}")
+            raise Refusal("bad_cursor", f"a cursor of stream {name!r}, not {stream!r}")
         if self._producers.get(stream, [0, 0])[1]:  # a training stream
-            return Refusal("not_exact", f"stream {stream!r} is served in training mode: "
-                           "resume= applies to exact streams") if resume else None
+            if resume:
+                raise Refusal("not_exact", f"stream {stream!r} is served in training mode: "
+                              "resume= applies to exact streams")
+            return None
         c = self.load(stream, now)
-        if isinstance(c, Refusal):
-            return c
         if c is None:
             if ident not in self._pending and len(self._pending) >= MAX_PENDING:
-                return Refusal("too_many_pending",
-                               f"{MAX_PENDING} cursors wait for streams no producer serves yet "
-                               f"here: start the producers of stream {stream!r} first")
+                raise Refusal("too_many_pending",
+                              f"{MAX_PENDING} cursors wait for streams no producer serves yet "
+                              f"here: start the producers of stream {stream!r} first")
             self._pending[ident] = (stream, data)
             return None
         self._active[stream] = now
         return self._apply(ident, c, data, others_alive)
 
     def _apply(self, ident: bytes, c: Coordinator, data: bytes,
-               others_alive: Callable[[list[bytes]], list[bytes]]) -> Applied | Refusal:
+               others_alive: Callable[[list[bytes]], list[bytes]]) -> Applied:
         try:
             cursor = Cursor.decode(data, max_units=c.plan.units)
         except DecodeError as e:
-            return Refusal("bad_cursor", f"a cursor that does not fit stream {c.stream!r} "
-                           f"({c.plan.units} units): {e}")
+            raise Refusal("bad_cursor", f"a cursor that does not fit stream {c.stream!r} "
+                          f"({c.plan.units} units): {e}") from None
         if cursor.pipeline and c.plan.fingerprint and cursor.pipeline != c.plan.fingerprint:
             what = "resume from a cursor" if cursor.resume else "a cursor"
-            return Refusal("cursor_mismatch",
-                           f"{what} of another pipeline than stream {c.stream!r} serves now "
-                           f"(fingerprint {cursor.pipeline:x}, not {c.plan.fingerprint:x}: its "
-                           "seed, unit or batch size, or dataset changed): resume from a "
-                           "checkpoint of this pipeline, or start without resume=")
+            raise Refusal("cursor_mismatch",
+                          f"{what} of another pipeline than stream {c.stream!r} serves now "
+                          f"(fingerprint {cursor.pipeline:x}, not {c.plan.fingerprint:x}: its "
+                          "seed, unit or batch size, or dataset changed): resume from a "
+                          "checkpoint of this pipeline, or start without resume=")
         if not cursor.resume:
             ended, lost = c.merge(cursor)
             if lost:
-                return Refusal("position_lost",
-                               f"the broker lost stream {c.stream!r}'s position (it restarted "
-                               f"without its journal); this consumer was in epoch "
-                               f"{cursor.epoch}: restart the job from its checkpoint "
-                               "(resume=), and give the broker --state-dir")
+                raise Refusal("position_lost",
+                              f"the broker lost stream {c.stream!r}'s position (it restarted "
+                              f"without its journal); this consumer was in epoch "
+                              f"{cursor.epoch}: restart the job from its checkpoint "
+                              "(resume=), and give the broker --state-dir")
             return Applied(c, cursor.epoch, settled=cursor, ended=tuple(ended))
         key = (c.stream, cursor.ident())
         same = self._resumed.get(ident) == key or others_alive(
@@ -292,9 +281,10 @@ class ExactStreams:
             if s != stream:
                 continue
             del self._pending[ident]
-            got = self._apply(ident, c, data, lambda xs: xs)
-            if isinstance(got, Refusal):
-                self.refuse(ident, got.reason, got.detail)
+            try:
+                got = self._apply(ident, c, data, lambda xs: xs)
+            except Refusal as e:
+                self.refuse(ident, e.reason, e.detail)
             else:
                 self.applied(ident, stream, got)
 
