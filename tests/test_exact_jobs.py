@@ -10,6 +10,8 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -69,6 +71,28 @@ def start(broker_proc, daemons, endpoints, tmp_path: Path, rate: float = 400.0) 
     return cfg
 
 
+@contextmanager
+def consumers(tmp: Path, egress: str, a_step: float = STEP) -> Iterator[Child]:
+    """Consumers ``a`` (yielded: the one the test stops) and ``b``; on leaving, waits until
+    both say their epoch ended, then stops them."""
+    a, b = consumer(tmp, "a", egress, step=a_step), consumer(tmp, "b", egress)
+    try:
+        yield a
+        wait_for(lambda: ended(tmp, "a") and ended(tmp, "b"), 90,
+                 what="both consumers' epoch to end")
+    finally:
+        for c in (a, b):
+            c.signal(signal.SIGCONT)
+            c.stop()
+
+
+def pause(c: Child) -> None:
+    """SIGSTOP for 2.5 s: past the heartbeat timeout (1.5 s)."""
+    c.signal(signal.SIGSTOP)
+    time.sleep(2.5)
+    c.signal(signal.SIGCONT)
+
+
 def taken(tmp: Path, *names: str) -> int:
     return sum(len(read_exact_ledger(tmp / f"{n}.ledger").entries) for n in names)
 
@@ -93,21 +117,11 @@ def test_a_consumer_paused_past_the_timeout_gets_nothing_twice(broker_proc, daem
     it takes that before it hears it was dropped. Before: those batches were served again to
     the other consumer (12 samples duplicated over 3 pauses in the audit)."""
     cfg = start(broker_proc, daemons, endpoints, tmp_path, rate=40.0)
-    a = consumer(tmp_path, "a", endpoints.egress, step=0.0)
-    b = consumer(tmp_path, "b", endpoints.egress)
-    try:
+    with consumers(tmp_path, endpoints.egress, a_step=0.0) as a:
         for k in range(3):
             wait_for(lambda: taken(tmp_path, "a") >= 8 * (k + 1), 60,  # noqa: B023
                      what=f"consumer a under way ({k})")
-            a.signal(signal.SIGSTOP)
-            time.sleep(2.5)
-            a.signal(signal.SIGCONT)
-        wait_for(lambda: ended(tmp_path, "a") and ended(tmp_path, "b"), 90,
-                 what="both consumers' epoch to end")
-    finally:
-        for c in (a, b):
-            c.signal(signal.SIGCONT)
-            c.stop()
+            pause(a)
     check_epoch(tmp_path, cfg)
 
 
@@ -117,18 +131,8 @@ def test_a_consumer_paused_near_the_end_of_an_epoch_strands_nothing(broker_proc,
     epoch's last batches, then woken. Before: those batches were never served again (12-16 of
     96 samples never arrived) and neither consumer's epoch ended."""
     cfg = start(broker_proc, daemons, endpoints, tmp_path)
-    a, b = consumer(tmp_path, "a", endpoints.egress), consumer(tmp_path, "b", endpoints.egress)
-    try:
-        total = N // BATCH
-        wait_for(lambda: taken(tmp_path, "a", "b") >= total - 6, 90,
+    with consumers(tmp_path, endpoints.egress) as a:
+        wait_for(lambda: taken(tmp_path, "a", "b") >= N // BATCH - 6, 90,
                  what="the epoch near its end")
-        a.signal(signal.SIGSTOP)
-        time.sleep(2.5)
-        a.signal(signal.SIGCONT)
-        wait_for(lambda: ended(tmp_path, "a") and ended(tmp_path, "b"), 60,
-                 what="both consumers' epoch to end")
-    finally:
-        for c in (a, b):
-            c.signal(signal.SIGCONT)
-            c.stop()
+        pause(a)
     check_epoch(tmp_path, cfg)
