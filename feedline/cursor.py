@@ -38,6 +38,9 @@ MAX_UNITS = 1 << 18  # units of an exact stream's dataset, at most
 # What a registration (a consumer's HELLO) carries of a cursor, at most: the HELLO is one
 # frame of at most 64 KiB (Limits.max_header_bytes), and the rest of it is small.
 MAX_CURSOR_BYTES = 48 * 1024
+# Bits of the distinct groups a cursor's bytes may decode to, at most: a run is a few bytes
+# for up to MAX_BITS bits, so the bytes alone do not bound the memory decoding takes.
+MAX_DECODED_BITS = 64 << 20
 
 
 @dataclass
@@ -169,15 +172,16 @@ class Cursor:
             epoch = r.varint()
             stream = r.take(r.varint()).decode()
             out = Cursor(stream, epoch, pipeline=pipeline, resume=bool(flags))
-            end = 0
+            end = decoded = 0
             for _ in range(r.varint()):
                 first = end + r.varint()
                 n = r.varint()
                 if n < 1 or first + n > max_units:
                     raise DecodeError("bad_cursor", f"units beyond {max_units}")
-                b = r.indices()
+                b = r.indices(MAX_DECODED_BITS - decoded)
                 if not b:
                     raise DecodeError("bad_cursor", "an empty group")
+                decoded += b.bit_length()
                 for u in range(first, first + n):
                     out.bits[u] = b
                 end = first + n
@@ -313,7 +317,8 @@ class _Reader:
             if shift > 63:
                 raise DecodeError("bad_cursor", "varint too long")
 
-    def indices(self) -> int:
+    def indices(self, room: int) -> int:
+        """One group's indices, of at most ``room`` bits."""
         form = self.take(1)[0]
         if form == 1:
             nbytes = self.varint()
@@ -327,6 +332,8 @@ class _Reader:
             start = end + self.varint()
             length = self.varint()
             _check_run(start, length)
-            b |= _mask(start, length)
             end = start + length
+            if end > room:
+                raise DecodeError("bad_cursor", "more than a cursor may hold")
+            b |= _mask(start, length)
         return b

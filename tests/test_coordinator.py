@@ -9,6 +9,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from feedline.cursor import MAX_CURSOR_BYTES, Cursor
 from feedline.errors import ConfigError, DecodeError
@@ -284,3 +286,43 @@ def test_a_merged_cursor_is_small_whatever_the_dataset():
     assert big.count() > 1_000_000 and len(big.encode()) < 500
     scattered = Cursor("val", 0, {u: rng.getrandbits(1024) for u in range(600)})
     assert len(scattered.encode()) > MAX_CURSOR_BYTES  # one rank's of many: merge first
+
+
+@given(st.dictionaries(st.integers(0, 300), st.integers(1, (1 << 200) - 1), max_size=40),
+       st.integers(0, 1 << 40), st.integers(0, (1 << 63) - 1))
+@settings(max_examples=200, deadline=None)
+def test_cursor_bytes_round_trip(bits: dict[int, int], epoch: int, pipeline: int) -> None:
+    c = Cursor("val", epoch, dict(bits), pipeline)
+    back = Cursor.decode(c.encode())
+    assert (back.bits, back.epoch, back.pipeline) == (c.bits, epoch, pipeline)
+    assert back.ident() == c.ident() and Cursor.from_dict(c.to_dict()).ident() == c.ident()
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_a_cursor_from_the_network_decodes_or_is_refused(data: st.DataObject) -> None:
+    """A consumer's HELLO carries a cursor: whatever its bytes, the decoder gives a cursor
+    within its bounds or raises DecodeError, nothing else."""
+    good = Cursor("val", 2, {0: 0b1011, 5: 1 << 70, 6: 1 << 70}, 9).encode()
+    raw = data.draw(st.one_of(
+        st.binary(max_size=200),
+        st.builds(lambda i, b: good[:i] + bytes([b]) + good[i + 1:],
+                  st.integers(0, len(good) - 1), st.integers(0, 255)),
+        st.builds(lambda i: good[:i], st.integers(0, len(good)))))
+    try:
+        got = Cursor.decode(raw, max_units=64)
+    except DecodeError:
+        return
+    assert all(0 <= u < 64 and b > 0 for u, b in got.bits.items())
+
+
+def test_a_cursor_of_few_bytes_cannot_decode_to_gigabytes():
+    """Runs are a few bytes each for up to a million bits: 12,000 groups of one full-length
+    run are refused before they are made (they would take 1.5 GB)."""
+    from feedline.cursor import _varint
+
+    body = [b"FLC2", b"\0", b"\0" * 8, _varint(0), _varint(3), b"val", _varint(12000)]
+    body += [_varint(0) + _varint(1) + b"\0" + _varint(1) + _varint(0) + _varint((1 << 20) - 1)
+             for _ in range(12000)]
+    with pytest.raises(DecodeError, match="more than a cursor may hold"):
+        Cursor.decode(b"".join(body))
