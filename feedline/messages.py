@@ -30,6 +30,7 @@ Eos, Error     P->B->C end of a producer's dataflow; a pipeline failure with tra
 UnitRequest    P->B   exact delivery: "give me a work unit" (``first``: this producer was
                       never given one: on a finished stream it starts the next run)
 Unit           B->P   produce unit ``unit`` of epoch ``epoch``, from batch ``start`` on
+                      (the answer to request ``ask``; after a ``busy``, sent when there is one)
 UnitWait       B->P   no unit now (``busy``: the epoch's last units are in progress;
                       ``finished``: every epoch is done)
 UnitDone       P->B   a unit's batches were all sent: there were ``batches`` of them
@@ -289,6 +290,7 @@ class Heartbeat:
 class UnitRequest:
     registration: int = field(default=0, metadata=wire_key("r", count))
     first: bool = field(default=False, metadata=wire_key("f", flag))
+    ask: int = field(default=0, metadata=wire_key("a", count))  # echoed by the answer
 
 
 @message(Kind.UNIT)
@@ -299,6 +301,7 @@ class Unit:
     unit: int = field(metadata=wire_key("u", count))
     start: int = field(default=0, metadata=wire_key("i", count))
     registration: int = field(default=0, metadata=wire_key("r", count))
+    ask: int = field(default=0, metadata=wire_key("a", count))  # the request it answers
 
 
 @message(Kind.UNIT_WAIT)
@@ -307,6 +310,7 @@ class UnitWait:
     broker: int = field(metadata=wire_key("b", count))
     reason: str = field(metadata=wire_key("w", reason))
     registration: int = field(default=0, metadata=wire_key("r", count))
+    ask: int = field(default=0, metadata=wire_key("a", count))
 
 
 @message(Kind.UNIT_DONE)

@@ -156,3 +156,29 @@ def test_a_second_job_starts_the_next_run(tmp_path: Path):
     assert c.finished
     again = streams(tmp_path).join("val", ExactPlan(4, 4, 1, 5), 0.0)  # a broker restart
     assert again.finished and again.request(b"q", 10.0, first=True) == Assignment(1, 0, 0)
+
+
+def test_a_producer_told_busy_gets_its_unit_as_soon_as_there_is_one():
+    """At an epoch's end the producers that finished their units are told ``busy``; when the
+    last batch is taken the next epoch begins, and they are sent a unit then (numbered as
+    their request), instead of finding out at their next try."""
+    from feedline import messages as m
+    from feedline.serving.peers import Peer
+    from feedline.serving.units import Units
+
+    s = streams()
+    c = s.join("val", ExactPlan(4, 4, 2, 5), 0.0)
+    sent: list[tuple[bytes, m.Message]] = []
+    units = Units(s, lambda ident, msg: sent.append((ident, msg)) or 0, 1, lambda *_: None)
+    a, b = (Peer(ident, ident.decode(), 1, 1, "val") for ident in (b"a", b"b"))
+    units.message(a, c, m.UnitRequest(registration=1, ask=1))
+    units.message(b, c, m.UnitRequest(registration=1, ask=7))
+    assert [type(msg).__name__ for _, msg in sent] == ["Unit", "UnitWait"]
+    units.push(0.0, {b"a": a, b"b": b}.get)
+    assert len(sent) == 2, "nothing new: no second answer"
+    c.accept((0, 0, 0))
+    units.message(a, c, m.UnitDone(epoch=0, unit=0, batches=1, registration=1))
+    c.settle((0, 0, 0))  # epoch 0 is complete: epoch 1 begins
+    units.push(0.0, {b"a": a, b"b": b}.get)
+    ident, msg = sent[-1]
+    assert ident == b"b" and isinstance(msg, m.Unit) and (msg.epoch, msg.ask) == (1, 7)

@@ -58,6 +58,7 @@ class UnitAsk:
     ``first``: this producer was never given one."""
 
     first: bool = False
+    ask: int = 0  # its number: the answer names it
 
 
 @dataclass(frozen=True)
@@ -386,7 +387,7 @@ class ProducerIO:
         if not ch.link.welcomed:
             return False
         reg = ch.link.registration
-        msg: m.Message = (m.UnitRequest(registration=reg, first=item.first)
+        msg: m.Message = (m.UnitRequest(registration=reg, first=item.first, ask=item.ask)
                           if isinstance(item, UnitAsk) else
                           m.UnitDone(epoch=item.epoch, unit=item.unit, batches=item.batches,
                                      registration=reg, empty=list(item.empty)))

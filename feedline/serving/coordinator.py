@@ -109,6 +109,9 @@ class Coordinator:
         self._unsaved_n = 0  # batches in it
         self._retry_at = 0.0
         self.duplicates = 0
+        # Counts what may have made a unit available (an epoch or a run begun, a unit given
+        # back or to be made again): producers told "busy" are tried again when it moves.
+        self.progress = 0
         # After a restart, what consumers took in the journal's last moments is known only
         # when they register again: until then nothing is delivered and no unit is handed
         # out again (it might be one they have).
@@ -252,6 +255,7 @@ class Coordinator:
         return "busy"
 
     def _new_run(self) -> None:
+        self.progress += 1
         self.epoch += 1
         self.end = self.epoch + self.plan.epochs if self.plan.epochs else 0
         self.finished = False
@@ -263,6 +267,7 @@ class Coordinator:
 
     def release(self, owner: bytes) -> None:
         """``owner`` is gone: its units go back to be produced from their first missing batch."""
+        self.progress += 1
         for p in self.units.values():
             if p.owner == owner:
                 p.owner = None
@@ -296,6 +301,7 @@ class Coordinator:
         p = self.units.get(u)
         if epoch == self.epoch and p is not None and not p.settled >> i & 1:
             p.accepted &= ~(1 << i)
+            self.progress += 1
 
     def unit_done(self, owner: bytes, epoch: int, u: int, total: int,
                   empty: list[int] | None = None) -> list[int]:
@@ -316,6 +322,7 @@ class Coordinator:
         p.total = total if p.total is None else min(p.total, total)
         if p.owner == owner:
             p.owner = None
+        self.progress += 1
         self._save({"total": [u, p.total]})
         return self._check(u)
 
@@ -349,6 +356,7 @@ class Coordinator:
             return []
         self._unsaved.pop(u, None)
         ended = self.epoch
+        self.progress += 1
         if self.end and ended + 1 >= self.end:
             self.finished = True
         else:
@@ -389,6 +397,7 @@ class Coordinator:
         what it holds is taken, everything else of its epoch is served (again). Returns
         (the epoch changed, epochs completed)."""
         changed = cursor.epoch != self.epoch
+        self.progress += 1
         totals = {} if changed else {**self.done, **{u: p.total for u, p in self.units.items()
                                                      if p.total is not None}}
         owners = {} if changed else {u: p.owner for u, p in self.units.items() if p.owner}

@@ -38,6 +38,7 @@ from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.peers import HELLO_RATE, HelloRate, Peer, PeerTable, connection
+from feedline.serving.units import Units
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class ProducerSide:
         self.gaps = GapTracker(4 * cfg.capacity)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
         self._hellos = HelloRate(HELLO_RATE, 4 * cfg.capacity)
+        self.units = Units(self.exact, self._control, instance, sink.epoch_end)
         self._warn = RateLimitedLog(log, interval=10.0, burst=5)
         # Something happened that a plan may answer with credit (a control message, a refused
         # or duplicate batch, a producer's first batch, a departure). An accepted batch of a
@@ -186,21 +188,9 @@ class ProducerSide:
             if reply is not None:
                 self._control(p.ident, reply)
             return
-        if c is None or msg.registration != p.registration:
-            if c is None:
-                raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
-            return
-        if isinstance(msg, m.UnitDone):
-            for epoch in c.unit_done(p.ident, msg.epoch, msg.unit, msg.batches, msg.empty):
-                self.sink.epoch_end(p.stream, epoch)
-            return
-        got = c.request(p.ident, time.monotonic(), msg.first)
-        if isinstance(got, str):
-            self._control(p.ident, m.UnitWait(broker=self.instance, reason=got,
-                                              registration=p.registration))
-        else:
-            self._control(p.ident, m.Unit(broker=self.instance, epoch=got.epoch, unit=got.unit,
-                                          start=got.start, registration=p.registration))
+        if c is None:
+            raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
+        self.units.message(p, c, msg)
 
     def _hello(self, ident: bytes, msg: m.ProducerHello, fd: int, now: float) -> None:
         old = self.producers.get(ident)
@@ -329,6 +319,8 @@ class ProducerSide:
 
     # -- credit and liveness ------------------------------------------------------------
     def plan(self, now: float) -> None:
+        if self.units.waiting():
+            self.units.push(now, self.producers.get)
         held_b, held_y = self.sink.held()
         streams = {p.stream for p in self.producers}
         plan = self.planner.plan(now, held_b, held_y, self.sink.held_by_stream(),
@@ -368,6 +360,7 @@ class ProducerSide:
             return
         self.dirty = True
         credit = self.planner.leave(ident)
+        self.units.forget([ident])
         self.exact.detach(p.stream, p.exact)
         c = self.exact.get(p.stream)
         if c is not None:
