@@ -326,3 +326,17 @@ def test_a_cursor_of_few_bytes_cannot_decode_to_gigabytes():
              for _ in range(12000)]
     with pytest.raises(DecodeError, match="more than a cursor may hold"):
         Cursor.decode(b"".join(body))
+
+
+def test_a_consumer_s_report_fits_a_registration_whatever_it_took():
+    """What a consumer reports when it registers again is the batches it took last, as many
+    as a registration carries (the oldest go first: a journal has those)."""
+    from feedline.consumer.io import report
+
+    rng = random.Random(3)
+    recent = [(rng.randrange(200_000), rng.randrange(1024)) for _ in range(20_000)]
+    data = report(Cursor("val", 4, pipeline=3), recent)
+    got = Cursor.decode(data)
+    assert len(data) <= MAX_CURSOR_BYTES and (got.epoch, got.pipeline) == (4, 3)
+    kept = set(got.keys())
+    assert (4, *recent[-1]) in kept and len(kept) < len(set(recent))
