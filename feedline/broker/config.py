@@ -9,6 +9,7 @@ from feedline.errors import ConfigError
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
+from feedline.serving.budget import Budget
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class BrokerConfig:
     state_dir: str | None = None  # exact streams' journals (their progress survives restarts)
     exact_ephemeral: bool = False  # without state_dir: serve exact streams from memory only
     max_streams: int = 64  # streams with state (peers naming them, exact coordinators)
+    insecure: bool = False  # listen on exposed addresses without CURVE keys (--insecure)
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
@@ -49,3 +51,8 @@ class BrokerConfig:
             raise ConfigError("max_streams must be >= 1")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
+
+    @property
+    def budget(self) -> Budget:
+        """``max_batches`` and ``max_bytes``, with the shares taken of them."""
+        return Budget(self.max_batches, self.max_bytes)
