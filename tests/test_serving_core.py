@@ -46,7 +46,7 @@ def test_messages_of_large_frames_are_weighed_before_they_are_held(host):
 
     Before: the frames were kept until the whole message was read, then refused, and the
     sender stayed connected: libzmq took the next messages meanwhile (its receive queue holds
-    20 per connection). BEFORE_FIGURES; the audit's two messages of 40 x 15 MiB: +1.1 GB."""
+    20 per connection). The audit's two messages of 40 x 15 MiB: +1.1 GB."""
     budget = 16 * MiB
     h = host("--max-bytes", str(budget))
     bound = budget + OVERHEAD + FRAMES * FRAME
