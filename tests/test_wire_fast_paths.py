@@ -89,7 +89,8 @@ def _instance(cls: type) -> messages.Message:
     values = {}
     for f in dataclasses.fields(cls):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        values[f.name] = {"int": 7, "str": "x", "bytes": b"y", "list[int]": [1, 2]}.get(kind)
+        values[f.name] = {"int": 7, "str": "x", "bytes": b"y", "list[int]": [1, 2],
+                         "bool": True}.get(kind)
         if f.name in ("reason",):
             values[f.name] = "some_reason"
         if f.name == "stream":
