@@ -190,7 +190,8 @@ def test_the_crop_box_draws_are_the_opencv_paths() -> None:
 def test_without_the_extension_opencv_decodes_and_says_so(tmp_path: Path) -> None:
     """A process where the extension cannot be imported (as after an install without a
     compiler): decoder_info names OpenCV and why, the presets decode with OpenCV, and their
-    output is what decoder="opencv" gives where the extension exists."""
+    output is what decoder="opencv" gives where the extension exists, but for the bilinear
+    resize: cv2.resize there, the extension's resampler here (within 2 grey levels)."""
     script = tmp_path / "no_ext.py"
     script.write_text(
         "import sys\n"
@@ -213,7 +214,8 @@ def test_without_the_extension_opencv_decodes_and_says_so(tmp_path: Path) -> Non
     data = np.fromfile(jpg, np.uint8)
     t = ImageNetTrain(224, seed=3, decoder="opencv")
     want = np.stack([t(data) for _ in range(5)] + [ImageNetVal(decoder="opencv")(data)])
-    np.testing.assert_array_equal(got, want)
+    diff = np.abs(got.astype(int) - want)
+    assert diff.max() <= 2 and diff.mean() < 0.5, (diff.max(), diff.mean())
 
 
 def _tree(dst: Path) -> Path:
