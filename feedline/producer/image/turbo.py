@@ -7,7 +7,9 @@ the crop (``jpeg_skip_scanlines``), decodes only the iMCU columns that hold it
 crop is still at least the output size on both sides (never enlarged: the remaining resize
 is a shrink of less than 2x, or of any factor at M = 1), and the region of the scaled image
 that covers the crop plus the pixels the final resize reads around it. :func:`decode_box`
-runs the plan through the compiled extension (``_jpegturbo.c``) and resizes.
+runs the plan through the compiled extension (``_jpegturbo.c``) and resizes. A prepared JPEG
+(:mod:`.prepared`: restart markers after every MCU and an MCU index) is decoded from the
+MCUs under the region only, instead of every row down to it: the same pixels.
 
 The extension is optional: :data:`AVAILABLE` is False where it was not built (no compiler or
 no libjpeg-turbo headers at install time) and the presets decode with OpenCV instead;
