@@ -15,9 +15,19 @@ index) and reports:
   fused decoder's region of the original (today's path); and the preset's 224x224 output must
   be identical from either file.
 
+``--intervals N`` compares restart intervals on N of the files: each transcoded (optimised
+tables) with a restart marker after every 1, 2, 4 MCUs and every MCU row; for each, the
+bytes, the entropy-decoding cost per MCU (a whole decode at 1/8 scale, where the IDCT is a
+DC term and almost everything else is Huffman decoding: measured), and the MCUs a
+RandomResizedCrop's region needs entropy-decoded (counted over 4000 boxes: today, the rows
+down to the region's last, every column; with row intervals, only its rows; with N-MCU
+intervals, the intervals holding its columns in its rows).
+
 Pinned to one core. Already prepared files are kept (delete OUT to time it again)::
 
     python benchmarks/prepare_jpegs.py data/bench-jpeg data/bench-jpeg-prepared --crops 500
+    python benchmarks/prepare_jpegs.py data/bench-jpeg-hr data/bench-jpeg-hr-prepared \
+        --crops 0 --intervals 64
 """
 
 from __future__ import annotations
@@ -118,6 +128,65 @@ def check_crops(src: Path, out: Path, crops: int, seed: int = 0) -> dict:
     return {**counts, "scales": scales}
 
 
+def _entropy_us_per_mcu(datas: list[bytes], mcus: list[int]) -> float:
+    """CPU-microseconds per MCU of whole decodes at 1/8 (best of 3)."""
+    from feedline.producer.image import _jpegturbo  # type: ignore[attr-defined]
+
+    best = float("inf")
+    for _ in range(3):
+        t = time.process_time()
+        for d in datas:
+            h, w = turbo.header(np.frombuffer(d, np.uint8))
+            _jpegturbo.decode(d, 1, 0, 0, -(-h // 8), -(-w // 8), True, 1 << 26, 256)
+        best = min(best, time.process_time() - t)
+    return best / sum(mcus) * 1e6
+
+
+def compare_intervals(src: Path, count: int, boxes: int = 4000) -> list[dict]:
+    """The table of ``--intervals`` (see the module docstring)."""
+    from feedline.producer.image import _jpegturbo  # type: ignore[attr-defined]
+
+    files = sorted(src.rglob("*.jpg"))[:count]
+    originals = [f.read_bytes() for f in files]
+    grids = []  # (h, w, mcu_w, mcu_h, cols, rows) per file
+    for d in originals:
+        h, w = turbo.header(np.frombuffer(d, np.uint8))
+        cols, rows, mw, mh, _ = _jpegturbo.index_info(_jpegturbo.prepare(d, True, 1 << 26)[0])
+        grids.append((h, w, mw, mh, cols, rows))
+    rng = np.random.default_rng(0)
+    crop = ImageNetTrain(224, seed=0).crop
+    regions = []  # per box: (file, MCU rows [a, b), MCU columns [c, d))
+    for _ in range(boxes):
+        i = int(rng.integers(len(files)))
+        h, w, mw, mh, cols, rows = grids[i]
+        y0, x0, ch, cw = crop.sample_box(h, w, rng)
+        p = turbo.plan((h, w), (y0, x0, y0 + ch, x0 + cw), (224, 224))
+        smw, smh = mw * p.scale // 8, mh * p.scale // 8
+        regions.append((i, p.r0 // smh, -(-p.r1 // smh), p.c0 // smw, -(-p.c1 // smw)))
+    out = []
+    for name, interval in [("original", None), ("1 MCU row", 0), ("4 MCUs", 4), ("2 MCUs", 2),
+                           ("1 MCU", 1)]:
+        datas = originals if interval is None else [
+            _jpegturbo.prepare(d, True, 1 << 26, interval)[0] for d in originals]
+        mcus = [g[4] * g[5] for g in grids]
+        per_mcu = _entropy_us_per_mcu(datas, mcus)
+        needed = []
+        for i, a, b, c, d in regions:
+            cols = grids[i][4]
+            if interval is None:
+                needed.append(b * cols)  # every row down to the region's last
+            elif interval == 0:
+                needed.append((b - a) * cols)
+            else:  # whole intervals (as if N divided the row: the best case for N > 1)
+                needed.append((b - a) * (min(cols, -(-d // interval) * interval)
+                                         - c // interval * interval))
+        out.append({"variant": name, "bytes": sum(map(len, datas)) / sum(map(len, originals)),
+                    "us_per_mcu": per_mcu, "mcus_per_crop": float(np.mean(needed)),
+                    "entropy_us_per_crop": per_mcu * float(np.mean(needed)),
+                    "bytes_per_image": sum(map(len, datas)) / len(datas)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +194,8 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--crops", type=int, default=500, help="random crops to check (0: none)")
     ap.add_argument("--no-optimize", action="store_true", help="standard Huffman tables")
+    ap.add_argument("--intervals", type=int, default=0, metavar="N",
+                    help="compare restart intervals on N files (0: not)")
     ap.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -147,9 +218,20 @@ def main() -> None:
               f"{crops['full_8_8']}; == today's fused region at the preset's scale: "
               f"{crops['fused_scale']} (scales {crops['scales']}); preset output identical: "
               f"{crops['preset']}")
+    intervals = compare_intervals(args.src, args.intervals) if args.intervals else []
+    if intervals:
+        base = intervals[0]
+        print(f"\n{'restart interval':<18}{'bytes':>8}{'us/MCU':>8}{'MCUs/crop':>11}"
+              f"{'entropy us/crop':>17}{'saved us per kB more':>22}")
+        for row in intervals:
+            saved = base["entropy_us_per_crop"] - row["entropy_us_per_crop"]
+            more = (row["bytes_per_image"] - base["bytes_per_image"]) / 1e3
+            per_kb = f"{saved / more:.0f}" if more > 0 else "(smaller)"
+            print(f"{row['variant']:<18}{row['bytes']:>8.3f}{row['us_per_mcu']:>8.3f}"
+                  f"{row['mcus_per_crop']:>11.0f}{row['entropy_us_per_crop']:>17.0f}{per_kb:>22}")
     if args.json:
         args.json.write_text(json.dumps({"prepare": prep, "identical_files": [same, n],
-                                         "crops": crops}, indent=1))
+                                         "crops": crops, "intervals": intervals}, indent=1))
 
 
 if __name__ == "__main__":

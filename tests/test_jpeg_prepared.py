@@ -18,7 +18,15 @@ from feedline.producer.image import ImageNetTrain, ImageNetVal, turbo
 from feedline.producer.image.decode import CorruptImage
 from feedline.producer.image.prepared import is_prepared, prepare, prepare_jpeg
 from tests.conftest import ROOT
-from tests.jpeg_data import SAMPLING, cmyk, encode, photo, segments, with_exif_orientation
+from tests.jpeg_data import (
+    SAMPLING,
+    cmyk,
+    encode,
+    photo,
+    restart_markers,
+    segments,
+    with_exif_orientation,
+)
 
 pytestmark = pytest.mark.skipif(not turbo.AVAILABLE, reason=turbo.decoder_info())
 
@@ -72,6 +80,24 @@ def test_prepared_files_decode_to_the_originals_pixels(kind: str, source: str) -
             np.testing.assert_array_equal(got, want, err_msg=f"{kind} {source} {h}x{w}")
             assert turbo.header(np.frombuffer(p.data, np.uint8)) == (h, w)
             assert not is_prepared(data)
+
+
+def test_other_restart_intervals_are_lossless_and_carry_no_index() -> None:
+    """``interval`` (benchmarks/prepare_jpegs.py --intervals measures the choice of 1): the
+    same pixels with a marker after every N MCUs or every MCU row (0), and no index, since
+    the decoder reads only indexes of one MCU; an interval over 16 bits is an error."""
+    from feedline.producer.image import _jpegturbo  # type: ignore[attr-defined]
+
+    data = _jpeg("420", 203, 301)
+    want = cv2.imdecode(np.frombuffer(data, np.uint8), 1)
+    for interval in (0, 2, 4):
+        out, note = _jpegturbo.prepare(data, True, 1 << 26, interval)
+        assert note == "" and not is_prepared(out) and restart_markers(out), interval
+        np.testing.assert_array_equal(cv2.imdecode(np.frombuffer(out, np.uint8), 1), want)
+    rows = len(restart_markers(_jpegturbo.prepare(data, True, 1 << 26, 0)[0]))
+    assert rows == -(-203 // 16) - 1  # 4:2:0: 16-pixel MCU rows, a marker between each two
+    with pytest.raises(ValueError, match="0..65535"):
+        _jpegturbo.prepare(data, True, 1 << 26, 1 << 16)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -165,6 +191,21 @@ def test_what_is_not_prepared_comes_back_unchanged_with_the_reason() -> None:
         assert prepare_jpeg(data) == data
     assert "colour space" in prepare(cmyk(img)).note
     assert "unrefined" in prepare(_incomplete_progressive()).note
+
+
+def test_a_quantisation_table_redefined_between_scans_is_left_as_it_is() -> None:
+    """A progressive file whose table 0 is redefined after the scan that latched it decodes
+    (libjpeg keeps the latched copy) but cannot be written again with one table per slot:
+    stored unchanged, with the reason, instead of an error that would drop the image."""
+    data = _jpeg("420", 64, 80, progressive=True)
+    second_scan = [s for s in segments(data) if s[0] == 0xDA][1][1]
+    dqt = b"\xff\xdb" + (67).to_bytes(2, "big") + b"\x00" + bytes([1]) * 64
+    redefined = data[:second_scan] + dqt + data[second_scan:]
+    np.testing.assert_array_equal(cv2.imdecode(np.frombuffer(redefined, np.uint8), 1),
+                                  cv2.imdecode(np.frombuffer(data, np.uint8), 1))
+    p = prepare(redefined)
+    assert not p.prepared and p.data == redefined
+    assert p.note == "a JPEG that redefines a quantisation table between scans"
 
 
 def test_metadata_is_kept_and_preparing_again_changes_nothing() -> None:

@@ -414,7 +414,7 @@ static PyObject *synthetic_py(PyObject *self, PyObject *args) {
 }
 
 /* _prepare.c, _resample.c */
-PyObject *jt_prepare(PyObject *self, PyObject *args);
+PyObject *jt_prepare(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *jt_resample(PyObject *self, PyObject *args, PyObject *kwargs);
 
 static PyMethodDef methods[] = {
@@ -430,9 +430,10 @@ static PyMethodDef methods[] = {
     {"synthetic", synthetic_py, METH_VARARGS,
      "synthetic(data, r0, r1, c0, c1) -> bytes: the JPEG of a rectangle of an indexed "
      "file's MCUs."},
-    {"prepare", jt_prepare, METH_VARARGS,
-     "prepare(data, optimize, max_pixels) -> (bytes, note): the file transcoded losslessly "
-     "with a restart marker after every MCU and an MCU index, or None and why not."},
+    {"prepare", (PyCFunction)(void (*)(void))jt_prepare, METH_VARARGS | METH_KEYWORDS,
+     "prepare(data, optimize, max_pixels, interval=1) -> (bytes, note): the file transcoded "
+     "losslessly with a restart marker after every MCU and an MCU index, or None and why "
+     "not."},
     {"resample", (PyCFunction)(void (*)(void))jt_resample, METH_VARARGS | METH_KEYWORDS,
      "resample(img, y0, x0, fy, fx, out_rows, out_cols, flip=False, simd=True) -> bytearray: "
      "bilinear samples of a fractional box of an h x w x 3 uint8 image (see _resample.c)."},

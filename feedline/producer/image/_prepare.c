@@ -1,6 +1,6 @@
 /* feedline.producer.image._jpegturbo.prepare: a JPEG transcoded losslessly for crop decoding.
  *
- *   prepare(data, optimize, max_pixels) -> (bytes, "") or (None, why not)
+ *   prepare(data, optimize, max_pixels, interval=1) -> (bytes, "") or (None, why not)
  *
  * The coefficients are read (jpeg_read_coefficients) and written again (jpeg_write_
  * coefficients) with the same quantisation tables, sampling and component ids, so every
@@ -12,18 +12,25 @@
  * the JFIF or Adobe segment the library writes itself for the colour space, and an old index.
  *
  * Not prepared (None, and why): colour spaces the fused decoder leaves to OpenCV (CMYK,
- * YCCK, unknown), and progressive files whose scans never refine some coefficients fully
- * (libjpeg smooths the blocks of such files: a baseline copy would decode differently). A
+ * YCCK, unknown), progressive files whose scans never refine some coefficients fully
+ * (libjpeg smooths the blocks of such files: a baseline copy would decode differently), and
+ * files that redefine a quantisation table between scans (libjpeg cannot write them). A
  * progressive file that is complete becomes baseline: the same coefficients. Errors as in
  * decode(): CorruptJPEG for data that does not decode (truncated, corrupt entropy-coded
  * data), or declares more than max_pixels; Unsupported for 12-bit and lossless files. After
  * writing, the result's header is read back: a colour space, size or sampling that came out
  * different is an error (it would mean other pixels), not a result.
+ *
+ * `interval` other than 1 (MCUs per restart interval; 0: one MCU row) writes the file with
+ * that interval and no index: only for measuring what the choice of 1 costs and saves
+ * (benchmarks/prepare_jpegs.py --intervals); the decoder reads only indexes of 1.
  */
 #include "_jt.h"
 
 #include <stdlib.h>
 #include <string.h>
+
+#include <jerror.h>
 
 #include "_mcuindex.h"
 
@@ -79,9 +86,11 @@ static int same_frame(j_decompress_ptr src, j_decompress_ptr chk_, const unsigne
     return same;
 }
 
-PyObject *jt_prepare(PyObject *self, PyObject *args) {
+PyObject *jt_prepare(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kw[] = {"data", "optimize", "max_pixels", "interval", NULL};
     Py_buffer view;
     int optimize, m;
+    unsigned interval = 1;
     unsigned long long max_pixels;
     struct jpeg_decompress_struct src;
     struct jpeg_compress_struct dst;
@@ -99,8 +108,14 @@ PyObject *jt_prepare(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "y*pK:prepare", &view, &optimize, &max_pixels))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*pK|I:prepare", kw, &view, &optimize,
+                                     &max_pixels, &interval))
         return NULL;
+    if (interval > 0xFFFF) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "interval must be 0..65535 MCUs");
+        return NULL;
+    }
     if (view.len <= 0) {
         PyBuffer_Release(&view);
         PyErr_SetString(jt_CorruptJPEG, "empty data");
@@ -122,6 +137,11 @@ PyObject *jt_prepare(PyObject *self, PyObject *args) {
         free(seg);
         PyEval_RestoreThread(ts);
         PyBuffer_Release(&view);
+        if (err.pub.msg_code == JERR_MISMATCHED_QUANT_TABLE) /* a slot redefined between
+                                                               * scans: libjpeg cannot write
+                                                               * that; the file is fine */
+            return Py_BuildValue("(Os)", Py_None, "a JPEG that redefines a quantisation table "
+                                 "between scans");
         return jt_raise(&err);
     }
     jpeg_create_decompress(&src);
@@ -150,7 +170,8 @@ PyObject *jt_prepare(PyObject *self, PyObject *args) {
     jpeg_mem_dest(&dst, (unsigned char **)&written, &written_len);
     jpeg_copy_critical_parameters(&src, &dst);
     dst.mem->max_memory_to_use = JT_MAX_MEMORY(max_pixels);
-    dst.restart_interval = 1;
+    dst.restart_interval = interval;
+    dst.restart_in_rows = interval == 0; /* 0: a restart marker after every MCU row */
     dst.optimize_coding = optimize ? TRUE : FALSE;
     jpeg_write_coefficients(&dst, coefs);
     copy_markers(&src, &dst);
@@ -160,6 +181,8 @@ PyObject *jt_prepare(PyObject *self, PyObject *args) {
                  "frame (colour space or sampling)");
         longjmp(err.jump, 1);
     }
+    if (interval != 1)
+        goto done; /* measured, not decoded by index (see above) */
     seg = malloc(mi_index_size(0xFFFF));
     if (seg == NULL) {
         snprintf(err.message, sizeof err.message, "no memory for an MCU index");
