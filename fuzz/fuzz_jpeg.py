@@ -51,14 +51,15 @@ from typing import Any
 
 import atheris
 
+# This checkout's feedline, not an installed one: the fuzzer runs from any directory.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 with atheris.instrument_imports(include=["feedline.producer.image"]):
     from feedline.producer.image import turbo
     from feedline.producer.image.decode import CorruptImage
 
-import cv2
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cv2  # noqa: E402
+import numpy as np  # noqa: E402
 
 MODES = 3
 HEAD = 9
