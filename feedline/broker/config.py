@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from feedline import wire
+from feedline.errors import ConfigError
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
+from feedline.serving.budget import Budget
 
 
 @dataclass(frozen=True)
@@ -32,15 +34,21 @@ class BrokerConfig:
     metrics_addr: str = "0.0.0.0"
     curve: ServerKeys | None = None  # None: plain TCP
     state_dir: str | None = None  # exact streams' journals (their progress survives restarts)
+    insecure: bool = False  # listen on exposed addresses without CURVE keys (--insecure)
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
-            raise ValueError("max_batches must be >= 1")
+            raise ConfigError("max_batches must be >= 1")
         if self.producer_window < 1:
-            raise ValueError("producer_window must be >= 1")
+            raise ConfigError("producer_window must be >= 1")
         if self.max_bytes < 1:
-            raise ValueError("max_bytes must be >= 1")
+            raise ConfigError("max_bytes must be >= 1")
         if self.max_peers < 1:
-            raise ValueError("max_peers must be >= 1")
+            raise ConfigError("max_peers must be >= 1")
         if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+            raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
+
+    @property
+    def budget(self) -> Budget:
+        """``max_batches`` and ``max_bytes``, with the shares taken of them."""
+        return Budget(self.max_batches, self.max_bytes)

@@ -5,7 +5,8 @@ batches of its stream while both allow, round-robin among the stream's consumers
 an envelope (:class:`feedline.messages.Deliver`). Every byte delivered and not yet reported
 taken (TAKEN) is *in flight* and counts against the broker's ``max_bytes``: it sits in this
 process's socket queue or in the network until the consumer has it. One consumer holds at most
-half the budget in flight, so the rest stays for the buffer and the other consumers.
+the budget's per-consumer share in flight (half), so the rest stays for the buffer and the
+other consumers.
 
 In-flight bytes of a consumer that is gone (dropped, or registered again on its connection)
 become *orphans*: still counted until its connection is known to be closed (a probe to it
@@ -28,7 +29,9 @@ from feedline import messages as m
 from feedline.broker.buffer import Buffer
 from feedline.codec import DecodeError, Limits
 from feedline.cursor import Cursor
+from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
+from feedline.serving.budget import Budget
 from feedline.serving.coordinator import ExactStreams
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -77,15 +80,15 @@ class ConsumerSide:
     """Everything the broker does on its egress socket (the socket itself is the loop's)."""
 
     def __init__(self, send: Send, buffer: Buffer, metrics: BrokerMetrics, limits: Limits,
-                 max_bytes: int, max_batches: int, capacity: int, instance: int,
+                 budget: Budget, capacity: int, instance: int,
                  cut_off: Callable[[int, int, str, str], None],
                  exact: ExactStreams | None = None) -> None:
         self._send, self.buffer, self.metrics, self.limits = send, buffer, metrics, limits
         self.exact = exact if exact is not None else ExactStreams()
-        # What one consumer may hold in flight: half the budget, so that one that never reads
-        # leaves the rest to the buffer and the other consumers.
-        self.cap = max(1, max_bytes // 2)
-        self.cap_batches = max(1, max_batches // 2)
+        # What one consumer may hold in flight (the budget's per-consumer share), so that one
+        # that never reads leaves the rest to the buffer and the other consumers.
+        self.cap = budget.per_consumer.nbytes
+        self.cap_batches = budget.per_consumer.batches
         self.instance, self._cut_off = instance, cut_off
         self.consumers: PeerTable[Consumer] = PeerTable("consumer", capacity)
         self.orphans: dict[bytes, Orphan] = {}
@@ -112,6 +115,10 @@ class ConsumerSide:
             out[o.stream] = (b + o.batches, y + o.nbytes)
         return out
 
+    @property
+    def peers(self) -> PeerTable[Consumer]:
+        return self.consumers
+
     def demand(self, stream: str) -> bool:
         return any(c.stream == stream for c in self.consumers)
 
@@ -130,11 +137,11 @@ class ConsumerSide:
             self._control(ident, m.Refused(broker=self.instance, reason="wrong_port",
                                            detail="this is a broker's egress: producers "
                                            "connect to its --ingress address"))
-            raise DecodeError("wrong_port", f"producer {msg.producer} at the egress")
+            raise Refusal("wrong_port", f"producer {msg.producer} at the egress")
         elif cons is None:
             if not isinstance(msg, m.Bye):
                 self._control(ident, m.Reset(broker=self.instance))
-                raise DecodeError("unknown_peer", type(msg).__name__)
+                raise Refusal("unknown_peer", type(msg).__name__)
         else:
             cons.last_seen = now
             if isinstance(msg, m.Taken):
@@ -142,7 +149,7 @@ class ConsumerSide:
             elif isinstance(msg, m.Bye):
                 self.drop(ident, "bye")
             elif not isinstance(msg, m.Heartbeat):
-                raise DecodeError("bad_kind", f"{type(msg).__name__} from a consumer")
+                raise Refusal("bad_kind", f"{type(msg).__name__} from a consumer")
 
     def _hello(self, ident: bytes, msg: m.ConsumerHello, fd: int, now: float) -> None:
         old = self.consumers.get(ident)
@@ -155,7 +162,7 @@ class ConsumerSide:
         if self.consumers.full():
             self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
                                            limit=self.consumers.capacity))
-            raise DecodeError("too_many_peers", f"consumer {msg.consumer}")
+            raise Refusal("too_many_peers", f"consumer {msg.consumer}")
         fd, ino = connection(fd)
         c = Consumer(ident=ident, name=msg.consumer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
@@ -173,7 +180,7 @@ class ConsumerSide:
         checkpoint a restarted job resumes from."""
         cursor = Cursor.decode(data)
         if cursor.stream != stream:
-            raise DecodeError("bad_cursor", f"a cursor of stream {cursor.stream!r}")
+            raise Refusal("bad_cursor", f"a cursor of stream {cursor.stream!r}")
         coord = self.exact.report(stream, cursor)
         if coord is None:
             return

@@ -37,13 +37,13 @@ the worker processes and the runner adds their counts to this process's stages.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from feedline.messages import check_stream
 from feedline.producer.dataflow import (
     CountData,
     DataFlow,
@@ -55,6 +55,7 @@ from feedline.producer.dataflow import (
 from feedline.producer.dataflow.base import Counted, Shardable, as_dataflow, stages
 from feedline.producer.dataflow.map_data import ComponentFunc, reseed
 from feedline.producer.dataflow.shard import check_shard
+from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.pipeline_spec import (
     MAP_STEPS,
     SOURCES,
@@ -64,6 +65,7 @@ from feedline.producer.pipeline_spec import (
     call_with_args,
     guarded,
     load_object,
+    located,
     one_key,
 )
 
@@ -173,9 +175,11 @@ def _check_stream(cfg: Mapping[str, Any]) -> None:
     :func:`feedline.producer.exact.build_exact`, not here)."""
     top = Args(cfg, "pipeline")
     stream = top.text("stream", "default")
-    if stream is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", stream):
-        raise ConfigError(f"stream: {stream!r} is not a stream name (letters, digits, . _ -; "
-                          "at most 64)")
+    if stream is not None:
+        try:
+            check_stream(stream)
+        except ValueError as e:
+            raise ConfigError(f"stream: {e}") from None
     delivery = top.text("delivery", "training", choices=("training", "exact"))
     if "exact" in cfg and delivery != "exact":
         raise ConfigError("exact: only with delivery: exact")
@@ -201,6 +205,12 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
     a = Args(args, f"source.{name}")
     ds = SOURCES[name](a, seed)
     a.done()
+    if par["mode"] == "runner" and isinstance(ds, ShardedSource) and ds.claims \
+            and "shard" not in cfg:
+        raise ConfigError(f"parallel.mode: runner runs whole copies of the source in worker "
+                          f"processes, and source.{name} claims its shards from the broker in "
+                          "the producer's: use mode: process (the map steps in worker "
+                          "processes), or give the source a static shard (claim: false)")
     if "shard" in cfg:
         s = Args(cfg["shard"], "shard")
         index = s.integer("index", required=True, lo=0)
@@ -248,9 +258,7 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
         try:
             ds = CountData(STEPS[step](ds, a, step_seed), f"{i}:{step}")
         except (ValueError, TypeError) as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(f"{where}: {e}") from None
+            raise located(where, e) from None
         a.done()
     if funcs:
         ds = _wrap_map(ds, funcs, par, on_error, fused)

@@ -10,6 +10,7 @@ from typing import Any
 
 import zmq
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow import ipc
 from feedline.producer.dataflow.base import DataFlow
 from feedline.producer.dataflow.errors import WorkerError
@@ -80,7 +81,7 @@ class MultiProcessMapData(ParallelMapBase):
                  chunk: int = 8) -> None:
         super().__init__(ds, num_proc, buffer_size, strict, on_error)
         if not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+            raise ConfigError(f"chunk must be an int >= 1, got {chunk!r}")
         self.func = func
         # Datapoints travel in messages of up to `chunk` (and results likewise): each
         # message costs wake-ups and context switches in both processes, so fewer is faster.

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.base import DataFlow, ProxyDataFlow
 from feedline.producer.dataflow.errors import WorkerError, check_policy
 
@@ -31,9 +32,9 @@ class ParallelMapBase(ProxyDataFlow):
                  on_error: str) -> None:
         super().__init__(ds)
         if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+            raise ConfigError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if not isinstance(buffer_size, int) or buffer_size < num_workers:
-            raise ValueError(f"buffer_size must be an int >= num_workers ({num_workers}), "
+            raise ConfigError(f"buffer_size must be an int >= num_workers ({num_workers}), "
                              f"got {buffer_size!r}")
         self.num_workers, self.buffer_size, self.strict = num_workers, buffer_size, strict
         self.on_error = check_policy(on_error)

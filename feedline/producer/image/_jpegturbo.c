@@ -450,10 +450,22 @@ PyMODINIT_FUNC PyInit__jpegturbo(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    /* Both are FeedlineErrors, as every error of the package is (turbo.py translates them,
+       but a test walks every module's classes). */
+    PyObject *errors = PyImport_ImportModule("feedline.errors");
+    PyObject *root = errors ? PyObject_GetAttrString(errors, "FeedlineError") : NULL;
+    PyObject *bases = root ? PyTuple_Pack(2, root, PyExc_ValueError) : NULL;
+    Py_XDECREF(root);
+    Py_XDECREF(errors);
+    if (bases == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
     jt_CorruptJPEG = PyErr_NewException("feedline.producer.image._jpegturbo.CorruptJPEG",
-                                        PyExc_ValueError, NULL);
+                                        bases, NULL);
     jt_Unsupported = PyErr_NewException("feedline.producer.image._jpegturbo.Unsupported",
-                                        PyExc_ValueError, NULL);
+                                        bases, NULL);
+    Py_DECREF(bases);
     if (jt_CorruptJPEG == NULL || jt_Unsupported == NULL ||
         PyModule_AddObjectRef(m, "CorruptJPEG", jt_CorruptJPEG) < 0 ||
         PyModule_AddObjectRef(m, "Unsupported", jt_Unsupported) < 0 ||
