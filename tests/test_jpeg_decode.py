@@ -207,7 +207,10 @@ def test_without_the_extension_opencv_decodes_and_says_so(tmp_path: Path) -> Non
     jpg = tmp_path / "x.jpg"
     jpg.write_bytes(encode(photo(600, 800, 6), 85))
     out = subprocess.run([sys.executable, str(script), str(jpg), str(tmp_path / "out.npy")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         # a script's own folder, not cwd, goes first on its path: this
+                         # checkout's feedline, whatever is installed
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"OpenCV {cv2.__version__} (libjpeg-turbo extension not "
                                  "built:"), out.stdout
