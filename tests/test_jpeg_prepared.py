@@ -182,8 +182,12 @@ def _incomplete_progressive() -> bytes:
 def test_what_is_not_prepared_comes_back_unchanged_with_the_reason() -> None:
     img = photo(60, 80, 1)
     png = cv2.imencode(".png", img)[1].tobytes()
+    baseline = encode(img, 88)
+    sof = next(start for marker, start, _ in segments(baseline) if marker == 0xC0)
     cases = {"not a JPEG": png, "CMYK": cmyk(img), "YCCK": cmyk(img, ycck=True),
-             "unrefined": _incomplete_progressive()}
+             "unrefined": _incomplete_progressive(),
+             "lossless": baseline[:sof + 1] + b"\xc3" + baseline[sof + 2:],
+             "12-bit": baseline[:sof + 4] + b"\x0c" + baseline[sof + 5:]}
     for what, data in cases.items():
         p = prepare(data)
         assert not p.prepared and p.data == data, what
@@ -191,6 +195,8 @@ def test_what_is_not_prepared_comes_back_unchanged_with_the_reason() -> None:
         assert prepare_jpeg(data) == data
     assert "colour space" in prepare(cmyk(img)).note
     assert "unrefined" in prepare(_incomplete_progressive()).note
+    assert "SOF type 0xc3" in prepare(cases["lossless"]).note
+    assert "precision 12" in prepare(cases["12-bit"]).note
 
 
 def test_a_quantisation_table_redefined_between_scans_is_left_as_it_is() -> None:

@@ -50,11 +50,12 @@ def prepare(data: Any, optimize: bool = True, max_pixels: int = MAX_PIXELS,
             source: Any = None) -> Preparation:
     """Prepare one image (bytes, bytearray, memoryview or a uint8 array).
 
-    Not a JPEG, a CMYK/YCCK JPEG, an incompletely refined progressive one: returned
-    unchanged (``prepared`` False, ``note`` says which). :class:`CorruptImage` (naming the
-    file of ``source``) for a JPEG that does not decode or declares more than ``max_pixels``;
-    :class:`~feedline.producer.image.turbo.Unsupported` for 12-bit and lossless JPEGs and
-    where the extension is not built (preparing needs libjpeg's transcoder).
+    Not a JPEG, a CMYK/YCCK JPEG, an incompletely refined progressive one, a 12-bit or
+    lossless JPEG (libjpeg's 8-bit transcoder cannot read it; OpenCV may still decode it):
+    returned unchanged (``prepared`` False, ``note`` says which). :class:`CorruptImage`
+    (naming the file of ``source``) for a JPEG that does not decode or declares more than
+    ``max_pixels``; :class:`~feedline.producer.image.turbo.Unsupported` where the extension
+    is not built (preparing needs libjpeg's transcoder).
     ``optimize=False`` keeps the standard Huffman tables: faster, a few percent larger.
     """
     buf = as_buffer(data)
@@ -64,8 +65,8 @@ def prepare(data: Any, optimize: bool = True, max_pixels: int = MAX_PIXELS,
         raise Unsupported(f"preparing JPEGs needs the compiled extension ({_MISSING})")
     try:
         out, note = _jpegturbo.prepare(buf, optimize, max_pixels)
-    except _jpegturbo.Unsupported as e:
-        raise Unsupported(str(e)) from e
+    except _jpegturbo.Unsupported as e:  # a JPEG process it does not read: kept, as CMYK is
+        return Preparation(buf.tobytes(), False, str(e))
     except _jpegturbo.CorruptJPEG as e:
         raise CorruptImage(f"{name_of(data if source is None else source)}: {e}") from e
     if out is None:
