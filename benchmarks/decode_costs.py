@@ -31,11 +31,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import cv2
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.prepare_jpegs import one_core  # noqa: E402
 from feedline.producer.image import ImageNetTrain, turbo  # noqa: E402
 
 
@@ -118,11 +118,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1)
     args = ap.parse_args()
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.core})
-    cv2.setNumThreads(1)
-    if not turbo.AVAILABLE:
-        raise SystemExit(f"needs the compiled extension: {turbo.decoder_info()}")
+    one_core(args.core)
     rows = {str(f): costs(f, args.images, args.repeat) for f in args.folders}
     stages = list(next(iter(rows.values())))
     print(f"{'us per image':<18}" + "".join(f"{Path(f).name[-24:]:>26}" for f in rows))

@@ -187,6 +187,16 @@ def compare_intervals(src: Path, count: int, boxes: int = 4000) -> list[dict]:
     return out
 
 
+def one_core(core: int) -> None:
+    """This process pinned to ``core``, OpenCV single-threaded; an exit that says why where
+    the extension is not built (everything measured here is its work)."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core})
+    cv2.setNumThreads(1)
+    if not turbo.AVAILABLE:
+        raise SystemExit(f"needs the compiled extension: {turbo.decoder_info()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,11 +209,7 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.core})
-    cv2.setNumThreads(1)
-    if not turbo.AVAILABLE:
-        raise SystemExit(f"needs the compiled extension: {turbo.decoder_info()}")
+    one_core(args.core)
     prep = prepare_folder(args.src, args.out, not args.no_optimize)
     same, n = identical_files(args.src, args.out)
     crops = check_crops(args.src, args.out, args.crops) if args.crops else {}
