@@ -14,6 +14,8 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+IMAGE = "feedline/producer/image"
+
 
 class OptionalBuildExt(build_ext):
     """``build_ext`` that drops an extension it cannot build instead of failing the install."""
@@ -35,7 +37,9 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[
         Extension("feedline.producer.image._jpegturbo",
-                  ["feedline/producer/image/_jpegturbo.c", "feedline/producer/image/_resample.c"],
+                  [f"{IMAGE}/_jpegturbo.c", f"{IMAGE}/_mcuindex.c", f"{IMAGE}/_prepare.c",
+                   f"{IMAGE}/_resample.c"],
+                  depends=[f"{IMAGE}/_jt.h", f"{IMAGE}/_mcuindex.h"],
                   libraries=["jpeg"]),
     ],
     cmdclass={"build_ext": OptionalBuildExt},

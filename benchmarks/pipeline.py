@@ -10,13 +10,18 @@ high-resolution one) and produce batches of 64 224x224x3 uint8 images:
 - ``feedline``: ``ImageFolder -> MapDataComponent(ImageNetTrain(224)) -> BatchData(64)`` in
   one process: the fused decoder (only the crop's region, at a DCT scale M/8) ->
   resize -> flip (OpenCV single-threaded).
+- ``feedline-prepared``: the same on the set's prepared copy (``benchmarks/prepare_jpegs.py``:
+  lossless transcode with an MCU index, made before the first round if missing), where the
+  fused decoder entropy-decodes only the MCUs under the crop. Its ratio is to tf.data on the
+  original files, as a dataset prepared once is read that way ever after.
 - ``feedline-opencv``: the same with ``decoder="opencv"`` (a whole-image OpenCV decode, at
   1/2, 1/4 or 1/8 when the crop allows): the decoder before the fused one.
 - ``feedline-mp1`` / ``feedline-mp2``: the map in 1 / 2 ``MultiProcessMapData`` workers
   (ZeroMQ IPC), the reading and batching in the parent.
 
 Each variant runs in its own fresh process (so TensorFlow's threads never share a process with
-forked workers); rounds alternate between variants and sets. Reported per set and variant:
+forked workers), the one-process variants pinned to one core (``--core``); rounds alternate
+between variants and sets. Reported per set and variant:
 images/s (wall) and images per CPU-second of the whole process tree (user+sys, workers
 included): the per-core figure, independent of how many cores were free on a shared machine.
 
@@ -38,8 +43,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ["tf.data", "feedline", "feedline-opencv", "feedline-mp1", "feedline-mp2"]
-PROCS = {"feedline": 0, "feedline-opencv": 0, "feedline-mp1": 1, "feedline-mp2": 2}
+VARIANTS = ["tf.data", "feedline", "feedline-prepared", "feedline-opencv", "feedline-mp1",
+            "feedline-mp2"]
+PROCS = {"feedline": 0, "feedline-prepared": 0, "feedline-opencv": 0, "feedline-mp1": 1,
+         "feedline-mp2": 2}
 BATCH = 64
 
 
@@ -116,7 +123,18 @@ def feedline_iter(root: str, procs: int, decoder: str):
     return iter(df), df
 
 
-def measure(variant: str, data: str, batches: int, warmup: int) -> dict:
+def prepared_dir(data: str) -> str:
+    """Where a set's prepared copy lives: beside it, ``<folder>-prepared``."""
+    return str(Path(data).with_name(Path(data).name + "-prepared"))
+
+
+def measure(variant: str, data: str, batches: int, warmup: int, core: int) -> dict:
+    import os
+
+    if PROCS.get(variant, 0) == 0 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core})
+    if variant == "feedline-prepared":
+        data = prepared_dir(data)
     files = sorted(str(p) for p in Path(data).rglob("*.jpg"))
     if variant == "tf.data":
         it, df = tf_iter(files)
@@ -173,23 +191,36 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed batches first")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--core", type=int, default=None,
+                    help="the core the one-process variants are pinned to (default: the last)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a single run (child)
     args = ap.parse_args()
+    import os
+
+    core = (os.cpu_count() or 1) - 1 if args.core is None else args.core
     if args.one:
-        print(json.dumps(measure(args.one, args.data, args.batches, args.warmup)))
+        print(json.dumps(measure(args.one, args.data, args.batches, args.warmup, core)))
         return
     sets = parse_sets(args.data)
     for name, folder in sets.items():
         if not any(Path(folder).rglob("*.jpg")):
             raise SystemExit(f"no JPEGs under {folder} ({name}): run benchmarks/make_jpegs.py")
     variants = args.variants.split(",")
+    if "feedline-prepared" in variants:
+        from benchmarks.prepare_jpegs import prepare_folder
+
+        for name, folder in sets.items():
+            made = prepare_folder(Path(folder), Path(prepared_dir(folder)))
+            print(f"{name}: prepared copy in {prepared_dir(folder)} "
+                  f"({made['size_ratio']:.3f}x the bytes)", flush=True)
     runs: list[dict] = []
     for r in range(args.rounds):
         for name, folder in sets.items():
             for v in variants:
                 out = subprocess.run(
                     [sys.executable, __file__, "--one", v, "--data", folder,
-                     "--batches", str(args.batches), "--warmup", str(args.warmup)],
+                     "--batches", str(args.batches), "--warmup", str(args.warmup),
+                     "--core", str(core)],
                     capture_output=True, text=True, check=False, timeout=900)
                 if out.returncode != 0:
                     raise SystemExit(f"{v} on {name} failed:\n{out.stderr[-3000:]}")

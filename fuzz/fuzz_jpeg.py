@@ -9,7 +9,8 @@ Run (see fuzz/README.md)::
 It drives :func:`feedline.producer.image.turbo.header` and
 :func:`~feedline.producer.image.turbo.decode_box`
 (the compiled extension: libjpeg-turbo's region and DCT-scaled decode, then the fractional
-resampler) with a crop box and output size taken from the input. Any other exception is a
+resampler; for a prepared file, the MCU index and the synthetic JPEG of the crop's MCUs) with
+a crop box and output size taken from the input. Any other exception is a
 finding, and so is a result that breaks the contract (not ``out_h x out_w x 3`` uint8), a
 crash or a sanitizer report in the C code, or a run over ``-rss_limit_mb`` (the decoder
 bounds what a file can make it allocate: here ``MAX_PIXELS`` pixels).
@@ -18,8 +19,15 @@ Input layout: byte 0 picks the mode, bytes 1-8 the geometry, the rest is the pay
 
 - mode 0: the payload is the file;
 - mode 1: byte 9 picks one of the valid seed files (every sampling, progressive, restart
-  markers, grey, CMYK/YCCK, EXIF), the payload edits it: ``[u16 truncate-at]`` then
-  ``[u16 position][u8 value]`` edits, so mutations stay inside real JPEG structure.
+  markers, prepared (MCU-indexed) files, grey, CMYK/YCCK, EXIF), the payload edits it:
+  ``[u16 truncate-at]`` then ``[u16 position][u8 value]`` edits, so mutations stay inside
+  real JPEG structure;
+- mode 2: byte 9 picks a prepared seed, the payload lies in its MCU index and scan:
+  ``[u8 op][u32 value]`` edits, op % 5: 0 sets row offset ``value >> 16`` (mod rows) to
+  ``value & 0xFFFF`` plus the true offset of that row, 1 sets index field ``op >> 4`` (mod 5:
+  version, interval, cols, rows, scan length) to ``value``, 2 renumbers restart marker
+  ``value >> 8`` to ``value & 7``, 3 truncates the file ``value`` bytes into its scan, 4 swaps
+  two row offsets.
 
 Geometry: bytes 1-4 the box (top, left, height, width as fractions of the image), byte 5 the
 output size (1-128), byte 6 bit 0 BGR or RGB, bit 1 a fractional box (as ImageNetVal's),
@@ -43,19 +51,38 @@ from typing import Any
 
 import atheris
 
+# This checkout's feedline, not an installed one: the fuzzer runs from any directory.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 with atheris.instrument_imports(include=["feedline.producer.image"]):
     from feedline.producer.image import turbo
     from feedline.producer.image.decode import CorruptImage
 
-import cv2
-import numpy as np
+import cv2  # noqa: E402
+import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-MODES = 2
+MODES = 3
 HEAD = 9
 MAX_PIXELS = 1 << 22  # 4 Mpx: libjpeg's buffers stay far under the run's -rss_limit_mb
 _EDIT = struct.Struct(">HB")
+_LIE = struct.Struct(">BI")
+
+
+def _prepared_seeds() -> list[bytes]:
+    """Prepared (MCU-indexed) files: every sampling and grey, several MCU rows each."""
+    from tests import jpeg_data as jd
+
+    if not turbo.AVAILABLE:
+        return []
+    from feedline.producer.image.prepared import prepare_jpeg
+
+    img = jd.photo(40, 56, 1)
+    grey = cv2.cvtColor(img, cv2.COLOR_BGR2GRAY)
+    return [prepare_jpeg(jd.encode(img, 85, s)) for s in jd.SAMPLING] + \
+        [prepare_jpeg(jd.encode(grey, 85))]
+
+
+PREPARED = _prepared_seeds()
 
 
 def _seed_files() -> list[bytes]:
@@ -66,6 +93,8 @@ def _seed_files() -> list[bytes]:
     grey = cv2.cvtColor(img, cv2.COLOR_BGR2GRAY)
     files = [jd.encode(img, 85, s, p, r) for s in jd.SAMPLING for p in (False, True)
              for r in (0, 1)]
+    files += PREPARED
+    # The last six, in this order (tests/test_jpeg_fuzz.py counts CMYK and YCCK from the end).
     files += [jd.encode(grey, 85), jd.encode(grey, 85, progressive=True), jd.cmyk(img),
               jd.cmyk(img, ycck=True), jd.with_exif_orientation(img),
               jd.encode(jd.photo(17, 9, 2), 75)]
@@ -93,6 +122,44 @@ def _edited(payload: bytes) -> bytes:
     return bytes(data)
 
 
+def _lied(payload: bytes) -> bytes:
+    """Mode 2: a prepared seed with the payload's lies in its index and scan."""
+    from tests import jpeg_data as jd
+
+    if not payload or not PREPARED:
+        return PREPARED[0] if PREPARED else SEED_FILES[0]
+    data = PREPARED[payload[0] % len(PREPARED)]
+    for i in range(1, len(payload) - _LIE.size + 1, _LIE.size):
+        op, value = _LIE.unpack_from(payload, i)
+        try:
+            offsets = jd.index_offsets(data)
+        except AssertionError:  # the index is gone (truncated away): nothing left to lie in
+            break
+        kind = op % 5
+        if kind == 0 and offsets:
+            r = (value >> 16) % len(offsets)
+            offsets[r] = (offsets[r] + (value & 0xFFFF)) & 0xFFFFFFFF
+            data = jd.with_index(data, offsets=offsets)
+        elif kind == 1:
+            name = ("version", "interval", "cols", "rows", "scan_len")[(op >> 4) % 5]
+            size = 1 if name == "version" else 4 if name == "scan_len" else 2
+            data = jd.with_index(data, None, **{name: value % (1 << (8 * size))})
+        elif kind == 2:
+            rst = jd.restart_markers(data)
+            if rst:
+                b = bytearray(data)
+                b[rst[(value >> 8) % len(rst)] + 1] = 0xD0 + (value & 7)
+                data = bytes(b)
+        elif kind == 3:
+            start, _ = jd.scan_data(data)
+            data = data[:start + value % max(1, len(data) - start)]
+        elif len(offsets) > 1:
+            a, b2 = value % len(offsets), (value >> 8) % len(offsets)
+            offsets[a], offsets[b2] = offsets[b2], offsets[a]
+            data = jd.with_index(data, offsets=offsets)
+    return data
+
+
 def _box(geom: bytes, hw: tuple[int, int]) -> tuple[tuple[float, float, float, float],
                                                   tuple[int, int], bool, tuple[int, ...]]:
     h, w = hw
@@ -115,24 +182,29 @@ _MESSAGES = ["Premature end", "Huffman code", "arithmetic", "premature end of da
              "found marker", "over the limit", "scans", "Not a JPEG", "Bogus", "Invalid",
              "Unsupported", "Empty JPEG", "colour space", "Quantization table",
              "Huffman table", "sampling factors", "component", "outside", "frame header",
-             "precision", "too wide", "backing store", "Insufficient memory", "marker"]
+             "precision", "too wide", "backing store", "Insufficient memory", "marker",
+             "MCU index", "restart marker", "inside the scan", "does not start", "intervals",
+             "index version", "no EOI", "two MCU indexes", "not a baseline",
+             "restart interval", "MCUs for a frame", "cut off"]
 _BRANCHES = "\n".join(
     [f"    if {text!r} in detail: hit += {1 << i}" for i, text in enumerate(_MESSAGES)]
     + [f"    if comps == {c}: hit += {c} << 30" for c in (1, 3, 4)]
     + ["    if progressive: hit += 1 << 40"]
-    + [f"    if scale == {m}: hit += {m} << 50" for m in range(1, 9)])
+    + [f"    if scale == {m}: hit += {m} << 50" for m in range(1, 9)]
+    + ["    if indexed: hit += 1 << 60"])
 _namespace: dict[str, Any] = {}
 exec(  # noqa: S102 - a fixed template: one branch per line, for coverage feedback
-    f"def _branches(detail, comps, progressive, scale):\n    hit = 0\n{_BRANCHES}\n"
+    f"def _branches(detail, comps, progressive, scale, indexed):\n    hit = 0\n{_BRANCHES}\n"
     f"    return hit\n", _namespace)
-_branches: Callable[[str, int, bool, int], int] = atheris.instrument_func(
+_branches: Callable[[str, int, bool, int, bool], int] = atheris.instrument_func(
     _namespace["_branches"])
 
 
-def _outcome(kind: str, detail: str, frame: tuple[int, bool] | None, scale: int) -> str:
+def _outcome(kind: str, detail: str, frame: tuple[int, bool] | None, scale: int,
+             indexed: bool = False) -> str:
     """``kind``, after spelling what happened as branches (see the module docstring)."""
     comps, progressive = frame if frame is not None else (0, False)
-    _branches(detail, comps, progressive, scale)
+    _branches(detail, comps, progressive, scale, indexed)
     return kind
 
 
@@ -142,10 +214,11 @@ def one_input(data: bytes) -> str:
     if len(data) < HEAD:
         return "short"
     mode, geom, payload = data[0] % MODES, data[1:HEAD], data[HEAD:]
-    file = payload if mode == 0 else _edited(payload)
+    file = payload if mode == 0 else _edited(payload) if mode == 1 else _lied(payload)
     buf = np.frombuffer(file, np.uint8)
     frame: tuple[int, bool] | None = None
     scale = 0
+    indexed = b"feedline-mcu-index" in file
     try:
         hw = turbo.header(buf)
         frame = turbo.frame(buf)
@@ -156,12 +229,12 @@ def one_input(data: bytes) -> str:
         img = turbo.decode_box(buf, hw, box, out_hw, bgr, max_pixels=MAX_PIXELS,
                                scales=scales)
     except CorruptImage as e:
-        return _outcome("corrupt", str(e), frame, scale)
+        return _outcome("corrupt", str(e), frame, scale, indexed)
     except turbo.Unsupported as e:
-        return _outcome("unsupported", str(e), frame, scale)
+        return _outcome("unsupported", str(e), frame, scale, indexed)
     if img.shape != (*out_hw, 3) or img.dtype != np.uint8:
         raise AssertionError(f"decode_box gave {img.shape} {img.dtype}, not {out_hw} x 3 uint8")
-    return _outcome("ok", "", frame, scale)
+    return _outcome("ok", "", frame, scale, indexed)
 
 
 def _target(data: bytes) -> None:
@@ -177,6 +250,8 @@ def seeds() -> dict[str, bytes]:
         for i, f in enumerate(SEED_FILES):
             out[f"file-{i}-{gname}"] = bytes([0]) + geom + f
             out[f"edit-{i}-{gname}"] = bytes([1]) + geom + bytes([i, 0, 0])
+        for i in range(len(PREPARED)):
+            out[f"lie-{i}-{gname}"] = bytes([2]) + geom + bytes([i])
     return out
 
 

@@ -180,3 +180,53 @@ def cmyk(img: np.ndarray, ycck: bool = False) -> bytes:
             b[start + 4 + 11] = 2
             return bytes(b)
     raise AssertionError("no Adobe marker")
+
+
+# ------------------------------------------------------------- prepared (MCU-indexed) files
+# The index segment (feedline/producer/image/_mcuindex.c): FF E9, length, "feedline-mcu-index",
+# version u8, interval u16, cols u16, rows u16, scan_len u32, rows x u32 row offsets.
+INDEX_MAGIC = b"feedline-mcu-index"
+_FIELDS = {"version": (22, 1), "interval": (23, 2), "cols": (25, 2), "rows": (27, 2),
+           "scan_len": (29, 4)}
+
+
+def index_segment(jpeg: bytes) -> tuple[int, int]:
+    """``(start, end)`` of a prepared file's index segment, marker included."""
+    for marker, start, end in segments(jpeg):
+        if marker == 0xE9 and jpeg[start + 4:start + 4 + len(INDEX_MAGIC)] == INDEX_MAGIC:
+            return start, end
+    raise AssertionError("no MCU index")
+
+
+def index_fields(jpeg: bytes) -> dict[str, int]:
+    """The index's fields but its offsets (:func:`index_offsets`)."""
+    start, _ = index_segment(jpeg)
+    return {k: int.from_bytes(jpeg[start + o:start + o + n], "big")
+            for k, (o, n) in _FIELDS.items()}
+
+
+def index_offsets(jpeg: bytes) -> list[int]:
+    """Where the index says each MCU row starts, from the start of the scan's data."""
+    start, end = index_segment(jpeg)
+    return [int.from_bytes(jpeg[i:i + 4], "big") for i in range(start + 33, end, 4)]
+
+
+def with_index(jpeg: bytes, offsets: list[int] | None = None, **fields: int) -> bytes:
+    """The same file with index fields changed (``offsets``: the whole list, its segment's
+    length following it)."""
+    start, end = index_segment(jpeg)
+    seg = bytearray(jpeg[start:end])
+    if offsets is not None:
+        seg[33:] = b"".join(o.to_bytes(4, "big") for o in offsets)
+        seg[2:4] = (len(seg) - 2).to_bytes(2, "big")
+    for k, v in fields.items():
+        o, n = _FIELDS[k]
+        seg[o:o + n] = v.to_bytes(n, "big")
+    return jpeg[:start] + bytes(seg) + jpeg[end:]
+
+
+def restart_markers(jpeg: bytes) -> list[int]:
+    """Offsets of the restart markers (FF D0-D7) in the first scan's data."""
+    start, end = scan_data(jpeg)
+    return [i for i in range(start, end - 1)
+            if jpeg[i] == 0xFF and 0xD0 <= jpeg[i + 1] <= 0xD7]

@@ -11,10 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cv2
+import numpy as np
+import pytest
+
 from feedline.producer.dataflow import ImageFolder, LMDBSerializer
 from feedline.producer.dataflow.webdataset import WebDataset
+from feedline.producer.image import ImageNetTrain, is_prepared, turbo
 from tests.conftest import ROOT
-from tests.jpeg_data import make_folder
+from tests.jpeg_data import encode, make_folder, photo
 
 
 def feedline(*args: str) -> subprocess.CompletedProcess:
@@ -83,19 +88,54 @@ def test_info_lists_shards_writes_their_manifest_and_names_corrupt_records(tmp_p
     assert r.returncode == 0 and "corrupt: " in r.stdout and "shard-000000.tar#" in r.stdout
 
 
-def test_prepare_jpeg_says_when_this_build_lacks_it(tmp_path: Path):
-    from feedline.producer import image
+@pytest.mark.skipif(not turbo.AVAILABLE, reason=turbo.decoder_info())
+def test_prepare_jpeg_shards_decode_to_the_originals_pixels(tmp_path: Path):
+    """``--prepare-jpeg`` (two workers): each JPEG is stored prepared (an MCU index) and
+    decodes to its original's pixels, whole (OpenCV) and through the fused decoder's crops
+    (ImageNetTrain, same seed); a PNG and a broken JPEG are stored byte for byte, the broken
+    one named in a warning; sample order and labels as without it."""
+    files = {"c0/a.jpg": encode(photo(300, 400, 1), 90), "c0/b.png": cv2.imencode(
+        ".png", photo(60, 80, 2))[1].tobytes(), "c1/c.jpg": encode(photo(333, 501, 3), 85,
+                                                                    "444", progressive=True),
+             "c1/d.jpg": encode(photo(200, 150, 4), 90)[:900]}
+    for name, data in files.items():
+        (tmp_path / "images" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "images" / name).write_bytes(data)
+    r = feedline("convert", str(tmp_path / "images"), str(tmp_path / "out"), "--prepare-jpeg",
+                 "--workers", "2", "--shard-size", "100KB", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "d.jpg" in r.stderr and "stored as it is" in r.stderr, r.stderr
+    stored = shards_of(tmp_path / "out")
+    assert [label for _, label in stored] == [0, 0, 1, 1]
+    for (name, original), (got, _) in zip(sorted(files.items()), stored, strict=True):
+        if name in ("c0/a.jpg", "c1/c.jpg"):
+            assert is_prepared(got) and got != original, name
+            want = cv2.imdecode(np.frombuffer(original, np.uint8), 1)
+            np.testing.assert_array_equal(cv2.imdecode(np.frombuffer(got, np.uint8), 1), want)
+            a, b = ImageNetTrain(224, seed=5), ImageNetTrain(224, seed=5)
+            for _ in range(10):
+                np.testing.assert_array_equal(a(np.frombuffer(got, np.uint8)),
+                                              b(np.frombuffer(original, np.uint8)))
+        else:
+            assert got == original, name
 
+
+def test_prepare_jpeg_without_the_extension_is_a_one_line_error(tmp_path: Path):
+    """Where the extension is not built (as after an install without a compiler), the
+    transcoder is missing: one line saying so, nothing written."""
     make_folder(tmp_path / "images", classes=1, per_class=2)
-    r = feedline("convert", str(tmp_path / "images"), str(tmp_path / "out"), "--prepare-jpeg")
-    if hasattr(image, "prepare_jpeg"):  # a build with the transcoder: it is used
-        assert r.returncode == 0, r.stderr
-    else:
-        assert r.returncode == 1
-        assert r.stderr.strip() == ("feedline convert: --prepare-jpeg: not available in this "
-                                    "build (it needs feedline.producer.image.prepare_jpeg, the "
-                                    "lossless restart-interval transcode); convert without it")
-        assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    script = ("import runpy, sys\n"
+              "sys.modules['feedline.producer.image._jpegturbo'] = None  # as if never built\n"
+              "sys.argv = ['feedline', *sys.argv[1:]]\n"
+              "runpy.run_module('feedline.commands', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", script, "convert", str(tmp_path / "images"),
+                        str(tmp_path / "out"), "--prepare-jpeg"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == ("feedline convert: --prepare-jpeg: not available in this "
+                                "build (it needs feedline.producer.image.prepare_jpeg, the "
+                                "lossless restart-interval transcode); convert without it")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def test_bad_arguments_are_one_line(tmp_path: Path):

@@ -191,7 +191,8 @@ def test_the_crop_box_draws_are_the_opencv_paths() -> None:
 def test_without_the_extension_opencv_decodes_and_says_so(tmp_path: Path) -> None:
     """A process where the extension cannot be imported (as after an install without a
     compiler): decoder_info names OpenCV and why, the presets decode with OpenCV, and their
-    output is what decoder="opencv" gives where the extension exists."""
+    output is what decoder="opencv" gives where the extension exists, but for the bilinear
+    resize: cv2.resize there, the extension's resampler here (within 2 grey levels)."""
     script = tmp_path / "no_ext.py"
     script.write_text(
         "import sys\n"
@@ -206,7 +207,10 @@ def test_without_the_extension_opencv_decodes_and_says_so(tmp_path: Path) -> Non
     jpg = tmp_path / "x.jpg"
     jpg.write_bytes(encode(photo(600, 800, 6), 85))
     out = subprocess.run([sys.executable, str(script), str(jpg), str(tmp_path / "out.npy")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         # a script's own folder, not cwd, goes first on its path: this
+                         # checkout's feedline, whatever is installed
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"OpenCV {cv2.__version__} (libjpeg-turbo extension not "
                                  "built:"), out.stdout
@@ -214,7 +218,8 @@ def test_without_the_extension_opencv_decodes_and_says_so(tmp_path: Path) -> Non
     data = np.fromfile(jpg, np.uint8)
     t = ImageNetTrain(224, seed=3, decoder="opencv")
     want = np.stack([t(data) for _ in range(5)] + [ImageNetVal(decoder="opencv")(data)])
-    np.testing.assert_array_equal(got, want)
+    diff = np.abs(got.astype(int) - want)
+    assert diff.max() <= 2 and diff.mean() < 0.5, (diff.max(), diff.mean())
 
 
 def _tree(dst: Path) -> Path:

@@ -47,6 +47,12 @@ def test_seeds_decode_and_edits_reach_the_error_paths() -> None:
     assert fj.one_input(bytes([1]) + geom + bytes([0]) + (300).to_bytes(2, "big")) == "corrupt"
     assert fj.one_input(bytes([0]) + geom + b"\xff\xd8\xff\xdb" + bytes(64)) == "corrupt"
     assert fj.one_input(bytes([0, 1])) == "short"
+    # Mode 2: lies in a prepared seed's index (version 2; row 1 moved by 5 bytes) and scan
+    # (a restart marker renumbered; the file cut 100 bytes into its scan).
+    assert fj.PREPARED and any(k.startswith("lie-") for k in results)
+    lie = bytes([2]) + geom + bytes([0])
+    for op, value in [(1, 2), (0, (1 << 16) | 5), (2, (7 << 8) | 6), (3, 100)]:
+        assert fj.one_input(lie + bytes([op]) + value.to_bytes(4, "big")) == "corrupt", op
 
 
 def test_time_boxed_fuzz_run_finds_nothing(tmp_path: Path) -> None:

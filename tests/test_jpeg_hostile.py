@@ -30,9 +30,15 @@ from tests.jpeg_data import (
     cmyk,
     corrupt_scan,
     encode,
+    index_fields,
+    index_offsets,
+    index_segment,
     many_scans,
     photo,
+    restart_markers,
+    segments,
     with_exif_orientation,
+    with_index,
     with_size,
 )
 
@@ -249,3 +255,91 @@ def test_threads_decode_concurrently_and_agree_with_one_thread() -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------ prepared (indexed) files
+def _restarts_renumbered(data: bytes, keep_row_starts: bool, new: int | None = None) -> bytes:
+    """Every restart marker inside a row (``keep_row_starts``: not those that end a row, so
+    the index's own checks pass and the scan walk must find it) renumbered (+1), or its
+    second byte replaced by ``new``."""
+    scan = segments(data)[-1][1]
+    scan += 2 + int.from_bytes(data[scan + 2:scan + 4], "big")
+    row_ends = {scan + o - 2 for o in index_offsets(data)} if keep_row_starts else set()
+    b = bytearray(data)
+    for at in restart_markers(data):
+        if at not in row_ends:
+            b[at + 1] = new if new is not None else 0xD0 + ((b[at + 1] - 0xD0 + 1) & 7)
+    return bytes(b)
+
+
+def _with_segment(data: bytes, seg: bytes) -> bytes:
+    """``seg`` inserted right after SOI."""
+    return data[:2] + seg + data[2:]
+
+
+def prepared_broken() -> dict[str, tuple[bytes, str]]:
+    """Indexed files that must be refused, and what the error says."""
+    from feedline.producer.image.prepared import prepare_jpeg
+
+    prep = prepare_jpeg(BASE)
+    f, offs = index_fields(prep), index_offsets(prep)
+    s0, s1 = index_segment(prep)
+    seg = prep[s0:s1]
+    swapped = offs[:2] + [offs[3], offs[2]] + offs[4:]
+    return {
+        "index-offset-past-the-scan": (with_index(prep, offsets=[0] + [0xFFFFFFF0] * (
+            len(offs) - 1)), "starts at"),
+        "index-offset-inside-an-interval": (with_index(prep, offsets=[0] + [o + 5 for o in
+                                                                           offs[1:]]),
+                                            "restart marker"),
+        "index-rows-out-of-order": (with_index(prep, offsets=swapped), "MCU row 2"),
+        "index-grid-not-the-frames": (with_index(prep, cols=f["cols"] + 1),
+                                      "MCUs for a frame of"),
+        "index-version-2": (with_index(prep, version=2), "index version 2"),
+        "index-interval-4": (with_index(prep, interval=4), "interval 4"),
+        "index-rows-missing": (with_index(prep, offsets=offs[:-1]), "bytes for"),
+        "index-scan-length-wrong": (with_index(prep, scan_len=f["scan_len"] - 1),
+                                    "no EOI follows"),
+        "indexed-file-truncated-in-the-scan": (prep[:len(prep) * 2 // 3], "no EOI follows"),
+        "restart-markers-out-of-sequence": (_restarts_renumbered(prep, True), "restart marker"),
+        "a-marker-inside-the-scan": (_restarts_renumbered(prep, True, 0xC4),
+                                     "marker FFC4 inside the scan"),
+        "restart-markers-gone": (_restarts_renumbered(prep, True, 0x00), "intervals, not"),
+        "index-on-a-progressive-file": (_with_segment(PROG, seg), "not a baseline"),
+        "index-without-restart-markers": (_with_segment(BASE, seg), "restart interval of 0"),
+        "two-indexes": (_with_segment(prep, seg), "two MCU indexes"),
+        "indexed-frame-9000x9000": (with_size(prep, 9000, 9000), "MCUs for a frame of"),
+    }
+
+
+@pytest.mark.skipif(not turbo.AVAILABLE, reason=turbo.decoder_info())
+@pytest.mark.parametrize("name", sorted(prepared_broken() if turbo.AVAILABLE else {}))
+def test_broken_indexed_files_are_refused_with_what_is_wrong(name: str) -> None:
+    """A lying index, a truncated scan, markers where the index's intervals should be:
+    CorruptImage naming the MCU index's complaint, from every crop (each walks rows of the
+    scan that the damage is in) and from both presets."""
+    data, says = prepared_broken()[name]
+    buf = np.frombuffer(data, np.uint8)
+    presets: list[Callable[[Any], np.ndarray]] = [ImageNetTrain(224, seed=0), ImageNetVal()]
+    for preset in presets:
+        for _ in range(4):
+            with pytest.raises(CorruptImage, match=says):
+                preset(buf)
+
+
+@pytest.mark.skipif(not turbo.AVAILABLE, reason=turbo.decoder_info())
+def test_an_intact_index_on_damaged_entropy_data_is_still_libjpegs_to_judge() -> None:
+    """Bytes of the Huffman-coded data overwritten (no marker touched): the index fits, so
+    the crop is assembled and libjpeg refuses the data, as it does for any file."""
+    from feedline.producer.image.prepared import prepare_jpeg
+    from tests.jpeg_data import scan_data
+
+    data = bytearray(prepare_jpeg(BASE))
+    start, end = scan_data(bytes(data))
+    rng = np.random.default_rng(0)
+    for pos in rng.integers(start + 1, end - 1, 400):
+        if 0xFF not in (data[pos - 1], data[pos], data[pos + 1]):  # markers stay as they are
+            data[pos] = int(rng.integers(0, 0xFF))
+    with pytest.raises(CorruptImage, match="Corrupt JPEG data|Premature end|Huffman"):
+        for _ in range(8):
+            ImageNetTrain(224, seed=0)(np.frombuffer(data, np.uint8))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -55,15 +56,28 @@ def parse_size(text: str) -> int:
 
 
 def prepare_jpeg_function() -> Any:
-    """``prepare_jpeg(data) -> bytes`` where this build has it; a clear error where not."""
+    """``(bytes, name) -> bytes``: a JPEG prepared for crop decoding (the same pixels), anything
+    else and a JPEG that does not decode stored as it is (with a warning: the decoder will
+    refuse it again when it is read); a clear error where this build cannot prepare."""
     from feedline.producer import image
 
     fn = getattr(image, "prepare_jpeg", None)
-    if fn is None:
+    if fn is None or not image.turbo.AVAILABLE:
         raise Unavailable("--prepare-jpeg: not available in this build (it needs "
                          "feedline.producer.image.prepare_jpeg, the lossless restart-interval "
                          "transcode); convert without it")
-    return fn
+    return partial(_prepare_or_keep, fn)
+
+
+def _prepare_or_keep(prepare_jpeg: Callable[[bytes], bytes], data: bytes, name: str) -> bytes:
+    from feedline.producer.image.decode import CorruptImage
+
+    try:
+        return prepare_jpeg(data)
+    except CorruptImage as e:
+        why = str(e).split(": ", 1)[-1]  # without "N bytes: ": the sample is named instead
+        print(f"feedline convert: warning: {name}: {why}; stored as it is", file=sys.stderr)
+        return data
 
 
 def open_source(path: str, list_file: str | None) -> Any:
@@ -78,11 +92,17 @@ def open_source(path: str, list_file: str | None) -> Any:
     raise DataNotFound(f"{path}: no such image folder or LMDB file")
 
 
-def _read(i: int) -> tuple[bytes, int]:
+def _read(i: int, prepare: Callable[..., bytes] | None = None) -> tuple[bytes, int]:
+    """Sample ``i`` of the source; with ``prepare`` (:func:`prepare_jpeg_function`), its
+    image prepared, a warning naming the file (or the sample) where it does not decode."""
     from feedline.producer.shards.writer import as_bytes
 
     dp = _SOURCE.sample(i)
-    return as_bytes(dp[0]), int(dp[1])
+    data = as_bytes(dp[0])
+    if prepare is not None:
+        paths = getattr(_SOURCE, "paths", None)
+        data = prepare(data, str(paths[i]) if paths is not None else f"sample {i}")
+    return data, int(dp[1])
 
 
 def _sizes(src: Any) -> list[int]:
@@ -107,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         target = parse_size(args.shard_size)
-        transform = prepare_jpeg_function() if args.prepare_jpeg else None
+        prepare = prepare_jpeg_function() if args.prepare_jpeg else None
         if args.workers < 1:
             raise ConfigError(f"--workers {args.workers}: expected >= 1")
         _SOURCE = open_source(args.source, args.list_file)
@@ -120,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     existing = [j.path for j in jobs if Path(j.path).exists()]
     if existing and not args.overwrite:
         return fail(f"{existing[0]} exists (--overwrite replaces it)")
-    write = partial(write_shard, read=_read, transform=transform)
+    write = partial(write_shard, read=partial(_read, prepare=prepare))
     total = sum(len(j.samples) for j in jobs)
     infos = []
     with tqdm(total=total, unit="img", disable=args.no_progress, desc="convert") as bar:

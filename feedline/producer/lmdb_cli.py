@@ -3,13 +3,17 @@
 An LMDB of JPEG bytes is read sequentially (one large file instead of a million small ones:
 what network file systems and spinning disks want). Each datapoint is ``[jpeg bytes as a
 uint8 array, label]``; read it with ``source: {lmdb: {path: OUT.lmdb}}`` and decode in the
-pipeline's steps.
+pipeline's steps. ``--prepare-jpeg`` stores each JPEG prepared for crop decoding
+(:mod:`feedline.producer.image.prepared`: transcoded losslessly, the same pixels).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
+from collections import Counter
+from typing import Any
 
 from feedline.flags import HelpFormatter
 
@@ -32,6 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="store in a random order (seed 0), so that a sequential read with a "
                    "local shuffle mixes classes")
     b.add_argument("--overwrite", action="store_true", help="replace OUT.lmdb if it exists")
+    b.add_argument("--prepare-jpeg", action="store_true",
+                   help="store JPEGs prepared for crop decoding: transcoded losslessly (the "
+                   "same pixels, every decoder) with a restart marker after every MCU and an "
+                   "MCU index, so that the fused decoder entropy-decodes only the blocks a "
+                   "crop needs (docs/pipelines.md); other images, and JPEGs that cannot be, "
+                   "are stored as they are. Needs the compiled extension")
+    b.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="threads preparing JPEGs (libjpeg runs without the GIL)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=build)
     i = cmds.add_parser("info", help="count and size of an LMDB file",
@@ -44,17 +56,84 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
-def build(args: argparse.Namespace) -> int:
-    from feedline.producer.dataflow import ImageFolder, LMDBSerializer
+class _Preparing:
+    """Counts what preparing the images did (threads share one: a lock guards it)."""
 
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kept: Counter[str] = Counter()
+        self.prepared = self.before = self.after = 0
+
+    def function(self) -> Any:
+        """The map function: image bytes -> the bytes to store (a closure, so that the
+        threads' copies of the map function all count here)."""
+        import numpy as np
+
+        from feedline.producer.image.decode import CorruptImage
+        from feedline.producer.image.prepared import prepare
+
+        def prep(data: Any) -> Any:
+            try:
+                p = prepare(data, source=data)
+            except CorruptImage as e:  # stored as it is: the decoder will say so again
+                print(f"feedline lmdb build: warning: {e}; stored as it is", file=sys.stderr)
+                with self.lock:
+                    self.kept["does not decode"] += 1
+                return data
+            with self.lock:
+                if p.prepared:
+                    self.prepared += 1
+                    self.before += data.size
+                    self.after += len(p.data)
+                else:
+                    self.kept[p.note] += 1
+            return np.frombuffer(p.data, np.uint8) if p.prepared else data
+
+        return prep
+
+    def summary(self) -> str:
+        ratio = f" ({self.after / self.before:.3f}x their bytes)" if self.before else ""
+        kept = "; ".join(f"{n} {why}" for why, n in self.kept.most_common())
+        return f"{self.prepared} JPEGs prepared{ratio}" + (
+            f", {sum(self.kept.values())} stored as they were: {kept}" if kept else "")
+
+
+def build(args: argparse.Namespace) -> int:
+    from feedline.producer.dataflow import (
+        ImageFolder,
+        LMDBSerializer,
+        MapDataComponent,
+        MultiThreadMapData,
+    )
+    from feedline.producer.dataflow.map_data import ComponentFunc
+
+    if args.jobs < 1:
+        print(f"feedline lmdb build: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    preparing = _Preparing() if args.prepare_jpeg else None
+    if preparing is not None:
+        from feedline.producer.image import turbo
+
+        if not turbo.AVAILABLE:
+            print(f"feedline lmdb build: --prepare-jpeg needs the compiled extension (the "
+                  f"decoder here: {turbo.decoder_info()}); nothing was written",
+                  file=sys.stderr)
+            return 2
     try:
         if args.list_file:
-            df = ImageFolder(root=args.image_dir, list_file=args.list_file,
-                             shuffle=args.shuffle)
+            df: Any = ImageFolder(root=args.image_dir, list_file=args.list_file,
+                                  shuffle=args.shuffle)
         else:
             df = ImageFolder(root=args.image_dir, shuffle=args.shuffle)
-        n = LMDBSerializer.save(df, args.out, progress=not args.no_progress,
-                                overwrite=args.overwrite)
+        if preparing is not None:
+            fn = preparing.function()
+            df = MapDataComponent(df, fn, 0) if args.jobs == 1 else MultiThreadMapData(
+                df, args.jobs, ComponentFunc(fn, 0), buffer_size=4 * args.jobs, strict=True)
+        try:
+            n = LMDBSerializer.save(df, args.out, progress=not args.no_progress,
+                                    overwrite=args.overwrite)
+        finally:
+            getattr(df, "close", lambda: None)()
     except FileExistsError:
         print(f"feedline lmdb build: {args.out} exists (--overwrite replaces it)",
               file=sys.stderr)
@@ -68,7 +147,8 @@ def build(args: argparse.Namespace) -> int:
         print(f"feedline lmdb build: interrupted; nothing was written to {args.out}",
               file=sys.stderr)
         return 130
-    print(f"wrote {n} images to {args.out}")
+    print(f"wrote {n} images to {args.out}" + (
+        f": {preparing.summary()}" if preparing is not None else ""))
     return 0
 
 

@@ -4,6 +4,7 @@ augmentors (OpenCV, uint8 in and out)."""
 from feedline.producer.image.color import Brightness, ColorJitter, Contrast, Lighting, Saturation
 from feedline.producer.image.decode import CorruptImage, decode, jpeg_size, reduction_for, to_rgb
 from feedline.producer.image.geometry import CenterCrop, Flip, RandomResizedCrop, ResizeShortestEdge
+from feedline.producer.image.prepared import is_prepared, prepare_jpeg
 from feedline.producer.image.presets import Augment, Decode, ImageNetTrain, ImageNetVal
 from feedline.producer.image.turbo import decoder_info
 
@@ -24,7 +25,9 @@ __all__ = [
     "Saturation",
     "decode",
     "decoder_info",
+    "is_prepared",
     "jpeg_size",
+    "prepare_jpeg",
     "reduction_for",
     "to_rgb",
 ]

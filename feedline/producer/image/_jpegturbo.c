@@ -1,55 +1,46 @@
 /* feedline.producer.image._jpegturbo: decode a region of a JPEG at a DCT scale of M/8, over
  * libjpeg-turbo's jpeglib.h (jpeg_skip_scanlines, jpeg_crop_scanline, scale_num/scale_denom).
  *
- * Three functions; the first two take any contiguous buffer (bytes, a uint8 numpy array):
+ * The functions take any contiguous buffer (bytes, a uint8 numpy array):
  *
  *   header(data) -> (height, width, components, progressive)
  *   decode(data, scale, y0, x0, rows, cols, bgr, max_pixels, max_scans)
  *       -> (pixels: bytearray, x_start, width, image_height, image_width)
- *   resample(pixels, rows, width, col0, cols, y0, x0, fy, fx, out_rows, out_cols) -> bytearray
+ *   index_info(data), synthetic(data, r0, r1, c0, c1): MCU-indexed files (_mcuindex.c)
+ *   prepare(data, optimize, max_pixels): _prepare.c; resample(...): _resample.c
  *
  * decode() scales the image by scale/8 (1..8) in the IDCT, then returns the rows
  * [y0, y0 + rows) of the scaled image, with columns [x_start, x_start + width) where
- * x_start <= x0 and x_start + width == x0 + cols (libjpeg-turbo widens a crop to the left up
- * to an iMCU boundary). pixels holds rows x width x 3 bytes, BGR or RGB.
+ * x_start <= x0 and x_start + width >= x0 + cols. pixels holds rows x width x 3 bytes, BGR or
+ * RGB. An ordinary file: libjpeg-turbo skips the rows above (entropy-decoding them), widens
+ * the crop to the left up to an iMCU boundary (x_start + width == x0 + cols) and stops below
+ * it. A file with an MCU index (prepared, _prepare.c): libjpeg decodes a synthetic JPEG of
+ * only the MCUs under the region and one pixel around it (_mcuindex.c), all its columns:
+ * every pixel of the region is the full decode's.
  *
  * Errors: Unsupported (this decoder cannot, another may: CMYK/YCCK, 12-bit, lossless,
  * arithmetic coding the library was built without) and CorruptJPEG (the data is bad, or
- * over a limit). Warnings that mean the pixels are missing or garbage (premature end of
- * data, bad Huffman/arithmetic code, a marker in the middle of entropy-coded data) are
- * errors; cosmetic warnings (extraneous bytes between markers, unknown JFIF revision) are
- * not. Limits: the image's declared width x height <= max_pixels (checked before anything is
- * allocated for it), libjpeg's own buffers <= 16 bytes per allowed pixel + 16 MiB, at most
- * max_scans scans (a progressive file of many tiny scans costs CPU per scan).
- * The GIL is released while libjpeg runs.
- *
- * resample() is in _resample.c.
+ * over a limit, or an MCU index does not fit its file). Warnings that mean the pixels are
+ * missing or garbage (premature end of data, bad Huffman/arithmetic code, a marker in the
+ * middle of entropy-coded data) are errors; cosmetic warnings (extraneous bytes between
+ * markers, unknown JFIF revision) are not. Limits: the image's declared width x height <=
+ * max_pixels (checked before anything is allocated for it), libjpeg's own buffers <= 16
+ * bytes per allowed pixel + 16 MiB, at most max_scans scans (a progressive file of many tiny
+ * scans costs CPU per scan). The GIL is released while libjpeg runs.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_jt.h"
 
-#include <setjmp.h>
-#include <stdio.h>
 #include <string.h>
 
-#include <jpeglib.h>
 #include <jerror.h>
 
-#ifndef LIBJPEG_TURBO_VERSION
-#error "libjpeg-turbo is required (jpeg_crop_scanline, jpeg_skip_scanlines)"
-#endif
+#include "_mcuindex.h"
+
 #define STR_(x) #x
 #define STR(x) STR_(x)
 
-static PyObject *CorruptJPEG;
-static PyObject *Unsupported;
-
-typedef struct {
-    struct jpeg_error_mgr pub;
-    jmp_buf jump;
-    int unsupported;
-    char message[JMSG_LENGTH_MAX + 96];
-} ErrorMgr;
+PyObject *jt_CorruptJPEG;
+PyObject *jt_Unsupported;
 
 typedef struct {
     struct jpeg_progress_mgr pub;
@@ -57,7 +48,7 @@ typedef struct {
 } ScanLimit;
 
 static void fail(j_common_ptr cinfo) {
-    ErrorMgr *err = (ErrorMgr *)cinfo->err;
+    jt_error *err = (jt_error *)cinfo->err;
     (*cinfo->err->format_message)(cinfo, err->message);
     switch (cinfo->err->msg_code) {
     case JERR_BAD_PRECISION:      /* 12- or 16-bit samples: OpenCV's build may have them */
@@ -88,11 +79,19 @@ static void warn(j_common_ptr cinfo, int level) {
     }
 }
 
+struct jpeg_error_mgr *jt_error_init(jt_error *err) {
+    memset(err, 0, sizeof *err);
+    jpeg_std_error(&err->pub);
+    err->pub.error_exit = fail;
+    err->pub.emit_message = warn;
+    return &err->pub;
+}
+
 static void check_scans(j_common_ptr cinfo) {
     ScanLimit *lim = (ScanLimit *)cinfo->progress;
     j_decompress_ptr d = (j_decompress_ptr)cinfo;
     if (d->input_scan_number > lim->max_scans) {
-        ErrorMgr *err = (ErrorMgr *)cinfo->err;
+        jt_error *err = (jt_error *)cinfo->err;
         snprintf(err->message, sizeof err->message,
                  "more than %d scans (a progressive JPEG this fragmented is refused)",
                  lim->max_scans);
@@ -100,29 +99,26 @@ static void check_scans(j_common_ptr cinfo) {
     }
 }
 
-static PyObject *raise_from(ErrorMgr *err) {
-    PyErr_SetString(err->unsupported ? Unsupported : CorruptJPEG, err->message);
+PyObject *jt_raise(const jt_error *err) {
+    PyErr_SetString(err->unsupported ? jt_Unsupported : jt_CorruptJPEG, err->message);
     return NULL;
 }
 
 static PyObject *header(PyObject *self, PyObject *args) {
     Py_buffer view;
     struct jpeg_decompress_struct cinfo;
-    ErrorMgr err;
+    jt_error err;
     int ok;
     (void)self;
     if (!PyArg_ParseTuple(args, "y*:header", &view))
         return NULL;
     if (view.len <= 0) {
         PyBuffer_Release(&view);
-        PyErr_SetString(CorruptJPEG, "empty data");
+        PyErr_SetString(jt_CorruptJPEG, "empty data");
         return NULL;
     }
     memset(&cinfo, 0, sizeof cinfo);
-    memset(&err, 0, sizeof err);
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = fail;
-    err.pub.emit_message = warn;
+    cinfo.err = jt_error_init(&err);
     Py_BEGIN_ALLOW_THREADS
     if (setjmp(err.jump)) {
         ok = 0;
@@ -136,29 +132,108 @@ static PyObject *header(PyObject *self, PyObject *args) {
     jpeg_destroy_decompress(&cinfo);
     PyBuffer_Release(&view);
     if (!ok)
-        return raise_from(&err);
+        return jt_raise(&err);
     return Py_BuildValue("(IIiO)", cinfo.image_height, cinfo.image_width, cinfo.num_components,
                          cinfo.progressive_mode ? Py_True : Py_False);
 }
 
+/* What decode() was asked for, and what it found. */
+typedef struct {
+    int scale, bgr, max_scans;
+    unsigned y0, x0, rows, cols;
+    unsigned long long max_pixels;
+    JDIMENSION x_start, width, image_h, image_w;
+} Request;
+
+/* For an indexed file: the JPEG of the MCUs that hold the request's region, plus one scaled
+ * pixel each side (fancy upsampling reads one chroma sample past a pixel: at the synthetic
+ * image's edges it would replicate instead), and at least two MCUs each way where the image
+ * has them (libjpeg-turbo upsamples a component of 2 samples or fewer without interpolation).
+ * Every pixel of the region then comes out as a full decode gives it. The request is moved
+ * to the synthetic image's coordinates (all its columns); *syn is malloc'd (PyMem_Raw). */
+static int synthetic(const unsigned char *data, const mi_layout *lay, Request *q,
+                     unsigned char **syn, size_t *syn_len, jt_error *err) {
+    unsigned smw = lay->mcu_w * (unsigned)q->scale / 8, smh = lay->mcu_h * (unsigned)q->scale / 8;
+    unsigned sw = (unsigned)(((unsigned long long)lay->width * q->scale + 7) / 8);
+    unsigned sh = (unsigned)(((unsigned long long)lay->height * q->scale + 7) / 8);
+    unsigned xa, xb, ya, yb, c0, c1, r0, r1;
+    char msg[MI_ERRLEN];
+    size_t cap;
+    if ((unsigned long long)lay->width * lay->height > q->max_pixels) {
+        snprintf(err->message, sizeof err->message, "declares %ux%u pixels, over the limit "
+                 "of %llu", lay->width, lay->height, q->max_pixels);
+        return 0;
+    }
+    if ((unsigned long long)q->y0 + q->rows > sh || (unsigned long long)q->x0 + q->cols > sw) {
+        snprintf(err->message, sizeof err->message, "region %ux%u at (%u, %u) is outside the "
+                 "%ux%u image at scale %d/8", q->cols, q->rows, q->x0, q->y0, sw, sh, q->scale);
+        return 0;
+    }
+    xa = q->x0 > 0 ? q->x0 - 1 : 0;
+    ya = q->y0 > 0 ? q->y0 - 1 : 0;
+    xb = q->x0 + q->cols < sw ? q->x0 + q->cols + 1 : sw;
+    yb = q->y0 + q->rows < sh ? q->y0 + q->rows + 1 : sh;
+    c0 = xa / smw;
+    c1 = (xb + smw - 1) / smw;
+    r0 = ya / smh;
+    r1 = (yb + smh - 1) / smh;
+    if (c1 - c0 < 2 && lay->cols >= 2) {
+        if (c1 < lay->cols)
+            c1++;
+        else
+            c0--;
+    }
+    if (r1 - r0 < 2 && lay->rows >= 2) {
+        if (r1 < lay->rows)
+            r1++;
+        else
+            r0--;
+    }
+    cap = mi_synthetic_bound(lay);
+    *syn = PyMem_RawMalloc(cap);
+    if (*syn == NULL) {
+        snprintf(err->message, sizeof err->message, "no memory for %zu bytes", cap);
+        return 0;
+    }
+    *syn_len = mi_synthetic(data, lay, r0, r1, c0, c1, *syn, cap, msg);
+    if (*syn_len == 0) {
+        snprintf(err->message, sizeof err->message, "MCU index: %s", msg);
+        return 0;
+    }
+    q->image_h = lay->height;
+    q->image_w = lay->width;
+    q->y0 -= r0 * smh;
+    q->x_start = c0 * smw; /* where the synthetic image's columns start */
+    q->x0 = 0;
+    q->cols = ((c1 * lay->mcu_w < lay->width ? c1 * lay->mcu_w : lay->width) - c0 * lay->mcu_w) *
+              (unsigned)q->scale;
+    q->cols = (q->cols + 7) / 8;
+    return 1;
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer view;
-    int scale, bgr, max_scans;
-    unsigned int y0, x0, rows, cols;
-    unsigned long long max_pixels;
+    Request q;
     struct jpeg_decompress_struct cinfo;
-    ErrorMgr err;
+    jt_error err;
     ScanLimit lim;
+    mi_layout lay;
+    char msg[MI_ERRLEN];
+    int indexed;
+    const unsigned char *src;
+    size_t src_len;
+    unsigned char *volatile syn = NULL;
+    size_t syn_len = 0;
     PyObject *volatile out = NULL;
     PyThreadState *volatile ts = NULL;
-    JDIMENSION x_start = 0, width = 0, image_h = 0, image_w = 0;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "y*iIIIIpKi:decode", &view, &scale, &y0, &x0, &rows, &cols,
-                          &bgr, &max_pixels, &max_scans))
+    memset(&q, 0, sizeof q);
+    if (!PyArg_ParseTuple(args, "y*iIIIIpKi:decode", &view, &q.scale, &q.y0, &q.x0, &q.rows,
+                          &q.cols, &q.bgr, &q.max_pixels, &q.max_scans))
         return NULL;
-    if (scale < 1 || scale > 8 || rows == 0 || cols == 0 || max_scans < 1 ||
-        max_pixels > (1ULL << 32)) {
+    if (q.scale < 1 || q.scale > 8 || q.rows == 0 || q.cols == 0 || q.max_scans < 1 ||
+        q.max_pixels > (1ULL << 32)) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError,
                         "scale must be 1..8, rows, cols and max_scans >= 1, max_pixels <= 2**32");
@@ -166,36 +241,52 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     }
     if (view.len <= 0) {
         PyBuffer_Release(&view);
-        PyErr_SetString(CorruptJPEG, "empty data");
+        PyErr_SetString(jt_CorruptJPEG, "empty data");
         return NULL;
     }
     memset(&cinfo, 0, sizeof cinfo);
-    memset(&err, 0, sizeof err);
     memset(&lim, 0, sizeof lim);
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = fail;
-    err.pub.emit_message = warn;
+    cinfo.err = jt_error_init(&err);
+    src = (const unsigned char *)view.buf;
+    src_len = (size_t)view.len;
 
     ts = PyEval_SaveThread();
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
+        PyMem_RawFree(syn);
         PyEval_RestoreThread(ts);
         Py_XDECREF(out);
         PyBuffer_Release(&view);
-        return raise_from(&err);
+        return jt_raise(&err);
     }
     jpeg_create_decompress(&cinfo);
+    indexed = mi_parse(src, src_len, &lay, msg);
+    if (indexed == MI_BAD) {
+        snprintf(err.message, sizeof err.message, "MCU index: %s", msg);
+        longjmp(err.jump, 1);
+    }
+    if (indexed == MI_OK) {
+        unsigned char *s = NULL;
+        int ok = synthetic(src, &lay, &q, &s, &syn_len, &err);
+        syn = s;
+        if (!ok)
+            longjmp(err.jump, 1);
+        src = syn;
+        src_len = syn_len;
+    }
     lim.pub.progress_monitor = check_scans;
-    lim.max_scans = max_scans;
+    lim.max_scans = q.max_scans;
     cinfo.progress = &lim.pub;
-    jpeg_mem_src(&cinfo, (const unsigned char *)view.buf, (unsigned long)view.len);
+    jpeg_mem_src(&cinfo, src, (unsigned long)src_len);
     jpeg_read_header(&cinfo, TRUE);
-    image_h = cinfo.image_height;
-    image_w = cinfo.image_width;
-    if ((unsigned long long)image_h * image_w > max_pixels) {
+    if (!indexed) {
+        q.image_h = cinfo.image_height;
+        q.image_w = cinfo.image_width;
+    }
+    if ((unsigned long long)cinfo.image_height * cinfo.image_width > q.max_pixels) {
         snprintf(err.message, sizeof err.message,
-                 "declares %ux%u pixels, over the limit of %llu", (unsigned)image_w,
-                 (unsigned)image_h, max_pixels);
+                 "declares %ux%u pixels, over the limit of %llu", (unsigned)cinfo.image_width,
+                 (unsigned)cinfo.image_height, q.max_pixels);
         longjmp(err.jump, 1);
     }
     if (cinfo.jpeg_color_space != JCS_YCbCr && cinfo.jpeg_color_space != JCS_GRAYSCALE &&
@@ -209,46 +300,50 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         err.unsupported = 1;
         longjmp(err.jump, 1);
     }
-    /* Bounded buffers: a progressive image keeps all its coefficients (2 bytes each). */
-    cinfo.mem->max_memory_to_use = (long)(max_pixels * 16 + (16L << 20));
-    cinfo.out_color_space = bgr ? JCS_EXT_BGR : JCS_EXT_RGB;
-    cinfo.scale_num = (unsigned int)scale;
+    cinfo.mem->max_memory_to_use = JT_MAX_MEMORY(q.max_pixels);
+    cinfo.out_color_space = q.bgr ? JCS_EXT_BGR : JCS_EXT_RGB;
+    cinfo.scale_num = (unsigned int)q.scale;
     cinfo.scale_denom = 8;
     cinfo.dct_method = JDCT_ISLOW;     /* what OpenCV uses: same pixels at scale 8/8 */
     cinfo.do_fancy_upsampling = TRUE;
     jpeg_calc_output_dimensions(&cinfo);
-    if ((unsigned long long)y0 + rows > cinfo.output_height ||
-        (unsigned long long)x0 + cols > cinfo.output_width) {
+    if ((unsigned long long)q.y0 + q.rows > cinfo.output_height ||
+        (unsigned long long)q.x0 + q.cols > cinfo.output_width) {
         snprintf(err.message, sizeof err.message,
-                 "region %ux%u at (%u, %u) is outside the %ux%u image at scale %d/8", cols,
-                 rows, x0, y0, (unsigned)cinfo.output_width, (unsigned)cinfo.output_height,
-                 scale);
+                 "region %ux%u at (%u, %u) is outside the %ux%u image at scale %d/8", q.cols,
+                 q.rows, q.x0, q.y0, (unsigned)cinfo.output_width,
+                 (unsigned)cinfo.output_height, q.scale);
         longjmp(err.jump, 1);
     }
     jpeg_start_decompress(&cinfo);
-    x_start = x0;
-    width = cols;
-    if (width < cinfo.output_width)
-        jpeg_crop_scanline(&cinfo, &x_start, &width);
+    if (!indexed) {
+        q.x_start = q.x0;
+        q.width = q.cols;
+        if (q.width < cinfo.output_width)
+            jpeg_crop_scanline(&cinfo, &q.x_start, &q.width);
+    } else {
+        q.width = cinfo.output_width; /* the synthetic image holds only what is needed */
+    }
 
     /* The output buffer is a Python object: take the GIL back only to allocate it. */
     PyEval_RestoreThread(ts);
-    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)rows * width * 3);
+    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)q.rows * q.width * 3);
     if (out == NULL) {
         jpeg_destroy_decompress(&cinfo);
+        PyMem_RawFree(syn);
         PyBuffer_Release(&view);
         return NULL;
     }
     ts = PyEval_SaveThread();
     {
         JSAMPLE *base = (JSAMPLE *)PyByteArray_AS_STRING(out);
-        size_t stride = (size_t)width * 3;
-        if (y0 > 0 && jpeg_skip_scanlines(&cinfo, y0) != y0) {
-            snprintf(err.message, sizeof err.message, "could not skip to row %u", y0);
+        size_t stride = (size_t)q.width * 3;
+        if (q.y0 > 0 && jpeg_skip_scanlines(&cinfo, q.y0) != q.y0) {
+            snprintf(err.message, sizeof err.message, "could not skip to row %u", q.y0);
             longjmp(err.jump, 1);
         }
-        while (cinfo.output_scanline < y0 + rows) {
-            JSAMPROW row = base + (size_t)(cinfo.output_scanline - y0) * stride;
+        while (cinfo.output_scanline < q.y0 + q.rows) {
+            JSAMPROW row = base + (size_t)(cinfo.output_scanline - q.y0) * stride;
             if (jpeg_read_scanlines(&cinfo, &row, 1) != 1) {
                 snprintf(err.message, sizeof err.message, "no data for row %u",
                          (unsigned)cinfo.output_scanline);
@@ -257,14 +352,70 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         }
     }
     jpeg_destroy_decompress(&cinfo); /* the rows below the region are never decoded */
+    PyMem_RawFree(syn);
     PyEval_RestoreThread(ts);
     PyBuffer_Release(&view);
-    return Py_BuildValue("(NIIII)", out, (unsigned)x_start, (unsigned)width,
-                         (unsigned)image_h, (unsigned)image_w);
+    return Py_BuildValue("(NIIII)", out, (unsigned)q.x_start, (unsigned)q.width,
+                         (unsigned)q.image_h, (unsigned)q.image_w);
 }
 
-/* _resample.c */
-PyObject *jt_resample(PyObject *self, PyObject *args);
+/* index_info(data) -> None, or (mcu_cols, mcu_rows, mcu_width, mcu_height, scan_bytes) of
+ * an MCU-indexed file; CorruptJPEG if its index does not fit it. */
+static PyObject *index_info(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    mi_layout lay;
+    char msg[MI_ERRLEN];
+    int found;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*:index_info", &view))
+        return NULL;
+    found = mi_parse((const unsigned char *)view.buf, (size_t)view.len, &lay, msg);
+    PyBuffer_Release(&view);
+    if (found == MI_BAD) {
+        PyErr_Format(jt_CorruptJPEG, "MCU index: %s", msg);
+        return NULL;
+    }
+    if (found == MI_NONE)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(IIIIn)", lay.cols, lay.rows, lay.mcu_w, lay.mcu_h,
+                         (Py_ssize_t)lay.scan_len);
+}
+
+/* synthetic(data, r0, r1, c0, c1) -> bytes: the JPEG of MCU rows [r0, r1) and columns
+ * [c0, c1) of an indexed file, as decode() makes it (for tests and debugging). */
+static PyObject *synthetic_py(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    mi_layout lay;
+    char msg[MI_ERRLEN];
+    unsigned r0, r1, c0, c1;
+    size_t cap, n = 0;
+    unsigned char *buf;
+    PyObject *res;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*IIII:synthetic", &view, &r0, &r1, &c0, &c1))
+        return NULL;
+    if (mi_parse((const unsigned char *)view.buf, (size_t)view.len, &lay, msg) != MI_OK) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(jt_CorruptJPEG, "no MCU index");
+        return NULL;
+    }
+    cap = mi_synthetic_bound(&lay);
+    buf = PyMem_RawMalloc(cap);
+    if (buf == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    n = mi_synthetic((const unsigned char *)view.buf, &lay, r0, r1, c0, c1, buf, cap, msg);
+    PyBuffer_Release(&view);
+    res = n ? PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)n)
+            : PyErr_Format(jt_CorruptJPEG, "MCU index: %s", msg);
+    PyMem_RawFree(buf);
+    return res;
+}
+
+/* _prepare.c, _resample.c */
+PyObject *jt_prepare(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *jt_resample(PyObject *self, PyObject *args, PyObject *kwargs);
 
 static PyMethodDef methods[] = {
     {"header", header, METH_VARARGS,
@@ -272,10 +423,20 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(data, scale, y0, x0, rows, cols, bgr, max_pixels, max_scans) -> (pixels, "
      "x_start, width, image_height, image_width): rows [y0, y0+rows) of the image scaled by "
-     "scale/8, columns [x_start, x0+cols) with x_start <= x0; rows x width x 3 bytes."},
-    {"resample", jt_resample, METH_VARARGS,
-     "resample(pixels, rows, width, col0, cols, y0, x0, fy, fx, out_rows, out_cols) -> "
-     "bytearray: bilinear samples of a fractional box (see the module's comment)."},
+     "scale/8, columns [x_start, x_start+width) with x_start <= x0 and x_start+width >= "
+     "x0+cols; rows x width x 3 bytes."},
+    {"index_info", index_info, METH_VARARGS,
+     "index_info(data) -> None or (mcu_cols, mcu_rows, mcu_width, mcu_height, scan_bytes)."},
+    {"synthetic", synthetic_py, METH_VARARGS,
+     "synthetic(data, r0, r1, c0, c1) -> bytes: the JPEG of a rectangle of an indexed "
+     "file's MCUs."},
+    {"prepare", (PyCFunction)(void (*)(void))jt_prepare, METH_VARARGS | METH_KEYWORDS,
+     "prepare(data, optimize, max_pixels, interval=1) -> (bytes, note): the file transcoded "
+     "losslessly with a restart marker after every MCU and an MCU index, or None and why "
+     "not."},
+    {"resample", (PyCFunction)(void (*)(void))jt_resample, METH_VARARGS | METH_KEYWORDS,
+     "resample(img, y0, x0, fy, fx, out_rows, out_cols, flip=False, simd=True) -> bytearray: "
+     "bilinear samples of a fractional box of an h x w x 3 uint8 image (see _resample.c)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -300,14 +461,14 @@ PyMODINIT_FUNC PyInit__jpegturbo(void) {
         Py_DECREF(m);
         return NULL;
     }
-    CorruptJPEG = PyErr_NewException("feedline.producer.image._jpegturbo.CorruptJPEG", bases,
-                                     NULL);
-    Unsupported = PyErr_NewException("feedline.producer.image._jpegturbo.Unsupported", bases,
-                                     NULL);
+    jt_CorruptJPEG = PyErr_NewException("feedline.producer.image._jpegturbo.CorruptJPEG",
+                                        bases, NULL);
+    jt_Unsupported = PyErr_NewException("feedline.producer.image._jpegturbo.Unsupported",
+                                        bases, NULL);
     Py_DECREF(bases);
-    if (CorruptJPEG == NULL || Unsupported == NULL ||
-        PyModule_AddObjectRef(m, "CorruptJPEG", CorruptJPEG) < 0 ||
-        PyModule_AddObjectRef(m, "Unsupported", Unsupported) < 0 ||
+    if (jt_CorruptJPEG == NULL || jt_Unsupported == NULL ||
+        PyModule_AddObjectRef(m, "CorruptJPEG", jt_CorruptJPEG) < 0 ||
+        PyModule_AddObjectRef(m, "Unsupported", jt_Unsupported) < 0 ||
         PyModule_AddStringConstant(m, "LIBJPEG_TURBO_VERSION", STR(LIBJPEG_TURBO_VERSION)) < 0 ||
         PyModule_AddIntConstant(m, "JPEG_LIB_VERSION", JPEG_LIB_VERSION) < 0) {
         Py_DECREF(m);

@@ -14,13 +14,31 @@ import numpy as np
 
 from feedline.errors import ConfigError
 
+try:  # the compiled extension's resampler (setup.py); cv2.resize where it was not built
+    from feedline.producer.image._jpegturbo import (  # type: ignore[import-not-found]
+        resample as _resample,
+    )
+except ImportError:
+    _resample = None
 
-def resize(img: np.ndarray, w: int, h: int) -> np.ndarray:
+
+def resize(img: np.ndarray, w: int, h: int, flip: bool = False) -> np.ndarray:
     """Resize with area averaging when shrinking by more than 2x (no aliasing), else
-    bilinear (as tf.image.resize)."""
+    bilinear (as tf.image.resize); ``flip`` mirrors the result left-right.
+
+    Bilinear on ``HxWx3`` uint8 images is the compiled extension's resampler where it is
+    built (``_resample.c``: pixel centres mapped as cv2.resize maps them, within 2 grey
+    levels of its INTER_LINEAR, at about half its cost), else cv2.resize.
+    """
     shrink = min(img.shape[1] / max(w, 1), img.shape[0] / max(h, 1))
+    if shrink <= 2.0 and _resample is not None and img.ndim == 3 and img.shape[2] == 3 \
+            and img.dtype == np.uint8 and img.strides[1:] == (3, 1) \
+            and img.strides[0] >= 3 * img.shape[1] and img.size:
+        out = _resample(img, 0.0, 0.0, img.shape[0] / h, img.shape[1] / w, h, w, flip)
+        return np.frombuffer(out, np.uint8).reshape(h, w, 3)
     interp = cv2.INTER_AREA if shrink > 2.0 else cv2.INTER_LINEAR
-    return cv2.resize(img, (w, h), interpolation=interp)
+    out = cv2.resize(img, (w, h), interpolation=interp)
+    return cv2.flip(out, 1) if flip else out
 
 
 class ResizeShortestEdge:

@@ -116,16 +116,20 @@ class ImageNetTrain(_Seeded):
             hw = _jpeg_header(buf, data)
             if hw is not None:
                 y0, x0, ch, cw = self.crop.sample_box(hw[0], hw[1], rng)
+                # The flip's draw, as Flip makes it (next after the box): the resampler
+                # then writes the image mirrored, which costs nothing.
+                flip = self.flip is not None and rng.random() < self.flip.prob
                 # Colour augmentors work in BGR (OpenCV's order); without them, decode to RGB.
                 bgr = self.jitter is not None or self.lighting is not None
                 try:
                     img = turbo.decode_box(buf, hw, (y0, x0, y0 + ch, x0 + cw),
-                                           (self.size, self.size), bgr, data, self.max_pixels)
+                                           (self.size, self.size), bgr, data, self.max_pixels,
+                                           flip=flip)
                 except turbo.Unsupported:
                     img = decode(buf, source=data, max_pixels=self.max_pixels)
-                    img = resize(img[y0:y0 + ch, x0:x0 + cw], self.size, self.size)
+                    img = resize(img[y0:y0 + ch, x0:x0 + cw], self.size, self.size, flip)
                     bgr = True
-                return self._augment(img, rng, bgr)
+                return self._augment(img, rng, bgr, flipped=True)
         hw = jpeg_size(buf) if self.reduced_decode else None
         if hw is None:
             img = decode(buf, source=data, max_pixels=self.max_pixels)
@@ -142,8 +146,10 @@ class ImageNetTrain(_Seeded):
         img = resize(img[y0:y0 + ch, x0:x0 + cw], self.size, self.size)
         return self._augment(img, rng, True)
 
-    def _augment(self, img: np.ndarray, rng: np.random.Generator, bgr: bool) -> np.ndarray:
-        if self.flip is not None:
+    def _augment(self, img: np.ndarray, rng: np.random.Generator, bgr: bool,
+                 flipped: bool = False) -> np.ndarray:
+        """The augmentors after the crop; ``flipped``: the flip was drawn and applied."""
+        if self.flip is not None and not flipped:
             img = self.flip(img, rng)
         if self.jitter is not None:
             img = self.jitter(img, rng)

@@ -7,7 +7,9 @@ the crop (``jpeg_skip_scanlines``), decodes only the iMCU columns that hold it
 crop is still at least the output size on both sides (never enlarged: the remaining resize
 is a shrink of less than 2x, or of any factor at M = 1), and the region of the scaled image
 that covers the crop plus the pixels the final resize reads around it. :func:`decode_box`
-runs the plan through the compiled extension (``_jpegturbo.c``) and resizes.
+runs the plan through the compiled extension (``_jpegturbo.c``) and resizes. A prepared JPEG
+(:mod:`.prepared`: restart markers after every MCU and an MCU index) is decoded from the
+MCUs under the region only, instead of every row down to it: the same pixels.
 
 The extension is optional: :data:`AVAILABLE` is False where it was not built (no compiler or
 no libjpeg-turbo headers at install time) and the presets decode with OpenCV instead;
@@ -18,8 +20,7 @@ no libjpeg-turbo headers at install time) and the presets decode with OpenCV ins
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import cv2
 import numpy as np
@@ -62,11 +63,11 @@ def decoder_info() -> str:
     return f"OpenCV {cv2.__version__} ({_MISSING})"
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """How to decode a box: at ``scale``/8, the rows ``[r0, r1)`` and columns ``[c0, c1)`` of
     the scaled image (``scaled_hw``); ``box`` is the crop in those scaled pixels
-    ``(y0, x0, y1, x1)``, fractional."""
+    ``(y0, x0, y1, x1)``, fractional. (A named tuple: made once per image, it costs a
+    fraction of a frozen dataclass.)"""
 
     scale: int
     scaled_hw: tuple[int, int]
@@ -81,9 +82,12 @@ def dct_scale(box_hw: tuple[float, float], out_hw: tuple[int, int],
               scales: tuple[int, ...] = FAST_SCALES) -> int:
     """The smallest M of ``scales`` (within 1..8) with ``box * M / 8 >= out`` on both sides;
     the largest of them if none is."""
-    need = max(8 * out / side for side, out in zip(box_hw, out_hw, strict=True))
-    fits = [m for m in scales if m >= need - 1e-9]
-    return min(fits) if fits else max(scales)
+    need = max(8 * out_hw[0] / box_hw[0], 8 * out_hw[1] / box_hw[1]) - 1e-9
+    best = 0
+    for m in scales:
+        if m >= need and (best == 0 or m < best):
+            best = m
+    return best or max(scales)
 
 
 def plan(src_hw: tuple[int, int], box: tuple[float, float, float, float],
@@ -95,7 +99,7 @@ def plan(src_hw: tuple[int, int], box: tuple[float, float, float, float],
     y0, x0, y1, x1 = box
     if not (0 <= y0 < y1 <= h and 0 <= x0 < x1 <= w):
         raise ConfigError(f"box {box} is not inside a {h}x{w} image")
-    if not scales or not all(1 <= m <= 8 for m in scales):
+    if scales is not FAST_SCALES and (not scales or not all(1 <= m <= 8 for m in scales)):
         raise ConfigError(f"scales must be in 1..8, got {scales}")
     m = dct_scale((y1 - y0, x1 - x0), out_hw, scales)
     s = m / 8
@@ -109,16 +113,18 @@ def plan(src_hw: tuple[int, int], box: tuple[float, float, float, float],
 def decode_box(data: np.ndarray, src_hw: tuple[int, int], box: tuple[float, float, float,
                float], out_hw: tuple[int, int], bgr: bool = True, source: Any = None,
                max_pixels: int = MAX_PIXELS, scales: tuple[int, ...] = FAST_SCALES,
-               ) -> np.ndarray:
+               flip: bool = False) -> np.ndarray:
     """Decode the ``box`` of a JPEG whose header says ``src_hw``, resized to ``out_hw``
-    (``HxWx3`` uint8, BGR unless ``bgr`` is False).
+    (``HxWx3`` uint8, BGR unless ``bgr`` is False, mirrored left-right if ``flip``).
 
     The result is what a full decode, a crop and :func:`~feedline.producer.image.geometry.resize`
     give, computed from fewer pixels: identical when no DCT scaling applies (M = 8) and the
-    box is whole pixels. Raises :class:`CorruptImage` if the data does not decode, naming the
-    file of ``source`` (the object the bytes came from, see :func:`.decode.name_of`), and
-    :class:`Unsupported` for a JPEG this decoder leaves to OpenCV. Needs the extension
-    (:data:`AVAILABLE`).
+    box is whole pixels. A prepared JPEG (:mod:`.prepared`: it carries an MCU index) is
+    decoded from the MCUs under the region only; the pixels are the same. Raises
+    :class:`CorruptImage` if the data does not decode (or its MCU index does not fit it),
+    naming the file of ``source`` (the object the bytes came from, see
+    :func:`.decode.name_of`), and :class:`Unsupported` for a JPEG this decoder leaves to
+    OpenCV. Needs the extension (:data:`AVAILABLE`).
     """
     if _jpegturbo is None:
         raise Unsupported(_MISSING)
@@ -132,28 +138,27 @@ def decode_box(data: np.ndarray, src_hw: tuple[int, int], box: tuple[float, floa
         raise Unsupported(str(e)) from e
     except _jpegturbo.CorruptJPEG as e:
         raise CorruptImage(f"{_name(source, data)}: {e}") from e
-    if (ih, iw) != tuple(src_hw):
+    if ih != src_hw[0] or iw != src_hw[1]:
         raise CorruptImage(f"{_name(source, data)}: the frame header says {src_hw[1]}x"
                            f"{src_hw[0]}, libjpeg decodes {iw}x{ih}")
-    rows, y0, x0, y1, x1 = p.r1 - p.r0, *p.box
+    region = np.frombuffer(px, np.uint8).reshape(p.r1 - p.r0, width, 3)[:, p.c0 - xs:p.c1 - xs]
+    y0, x0, y1, x1 = p.box
     y0, x0, y1, x1 = y0 - p.r0, x0 - p.c0, y1 - p.r0, x1 - p.c0  # the box in the region
     oh, ow = out_hw
-    fy, fx = (y1 - y0) / oh, (x1 - x0) / ow
-    if all(float(v).is_integer() for v in (y0, x0, y1, x1)):
+    if y0.is_integer() and x0.is_integer() and y1.is_integer() and x1.is_integer():
         # Whole pixels: what the full-decode path does (at 8/8, the very same pixels).
-        img = np.frombuffer(px, np.uint8).reshape(rows, width, 3)[:, p.c0 - xs:p.c1 - xs]
-        return resize(img[int(y0):int(y1), int(x0):int(x1)], ow, oh)
+        return resize(region[int(y0):int(y1), int(x0):int(x1)], ow, oh, flip)
+    fy, fx = (y1 - y0) / oh, (x1 - x0) / ow
     if max(fy, fx) <= 2.0:
         # Bilinear at the exact positions: a shrink of less than 2x aliases no more than the
         # full-decode path's own bilinear resize below 2x.
-        out = _jpegturbo.resample(px, rows, width, p.c0 - xs, p.c1 - p.c0, y0, x0, fy, fx,
-                                  oh, ow)
+        out = _jpegturbo.resample(region, y0, x0, fy, fx, oh, ow, flip)
         return np.frombuffer(out, np.uint8).reshape(oh, ow, 3)
     # A shrink of 2x or more (at 1/8 only): area averaging of the box rounded to pixels,
     # which moves it by less than a quarter of an output pixel.
-    img = np.frombuffer(px, np.uint8).reshape(rows, width, 3)[:, p.c0 - xs:p.c1 - xs]
-    (a, b), (c, d) = _whole(y0, y1, img.shape[0]), _whole(x0, x1, img.shape[1])
-    return cv2.resize(img[a:b, c:d], (ow, oh), interpolation=cv2.INTER_AREA)
+    (a, b), (c, d) = _whole(y0, y1, region.shape[0]), _whole(x0, x1, region.shape[1])
+    out = cv2.resize(region[a:b, c:d], (ow, oh), interpolation=cv2.INTER_AREA)
+    return cv2.flip(out, 1) if flip else out
 
 
 def _whole(lo: float, hi: float, size: int) -> tuple[int, int]:
