@@ -18,6 +18,7 @@ import threading
 import time
 
 from feedline.consumer import RemoteDataZMQ
+from feedline.consumer.drain import parse_schedule, step_at
 from feedline.link import LinkConfig
 from tests.exact_ledger import STREAM, digest, format_entry
 from tests.ledger_data import check
@@ -30,9 +31,13 @@ def main() -> None:
     ap.add_argument("--stream", default=STREAM)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--step", type=float, default=0.0, help="seconds per batch (a model step)")
+    ap.add_argument("--schedule", type=parse_schedule, default=None,
+                    help="a step that changes: SECONDS:STEP,... as feedline drain --schedule")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--heartbeat-timeout", type=float, default=5.0)
     a = ap.parse_args()
+    schedule = a.schedule or [(1.0, a.step)]
+    t0 = time.monotonic()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     link = LinkConfig(heartbeat_interval=a.heartbeat_interval,
@@ -58,8 +63,9 @@ def main() -> None:
                     samples.append((i, digest(data[k])))
                 out.write(format_entry(time.time(), b, samples, ok))
                 epochs.add(b.epoch)
-                if a.step:
-                    time.sleep(a.step)
+                step = step_at(schedule, time.monotonic() - t0)
+                if step:
+                    time.sleep(step)
             if stop.is_set():
                 break
             out.write(f"#end {time.time():.6f} {','.join(map(str, sorted(epochs)))}\n")

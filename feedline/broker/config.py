@@ -32,6 +32,7 @@ class BrokerConfig:
     metrics_addr: str = "0.0.0.0"
     curve: ServerKeys | None = None  # None: plain TCP
     state_dir: str | None = None  # exact streams' journals (their progress survives restarts)
+    sizing_window: float = 10.0  # seconds the producers-wanted estimate averages over
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
@@ -42,5 +43,7 @@ class BrokerConfig:
             raise ValueError("max_bytes must be >= 1")
         if self.max_peers < 1:
             raise ValueError("max_peers must be >= 1")
+        if self.sizing_window <= 0:
+            raise ValueError("sizing_window must be > 0")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")

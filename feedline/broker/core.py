@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from feedline.broker.buffer import Buffer
 from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
+from feedline.broker.sizing import BrokerSizing
 from feedline.codec import DecodeError
 from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.logs import RateLimitedLog
@@ -40,6 +41,7 @@ from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.peers import cut_off
 from feedline.serving.producers import IngressConfig, ProducerSide
+from feedline.serving.sizing import SizingConfig
 from feedline.serving.tensorpack import TensorpackIngress
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,7 @@ class Broker:
                           config.credit_lease, config.max_peers,
                           recovery_grace=config.heartbeat_timeout),
             self.instance, self._cut_off, self.exact)
+        self.sizing = BrokerSizing(self.metrics, SizingConfig.for_window(config.sizing_window))
         if self._tp_sock is not None:
             self._tp = TensorpackIngress(self._tp_sock, sink, self.metrics, lim,
                                          config.max_bytes, config.tensorpack_stream)
@@ -243,6 +246,7 @@ class Broker:
                     self.egress.liveness(now, self.cfg.heartbeat_interval,
                                          self.cfg.heartbeat_timeout)
                     self._update_gauges()
+                    self.sizing.tick(now, self.ingress, self.egress)
                     self._enforce_shares()
                     self.exact.commit()
                     next_tick = now + tick

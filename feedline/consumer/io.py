@@ -84,6 +84,9 @@ class Shared:
         self.lock = threading.Lock()
         self.registration = 0  # the current one (set by the I/O thread)
         self.taken = 0  # batches of the current registration the model took
+        # Seconds the iterating thread waited for data, ever (written by it alone; the I/O
+        # thread reads it for TAKEN, where a value a moment old is as good).
+        self.waited = 0.0
         self.queued_bytes = 0  # wire bytes of the deliveries waiting in the queue
         self.stats: dict[str, ProducerStats] = {}
         self.closed = False
@@ -110,6 +113,7 @@ class Shared:
         out = Shared(self.consumer_id, self.session, self.window, self.max_bytes,
                      self.stream, self.on_error, self.registry, self.metrics)
         out.cursor, out.resume = self.cursor, self.resume
+        out.waited = self.waited
         return out
 
     def took(self, item: Delivery) -> bool:
@@ -278,7 +282,8 @@ class ConsumerIO:
             return
         with self.shared.lock:
             total = self.shared.taken + self._refused
-        taken = m.Taken(taken=total, registration=self.link.registration)
+        taken = m.Taken(taken=total, registration=self.link.registration,
+                        waited=int(self.shared.waited * 1e6))
         if total != self._reported and self.link.send_msg(taken):
             self._reported = total
 

@@ -91,6 +91,7 @@ class Sender:
         curve: ClientKeys | None = None,
         stream: str = m.DEFAULT_STREAM,
         exact: ExactSpec | None = None,
+        fleet: tuple[str, int] = ("", 0),
     ) -> None:
         cfg = link or LinkConfig()
         self.limits = cfg.limits
@@ -107,7 +108,7 @@ class Sender:
         self._seq = 0  # batches handed over, plus skips: the next sequence number (one broker)
         self._closed = False
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
-                                 exact=exact)
+                                 exact=exact, fleet=fleet)
         out.waker = Waker()
         targets = self.targets
         out.loop = ClientLoop("feedline-producer-io",
@@ -304,6 +305,7 @@ def send_dataflow(
     skipped: Callable[[], int] | None = None,
     curve: ClientKeys | None = None,
     stream: str = m.DEFAULT_STREAM,
+    fleet: tuple[str, int] = ("", 0),
 ) -> SendStats:
     """Send every datapoint of ``df`` to the broker at ``addr`` (or to several), ``epochs``
     times.
@@ -313,13 +315,14 @@ def send_dataflow(
     :func:`~feedline.producer.dataflow.base.as_dataflow` of it: a list or a generator works too).
     Logs a rate line every ``log_interval`` seconds (with ``skipped()``, the datapoints the
     pipeline skipped so far, when given). A pipeline exception is sent to the consumers (with
-    its traceback) and re-raised. Returns when done, or when ``stop`` is set.
+    its traceback) and re-raised. Returns when done, or when ``stop`` is set. ``fleet``:
+    the id and ``--max`` of the supervisor that started this producer (``feedline fleet``).
     """
     df = as_dataflow(df)
     df.reset_state()
     stats = SendStats()
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream) as sender:
+                stream=stream, fleet=fleet) as sender:
         rate = _RateLog(sender, log_interval, skipped)
         t0 = time.monotonic()
         try:

@@ -83,6 +83,7 @@ class IngressConfig:
 class Producer(Peer):
     label: str = ""
     pending_gap: int = 0  # lost before a re-registration: reported with its next batch
+    fleet: tuple[str, int] = ("", 0)  # the supervisor that started it, and its --max
 
 
 class ProducerSide:
@@ -222,7 +223,7 @@ class ProducerSide:
         fd, ino = connection(fd)
         p = Producer(ident=ident, name=msg.producer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
-                     fd=fd, fd_ino=ino, label=label)
+                     fd=fd, fd_ino=ino, label=label, fleet=(msg.fleet, msg.fleet_max))
         self.producers.add(p)
         self.metrics.init_producer(label)
         lost = self.gaps.hello(msg.session, msg.next_seq)
