@@ -25,7 +25,13 @@ from feedline.metrics import serve_metrics
 from feedline.producer.dataflow.base import DataFlow
 from feedline.producer.exact import ExactPipeline, build_exact, is_exact, send_exact
 from feedline.producer.metrics import StageMetrics
-from feedline.producer.pipeline import ConfigError, build_pipeline, load_config, pipeline_stages
+from feedline.producer.pipeline import (
+    ConfigError,
+    build_pipeline,
+    load_config,
+    parallel_summary,
+    pipeline_stages,
+)
 from feedline.producer.sender import send_dataflow
 from feedline.version import __version__
 
@@ -188,10 +194,12 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
     producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
     # The start-up line: what this process is and where it sends (off with --log-level
     # WARNING).
+    parallel = parallel_summary(df)
     log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream %s, "
-             "%s", __version__, producer_id, ", ".join(args.broker), args.config,
+             "%s%s", __version__, producer_id, ", ".join(args.broker), args.config,
              decoder_info(), cfg.get("stream", "default"),
-             "epochs forever" if epochs is None else f"{epochs} epoch(s)")
+             "epochs forever" if epochs is None else f"{epochs} epoch(s)",
+             f", workers {parallel}" if parallel else "")
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)
     try:

@@ -38,6 +38,7 @@ import numpy as np
 from feedline.messages import DEFAULT_STREAM
 from feedline.producer.channel import ExactSpec
 from feedline.producer.dataflow import BatchData
+from feedline.producer.dataflow.autotune import cpu_budget
 from feedline.producer.dataflow.base import Indexable
 from feedline.producer.dataflow.map_data import ComponentFunc, apply, reseed
 from feedline.producer.dataflow.worker import WorkerInfo, set_worker
@@ -154,9 +155,13 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
     unit_size = x.integer("unit_size", DEFAULT_UNIT, lo=1)
     shuffle = x.flag("shuffle", True)
     x.done()
-    par = Args(cfg.get("parallel") or {}, "parallel")
-    workers = par.integer("workers", 1, lo=1)
-    if par.text("mode", "none", choices=("none", "thread", "process", "runner")) == "runner":
+    par = Args({"workers": "auto"} if cfg.get("parallel") == "auto" else
+               cfg.get("parallel") or {}, "parallel")
+    # auto: a thread per CPU this process may use (units run threads of a fixed count).
+    workers = cpu_budget().workers if par.get("workers") == "auto" else \
+        par.integer("workers", 1, lo=1)
+    if par.text("mode", "none", choices=("none", "thread", "process", "runner",
+                                         "auto")) == "runner":
         raise ConfigError("parallel.mode: runner runs whole pipelines in workers; with "
                           "delivery: exact use thread or process (map steps in threads)")
     par.get("strict")
