@@ -12,9 +12,12 @@ Two parts, both pure but for reading a few files:
   bottleneck: the tuner tries one worker more and keeps it only if the rate rose by
   ``gain``. A stage whose results are always ready is not, and one where a worker more did
   not help may have too many: it tries one fewer and keeps it if the rate held (within
-  ``loss``), which frees a CPU for the rest of the producer. A try that failed is not made again for a while, twice as long each time
-  it fails (bounded exploration); a rate that moved a lot since the last decision (new data,
-  a slower trainer) starts the exploring afresh.
+  ``loss``), which frees a CPU for the rest of the producer. A try that failed is not made
+  again for a while, twice as long each time it fails (bounded exploration); a rate that
+  stayed far from the last decision's for a few periods (new data, a slower trainer) starts
+  the exploring afresh.
+- :class:`ModeTuner`: with both kinds allowed, first measures threads and processes at the
+  starting count, then climbs the count of the better one.
 """
 
 from __future__ import annotations
