@@ -22,7 +22,8 @@ Pure (no clock, no sockets): the broker samples its counters about once a second
 The number exported, :attr:`Estimate.wanted`, moves only when the evidence holds
 (:class:`Stabilizer`): up when every proposal of the last ``up_hold`` seconds was higher (to
 the lowest of them), down when every proposal of the last ``down_hold`` seconds was lower,
-with ``band`` more headroom (to the highest of them). A need that wanders inside the band
+with ``band`` more headroom (to the highest of them). Proposals up also look at the demand
+of the last half window (a rise shows there first); proposals down at the whole window. A need that wanders inside the band
 never reverses the number (tests/test_sizing.py proves it with Hypothesis).
 
 Guards where the figures and the verdict disagree: model-bound never asks for more, and
@@ -190,7 +191,10 @@ class StreamSizer:
         held = self._held.value
         need = None
         if self.capacity:
-            need = demand * (1 + self.cfg.headroom) / self.capacity
+            # Rising demand is seen over the last half window too: too few producers cost
+            # the trainers time, too many only CPU, so the number rises faster than it falls.
+            recent = self._consumers(cur, since=now - self.cfg.window / 2)[0]
+            need = max(demand, recent) * (1 + self.cfg.headroom) / self.capacity
             up = math.ceil(need - 1e-9)
             down = math.ceil(demand * (1 + self.cfg.headroom + self.cfg.band)
                              / self.capacity - 1e-9)
@@ -219,19 +223,22 @@ class StreamSizer:
         return Estimate(wanted, verdict, demand, taken, wait, occupancy, self.capacity,
                         supply, delivered, n, need)
 
-    def _base(self, kind: str, key: object) -> _Sample | None:
-        """The oldest sample of the window that has ``key`` (a consumer or a producer)."""
+    def _base(self, kind: str, key: object, since: float = -math.inf) -> _Sample | None:
+        """The oldest sample of the window (not before ``since``) that has ``key`` (a
+        consumer or a producer)."""
         for s in self._samples:
-            if key in getattr(s, kind):
+            if s.t >= since and key in getattr(s, kind):
                 return s
         return None
 
-    def _consumers(self, cur: _Sample) -> tuple[float, float, float, float]:
-        """(demand, take rate, mean wait share, mean occupancy over the window)."""
+    def _consumers(self, cur: _Sample, since: float = -math.inf
+                   ) -> tuple[float, float, float, float]:
+        """(demand, take rate, mean wait share, mean occupancy over the window), the rates
+        from ``since`` on if given."""
         demand = taken = 0.0
         waits: list[float] = []
         for key, c in cur.consumers.items():
-            base = self._base("consumers", key)
+            base = self._base("consumers", key, since)
             if base is None or base is cur:
                 continue
             b = base.consumers[key]
