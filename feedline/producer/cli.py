@@ -65,9 +65,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=None,
                    help="passes over the dataset, then exit (default: forever, or the "
                    "config's 'epochs')")
-    p.add_argument("--fleet", default="", metavar="ID",
+    p.add_argument("--fleet", default=None, metavar="ID",
                    help="the supervisor that started this producer (set by `feedline fleet`): "
-                   "the broker gives each supervisor its share of the stream's producers")
+                   "the broker gives each supervisor its share of the stream's producers "
+                   "(default: none)")
     p.add_argument("--fleet-max", type=int, default=0, metavar="N",
                    help="that supervisor's --max (set by `feedline fleet`; 0: no limit)")
     add_liveness_flags(p, "seconds of broker silence before reconnecting")
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             endpoints.check_port(args.metrics_port, args.metrics_addr)
     except endpoints.AddressError as e:
         raise SystemExit(f"feedline producer: {e}") from None
+    args.fleet = args.fleet or ""
     if len(args.fleet) > MAX_ID or args.fleet_max < 0:
         raise SystemExit(f"feedline producer: --fleet must be at most {MAX_ID} characters "
                          "and --fleet-max >= 0")
