@@ -56,6 +56,23 @@ def cpu_seconds() -> float:
     return total
 
 
+def tf_train_crop(data):
+    """tf.data's ImageNet train crop of one JPEG (a string tensor): 224x224x3 uint8."""
+    import tensorflow as tf
+
+    shape = tf.io.extract_jpeg_shape(data)
+    begin, size, _ = tf.image.sample_distorted_bounding_box(
+        shape, tf.zeros([0, 0, 4]), area_range=(0.08, 1.0),
+        aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=10,
+        use_image_if_no_bounding_boxes=True)
+    oy, ox, _ = tf.unstack(begin)
+    h, w, _ = tf.unstack(size)
+    img = tf.io.decode_and_crop_jpeg(data, tf.stack([oy, ox, h, w]), channels=3)
+    img = tf.image.resize(img, [224, 224])
+    img = tf.image.random_flip_left_right(img)
+    return tf.cast(img, tf.uint8)
+
+
 def tf_iter(files: list[str]):
     import tensorflow as tf
 
@@ -63,18 +80,7 @@ def tf_iter(files: list[str]):
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
     def prep(path):
-        data = tf.io.read_file(path)
-        shape = tf.io.extract_jpeg_shape(data)
-        begin, size, _ = tf.image.sample_distorted_bounding_box(
-            shape, tf.zeros([0, 0, 4]), area_range=(0.08, 1.0),
-            aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=10,
-            use_image_if_no_bounding_boxes=True)
-        oy, ox, _ = tf.unstack(begin)
-        h, w, _ = tf.unstack(size)
-        img = tf.io.decode_and_crop_jpeg(data, tf.stack([oy, ox, h, w]), channels=3)
-        img = tf.image.resize(img, [224, 224])
-        img = tf.image.random_flip_left_right(img)
-        return tf.cast(img, tf.uint8)
+        return tf_train_crop(tf.io.read_file(path))
 
     opts = tf.data.Options()
     opts.threading.private_threadpool_size = 1

@@ -14,6 +14,10 @@ from typing import Any
 
 import numpy as np
 
+# Defined with the rest of the hierarchy; imported from here by the protocol's modules.
+from feedline.errors import DecodeError as DecodeError
+from feedline.errors import EncodeError as EncodeError
+
 PROTOCOL_VERSION = 2
 
 
@@ -68,19 +72,6 @@ def unpackb(buf: Any, **kwargs: Any) -> Any:
     For bytes from outside the process, pass the ``max_*_len`` limits too.
     """
     return _unpackb(buf, **kwargs)
-
-
-class DecodeError(ValueError):
-    """A received message is malformed or exceeds a limit. ``reason`` is a metric label."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-class EncodeError(TypeError):
-    """A datapoint or message holds something the protocol cannot carry, or exceeds a limit
-    every receiver enforces (the message names the limit)."""
 
 
 @dataclass(frozen=True)

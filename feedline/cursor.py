@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from feedline.codec import DecodeError
+from feedline.errors import ConfigError
 
 _MAGIC = b"FLC1"
 _HEAD = struct.Struct(">QBIH")
@@ -58,10 +59,10 @@ class Cursor:
         """The union of several processes' cursors (of one stream; the latest epoch wins)."""
         items = list(cursors)
         if not items:
-            raise ValueError("nothing to merge")
+            raise ConfigError("nothing to merge")
         streams = {c.stream for c in items}
         if len(streams) != 1:
-            raise ValueError(f"cursors of different streams: {sorted(streams)}")
+            raise ConfigError(f"cursors of different streams: {sorted(streams)}")
         epoch = max(c.epoch for c in items)
         out = Cursor(items[0].stream, epoch)
         for c in items:
@@ -100,7 +101,7 @@ class Cursor:
         """Parse :meth:`encode`'s bytes; :class:`DecodeError` (``bad_cursor``) otherwise."""
         try:
             if data[:4] != _MAGIC:
-                raise ValueError("magic")
+                raise DecodeError("bad_cursor", "magic")
             pos = 4
             token, flags, epoch, slen = _HEAD.unpack_from(data, pos)
             pos += _HEAD.size
@@ -113,15 +114,15 @@ class Cursor:
                 u, bits = _UNIT.unpack_from(data, pos)
                 pos += _UNIT.size
                 if bits > MAX_BITS or u in taken:
-                    raise ValueError("unit")
+                    raise DecodeError("bad_cursor", "unit")
                 nb = (bits + 7) // 8
                 bitmap = data[pos:pos + nb]
                 if len(bitmap) != nb:
-                    raise ValueError("short")
+                    raise DecodeError("bad_cursor", "short")
                 pos += nb
                 taken[u] = {i for i in range(bits) if bitmap[i >> 3] >> (i & 7) & 1}
             if pos != len(data) or flags > 1:
-                raise ValueError("trailing")
-        except (ValueError, struct.error, UnicodeDecodeError) as e:
+                raise DecodeError("bad_cursor", "trailing")
+        except (struct.error, UnicodeDecodeError) as e:
             raise DecodeError("bad_cursor", str(e)) from None
         return Cursor(stream, epoch, taken, token, bool(flags))

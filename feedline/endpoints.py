@@ -31,13 +31,11 @@ import socket
 import stat
 from dataclasses import dataclass
 
+from feedline.errors import AddressError as AddressError
+
 SCHEMES = ("tcp", "ipc")
 # sun_path is 108 bytes on Linux, one of them the terminating NUL.
 _SUN_PATH_MAX = 107
-
-
-class AddressError(ValueError):
-    """An address an operator gave cannot be used; the message says which, why and what to do."""
 
 
 @dataclass(frozen=True)

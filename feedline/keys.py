@@ -35,11 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from feedline.security import CurveUnavailable, KeyFileError, generate_keypair
+    from feedline.errors import FeedlineError
+    from feedline.security import generate_keypair
 
     try:
         pub, sec = generate_keypair(args.dir, args.name)
-    except (KeyFileError, CurveUnavailable, OSError) as e:
+    except (FeedlineError, OSError) as e:
         print(f"feedline keys: {e}", file=sys.stderr)
         return 1
     print(f"public key: {pub} (give it to the broker's allowed-keys directory, or to clients "

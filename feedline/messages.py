@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits, packb
+from feedline.errors import FeedlineError
 from feedline.wire import PROTOCOL_VERSION, Kind, header_map
 
 __all__ = [
@@ -72,7 +73,7 @@ _STREAM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REASON = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
-class _Bad(Exception):
+class _Bad(FeedlineError):
     """A field's value does not fit; the decoder turns it into a DecodeError."""
 
 

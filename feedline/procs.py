@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from feedline.errors import Timeout
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -155,5 +157,5 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout}s")
+            raise Timeout(f"{what} not reached within {timeout}s")
         time.sleep(interval)

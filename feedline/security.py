@@ -32,6 +32,8 @@ import zmq.auth
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
+from feedline.errors import CurveUnavailable as CurveUnavailable
+from feedline.errors import KeyFileError as KeyFileError
 from feedline.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -42,14 +44,6 @@ ENV_BROKER_KEY = "FEEDLINE_CURVE_BROKER_KEY"  # clients: path of the broker's NA
 ENV_ALLOWED = "FEEDLINE_CURVE_ALLOWED"  # broker: directory of allowed client NAME.key files
 
 _ZAP_DOMAIN = "feedline"
-
-
-class KeyFileError(ValueError):
-    """A key file or directory is missing, malformed or readable by others."""
-
-
-class CurveUnavailable(RuntimeError):
-    """libzmq was built without CURVE (libsodium/tweetnacl)."""
 
 
 def require_curve() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from feedline.broker.buffer import Buffer
+from feedline.errors import Refusal
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
@@ -215,7 +216,7 @@ def test_the_peer_table_is_bounded_and_liveness_works_for_any_role():
     table: PeerTable[Peer] = PeerTable("producer", capacity=2)
     table.add(Peer(b"a", "a", 1, 1, "default", last_seen=0.0, last_sent=0.0))
     table.add(Peer(b"b", "b", 2, 1, "default", last_seen=4.0, last_sent=4.0))
-    with pytest.raises(OverflowError):
+    with pytest.raises(Refusal, match="too_many_peers"):
         table.add(Peer(b"c", "c", 3, 1, "default"))
     table.add(Peer(b"a", "a", 1, 2, "default", last_seen=0.0))  # re-registration: room
     assert [p.name for p in table.expired(6.0, timeout=5.0)] == ["a"]

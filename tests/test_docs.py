@@ -215,24 +215,44 @@ def test_tensorflow_blocks_run(session: Session):
 
 def test_pipelines_yaml_builds_and_lmdb_commands_run(session: Session):
     import os
+    import subprocess
+    import sys
 
     from feedline.producer.demo_data import build, default_dir
+    from feedline.producer.exact import build_exact
     from feedline.producer.pipeline import build_pipeline
     from tests.jpeg_data import make_folder
 
     demo = build(default_dir(os.environ.get("XDG_CACHE_HOME"), count=512), count=512,
                  progress=False)
     make_folder(session.cwd / "images", classes=2, per_class=3)
-    session.subst.update({"/data/train": str(demo),
-                          "/data/imagenet/train": str(session.cwd / "images")})
+    # The sharded pipelines read the demo dataset as shards (four of 128 images).
+    shards = session.cwd / "demo-shards"
+    r = subprocess.run([sys.executable, "-m", "feedline.commands", "convert", str(demo),
+                        str(shards), "--shard-size", "6MB", "--no-progress"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    session.subst.update({
+        "/data/train": str(demo), "/data/imagenet/train": str(session.cwd / "images"),
+        "https://data.example.com/imagenet/shard-{000000..000003}.tar":
+            str(shards / "shard-*.tar"),
+        "https://data.example.com/imagenet-val/manifest.json": str(shards / "manifest.json")})
     todo = runnable("pipelines.md")
-    assert [b.lang or "sh" for b in todo] == ["yaml", "sh"], todo
+    assert [b.lang or "sh" for b in todo] == ["yaml", "yaml", "yaml", "sh", "sh"], todo
     for b in todo:
         if b.lang == "yaml":
-            with build_pipeline(yaml.safe_load(session.text(b.code))) as df:
-                df.reset_state()
-                images, labels = next(iter(df))
+            cfg = yaml.safe_load(session.text(b.code))
+            if cfg.get("delivery") == "exact":
+                _, batch = next(build_exact(cfg).batches(0, 0))
+                assert batch is not None
+                images, labels = batch
+            else:
+                with build_pipeline(cfg) as df:
+                    df.reset_state()
+                    images, labels = next(iter(df))
             assert images.shape == (64, 224, 224, 3) and labels.shape == (64,)
         else:
             session.run_shell(b, lambda argv: lambda: True)
     assert (session.cwd / "train.lmdb").is_file()
+    assert len(list((session.cwd / "shards").glob("shard-*.tar"))) == 1
+    assert (session.cwd / "shards" / "checked.json").is_file()

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -229,29 +230,63 @@ def _tree(dst: Path) -> Path:
     return dst
 
 
+@dataclass(frozen=True)
+class Wheel:
+    compiler: str  # CC for the build: gcc, or false (as if no compiler or no headers)
+    path: Path
+    names: list[str]  # the wheel's files
+
+
+@pytest.fixture(scope="module", params=["gcc", "false"])
+def wheel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Wheel:
+    """A wheel built from a copy of the tree as ``pip install .`` builds it: in an isolated
+    build environment with the build requirements of pyproject.toml (the setuptools a fresh
+    venv holds, 65.5 with Python 3.11, cannot read its license field), once per compiler."""
+    compiler = request.param
+    if compiler == "gcc" and shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    tmp = tmp_path_factory.mktemp(f"wheel-{compiler}")
+    (tmp / "src").mkdir()
+    src = _tree(tmp / "src")
+    env = {**os.environ, "CC": compiler, "LDSHARED": f"{compiler} -shared"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "wheels"),
+         str(src)], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (path,) = (tmp / "wheels").glob("feedline-*.whl")
+    return Wheel(compiler, path, zipfile.ZipFile(path).namelist())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("compiler", ["gcc", "false"])
-def test_a_wheel_builds_with_the_extension_and_without_a_compiler(tmp_path: Path,
-                                                                  compiler: str) -> None:
+def test_a_wheel_builds_with_the_extension_and_without_a_compiler(wheel: Wheel) -> None:
     """``pip install .`` builds a wheel: with a compiler it holds the extension; where the
     compiler fails (CC=false: as with no compiler or no headers) the build still succeeds,
     warns, and the wheel has no extension (OpenCV decodes)."""
-    if compiler == "gcc" and shutil.which("gcc") is None:
-        pytest.skip("no gcc")
-    (tmp_path / "src").mkdir()
-    src = _tree(tmp_path / "src")
-    env = {**os.environ, "CC": compiler, "LDSHARED": f"{compiler} -shared"}
-    out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path / "wheels"), str(src)],
-        capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    (wheel,) = (tmp_path / "wheels").glob("feedline-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    names = wheel.names
     # (setuptools may file a wheel with an extension's pure modules under *.data/purelib/)
     built = [n for n in names if "producer/image/_jpegturbo" in n and n.endswith(".so")]
     assert any(n.endswith("producer/image/turbo.py") for n in names), names
-    if compiler == "gcc":
+    if wheel.compiler == "gcc":
         assert built, names
     else:
         assert not built, built
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_one_top_level_name(wheel: Wheel) -> None:
+    """Claim: the wheel installs exactly one import name, ``feedline``: its dist-info's
+    top_level.txt says so, and every file it installs lies under ``feedline/`` (a file
+    under *.data/purelib or platlib counts where it installs; any other *.data folder, such
+    as scripts or data, counts as a name of its own)."""
+    (top,) = [n for n in wheel.names if n.endswith(".dist-info/top_level.txt")]
+    assert set(zipfile.ZipFile(wheel.path).read(top).decode().split()) == {"feedline"}
+    firsts = set()
+    for n in wheel.names:
+        first, _, rest = n.partition("/")
+        if first.endswith(".dist-info"):
+            continue
+        if first.endswith(".data"):
+            kind, _, rest = rest.partition("/")
+            first = rest.partition("/")[0] if kind in ("purelib", "platlib") else f"{kind} data"
+        firsts.add(first)
+    assert firsts == {"feedline"}, sorted(firsts)

@@ -10,6 +10,7 @@ import zmq
 from feedline import endpoints, security, wire
 from feedline.broker.config import BrokerConfig
 from feedline.broker.core import Broker
+from feedline.errors import ConfigError, FeedlineError
 from feedline.flags import (
     HelpFormatter,
     add_liveness_flags,
@@ -101,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
 def _curve_from_args(args: argparse.Namespace) -> security.ServerKeys | None:
     """Keys from flags (else environment); refuse an exposed address without them.
 
-    Raises ValueError (KeyFileError, CurveUnavailable) with a message for the operator.
+    Raises ConfigError (KeyFileError) or CurveUnavailable with a message for the operator.
     """
     keys = server_keys(args)
     insecure = args.insecure
@@ -110,7 +111,7 @@ def _curve_from_args(args: argparse.Namespace) -> security.ServerKeys | None:
     if keys is None:
         exposed = security.exposed([args.ingress, args.egress, args.tensorpack_ingress])
     if exposed and not insecure:
-        raise ValueError(
+        raise ConfigError(
             f"refusing to listen on {', '.join(exposed)} without CURVE keys: anyone who "
             "reaches it could inject or read training data. Give --curve-secret and "
             "--curve-allowed (see `feedline keys generate` and docs/security.md), bind "
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_addresses(args)
         config = config_from_args(args)
-    except (ValueError, security.CurveUnavailable) as e:
+    except FeedlineError as e:  # a setting, an address, a key file, CURVE: one line
         raise SystemExit(f"feedline broker: {e}") from None
     stop = stop_on_signals()
     from prometheus_client import CollectorRegistry

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from feedline import wire
+from feedline.errors import ConfigError
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
@@ -36,14 +37,14 @@ class BrokerConfig:
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
-            raise ValueError("max_batches must be >= 1")
+            raise ConfigError("max_batches must be >= 1")
         if self.producer_window < 1:
-            raise ValueError("producer_window must be >= 1")
+            raise ConfigError("producer_window must be >= 1")
         if self.max_bytes < 1:
-            raise ValueError("max_bytes must be >= 1")
+            raise ConfigError("max_bytes must be >= 1")
         if self.max_peers < 1:
-            raise ValueError("max_peers must be >= 1")
+            raise ConfigError("max_peers must be >= 1")
         if self.sizing_window <= 0:
-            raise ValueError("sizing_window must be > 0")
+            raise ConfigError("sizing_window must be > 0")
         if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+            raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")

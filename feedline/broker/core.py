@@ -33,7 +33,7 @@ from feedline.broker.buffer import Buffer
 from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
 from feedline.broker.sizing import BrokerSizing
-from feedline.codec import DecodeError
+from feedline.errors import Refusal
 from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.logs import RateLimitedLog
 from feedline.serving.coordinator import ExactStreams
@@ -277,7 +277,7 @@ class Broker:
                 fd = -1
             try:
                 handler(ident, frames[1:], fd, time.monotonic())
-            except DecodeError as e:
+            except Refusal as e:  # DecodeError included: both are counted
                 self._reject(e.reason, str(e), side, ident)
             except Exception as e:  # a peer's message must never stop the broker
                 self._reject("internal_error", f"{type(e).__name__}: {e}"[:200], side, ident)

@@ -28,6 +28,7 @@ from feedline import messages as m
 from feedline.broker.buffer import Buffer
 from feedline.codec import DecodeError, Limits
 from feedline.cursor import Cursor
+from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
 from feedline.serving.coordinator import ExactStreams
 from feedline.serving.held import Held
@@ -131,11 +132,11 @@ class ConsumerSide:
             self._control(ident, m.Refused(broker=self.instance, reason="wrong_port",
                                            detail="this is a broker's egress: producers "
                                            "connect to its --ingress address"))
-            raise DecodeError("wrong_port", f"producer {msg.producer} at the egress")
+            raise Refusal("wrong_port", f"producer {msg.producer} at the egress")
         elif cons is None:
             if not isinstance(msg, m.Bye):
                 self._control(ident, m.Reset(broker=self.instance))
-                raise DecodeError("unknown_peer", type(msg).__name__)
+                raise Refusal("unknown_peer", type(msg).__name__)
         else:
             cons.last_seen = now
             if isinstance(msg, m.Taken):
@@ -143,7 +144,7 @@ class ConsumerSide:
             elif isinstance(msg, m.Bye):
                 self.drop(ident, "bye")
             elif not isinstance(msg, m.Heartbeat):
-                raise DecodeError("bad_kind", f"{type(msg).__name__} from a consumer")
+                raise Refusal("bad_kind", f"{type(msg).__name__} from a consumer")
 
     def _hello(self, ident: bytes, msg: m.ConsumerHello, fd: int, now: float) -> None:
         old = self.consumers.get(ident)
@@ -156,7 +157,7 @@ class ConsumerSide:
         if self.consumers.full():
             self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
                                            limit=self.consumers.capacity))
-            raise DecodeError("too_many_peers", f"consumer {msg.consumer}")
+            raise Refusal("too_many_peers", f"consumer {msg.consumer}")
         fd, ino = connection(fd)
         c = Consumer(ident=ident, name=msg.consumer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
@@ -174,7 +175,7 @@ class ConsumerSide:
         checkpoint a restarted job resumes from."""
         cursor = Cursor.decode(data)
         if cursor.stream != stream:
-            raise DecodeError("bad_cursor", f"a cursor of stream {cursor.stream!r}")
+            raise Refusal("bad_cursor", f"a cursor of stream {cursor.stream!r}")
         coord = self.exact.report(stream, cursor)
         if coord is None:
             return

@@ -16,10 +16,11 @@ from feedline.commands import demo, fleet, top
 from feedline.consumer import drain
 from feedline.flags import HelpFormatter
 from feedline.producer import cli as producer_cli
-from feedline.producer import lmdb_cli
+from feedline.producer import convert_cli, info_cli, lmdb_cli
 from feedline.version import __version__
 
-COMMANDS = [broker_cli, producer_cli, fleet, demo, lmdb_cli, drain, top, keys]
+COMMANDS = [broker_cli, producer_cli, fleet, demo, lmdb_cli, convert_cli, info_cli, drain, top,
+            keys]
 
 
 def version_text() -> str:

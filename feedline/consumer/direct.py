@@ -24,9 +24,9 @@ from typing import Any
 import zmq
 
 from feedline import messages as m
-from feedline.codec import DecodeError, Limits
+from feedline.codec import Limits
 from feedline.consumer.io import Delivery, EpochMark, Marker, Shared
-from feedline.errors import ProducerError
+from feedline.errors import ProducerError, Refusal
 from feedline.framing import TooManyFrames, recv_message, waiting
 from feedline.link import LinkConfig
 from feedline.logs import RateLimitedLog
@@ -221,7 +221,7 @@ class DirectIO:
                 fd = -1
             try:
                 self.ingress.on_message(frames[0].bytes, frames[1:], fd, time.monotonic())
-            except DecodeError as e:
+            except Refusal as e:  # DecodeError included: both are counted
                 self._reject(e.reason, str(e))
             except Exception as e:  # a peer's message must never stop the trainer
                 self._reject("internal_error", f"{type(e).__name__}: {e}"[:200])

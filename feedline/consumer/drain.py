@@ -20,6 +20,7 @@ import logging
 import time
 
 from feedline import endpoints, security
+from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
     add_client_curve_flags,
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         addr, curve = _where(args)
         registry = CollectorRegistry()
         serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
-    except (endpoints.AddressError, security.KeyFileError, security.CurveUnavailable) as e:
+    except FeedlineError as e:  # an address, a key file, CURVE: one line
         raise SystemExit(f"feedline drain: {e}") from None
     stop = stop_on_signals()
     t0 = last = time.monotonic()

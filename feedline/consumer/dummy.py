@@ -8,6 +8,7 @@ from typing import Any
 import tensorflow as tf
 
 from feedline.consumer.input_source import InputSource
+from feedline.errors import ConfigError
 
 
 class DummyConstantInput(InputSource):
@@ -21,7 +22,7 @@ class DummyConstantInput(InputSource):
     def __init__(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
                  device: str = "/CPU:0") -> None:
         if len(shapes) != len(dtypes):
-            raise ValueError(f"{len(shapes)} shapes for {len(dtypes)} dtypes")
+            raise ConfigError(f"{len(shapes)} shapes for {len(dtypes)} dtypes")
         self._shapes = [tf.TensorShape(s) for s in shapes]
         self._dtypes = [tf.as_dtype(d) for d in dtypes]
         self.device = device

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from feedline.consumer.input_source import InputSource
+from feedline.errors import ConfigError, UsageError
 from feedline.producer.dataflow.base import as_dataflow
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class QueueInput(InputSource):
         name: str = "feedline_queue",
     ) -> None:
         if capacity < 1:
-            raise ValueError("capacity must be >= 1")
+            raise ConfigError("capacity must be >= 1")
         self.source, self._capacity, self.name = source, capacity, name
         self._flow = as_dataflow(source)
         self._want_dtypes, self._want_shapes, self._dynamic = dtypes, shapes, dynamic_shapes
@@ -93,7 +94,7 @@ class QueueInput(InputSource):
         else:
             shapes = [tf.TensorShape(s) for _, s in specs]
         if len(dtypes) != len(flat):
-            raise ValueError(f"{len(dtypes)} dtypes for a datapoint of {len(flat)} components")
+            raise ConfigError(f"{len(dtypes)} dtypes for a datapoint of {len(flat)} components")
         self._dtypes = dtypes
         self._shapes = shapes
         with tf.device("/CPU:0"):
@@ -153,7 +154,7 @@ class QueueInput(InputSource):
     def dequeue(self) -> Any:
         """One batch as tensors, in the source's structure. Works inside ``tf.function``."""
         if self.queue is None:
-            raise RuntimeError("QueueInput.start() must be called first")
+            raise UsageError("QueueInput.start() must be called first")
         if tf.executing_eagerly():
             try:
                 flat = self.queue.dequeue()

@@ -38,7 +38,7 @@ from feedline.client import ClientLoop, Waker
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
 from feedline.cursor import Cursor
-from feedline.errors import FeedlineError, ReceiveTimeout
+from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.messages import DEFAULT_STREAM
 from feedline.security import ClientKeys, ServerKeys
@@ -106,11 +106,11 @@ class RemoteDataZMQ:
     ) -> None:
         link = link or LinkConfig()
         if not 0 < window <= link.limits.max_window:
-            raise ValueError(f"window must be in 1..{link.limits.max_window}")
+            raise ConfigError(f"window must be in 1..{link.limits.max_window}")
         if on_error not in ("raise", "log"):
-            raise ValueError("on_error must be 'raise' or 'log'")
+            raise ConfigError("on_error must be 'raise' or 'log'")
         if max_bytes is not None and max_bytes < 1:
-            raise ValueError("max_bytes must be >= 1")
+            raise ConfigError("max_bytes must be >= 1")
         self.addr, self.window, self.timeout = addr, window, timeout
         self.config = ConsumerConfig(window, max_bytes or ConsumerConfig.max_bytes, stream)
         self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -123,7 +123,7 @@ class RemoteDataZMQ:
                                 "ServerKeys (its key pair and the allowed producer keys)")
             exposed = security.exposed([addr, self.direct.tensorpack])
             if curve is None and exposed and not insecure:
-                raise ValueError(
+                raise ConfigError(
                     f"refusing to serve producers on {', '.join(exposed)} without CURVE keys: "
                     "anyone who reaches it could inject training data. Pass curve="
                     "ServerKeys.load(secret, allowed_dir), bind 127.0.0.1 / ipc://, or "
@@ -138,7 +138,7 @@ class RemoteDataZMQ:
         if resume is not None:
             cursor = _as_cursor(resume)
             if cursor.stream != stream:
-                raise ValueError(f"resume: a cursor of stream {cursor.stream!r}, not {stream!r}")
+                raise ConfigError(f"resume: a cursor of stream {cursor.stream!r}, not {stream!r}")
             cursor.resume = True
             self._shared.resume = cursor
             self._shared.cursor = Cursor(stream, cursor.epoch,

@@ -19,6 +19,7 @@ from typing import Any
 import tensorflow as tf
 
 from feedline.consumer.input_source import InputSource, as_input_source
+from feedline.errors import ConfigError, UsageError
 
 log = logging.getLogger(__name__)
 _names = itertools.count()
@@ -48,7 +49,7 @@ class StagingInput(InputSource):
 
     def __init__(self, input: Any, nr_stage: int = 1, device: str | None = None) -> None:
         if nr_stage < 1:
-            raise ValueError("nr_stage must be >= 1")
+            raise ConfigError("nr_stage must be >= 1")
         self.input, self.nr_stage = as_input_source(input, "StagingInput"), nr_stage
         self.device = device or default_device()
         self.shared_name = f"feedline_staging_{next(_names)}"
@@ -78,7 +79,7 @@ class StagingInput(InputSource):
         Call it once per step, inside the step's ``tf.function`` (or eagerly).
         """
         if not self._primed:
-            raise RuntimeError("StagingInput.start() (or prime()) must run before get()")
+            raise UsageError("StagingInput.start() (or prime()) must run before get()")
         dtypes = list(self.input.dtypes)
         with tf.device(self.device):
             out = tf.raw_ops.Unstage(dtypes=dtypes, shared_name=self.shared_name)

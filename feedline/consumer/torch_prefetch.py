@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from feedline.consumer.torch_input import to_torch
+from feedline.errors import ConfigError, Unavailable
 from feedline.producer.dataflow.base import as_dataflow
 
 log = logging.getLogger(__name__)
@@ -37,18 +38,18 @@ log = logging.getLogger(__name__)
 def resolve_device(device: torch.device | str | int | None) -> torch.device:
     """``None``: ``cuda`` (the current device) if CUDA is available, else ``cpu``.
 
-    Raises ``RuntimeError`` for a CUDA device when CUDA is not available, ``ValueError`` for
+    Raises ``Unavailable`` for a CUDA device when CUDA is not available, ``ConfigError`` for
     a device type other than ``cuda`` or ``cpu``.
     """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise Unavailable(
             f"CudaPrefetcher: device {dev} asked for, but CUDA is not available here "
             f"(torch {torch.__version__}); pass device=None to fall back to the CPU")
     if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"CudaPrefetcher: device type {dev.type!r} is not supported")
+        raise ConfigError(f"CudaPrefetcher: device type {dev.type!r} is not supported")
     return dev
 
 
@@ -149,7 +150,7 @@ class CudaPrefetcher:
     def __init__(self, iterable: Iterable[Any], device: torch.device | str | int | None = None,
                  depth: int = 2) -> None:
         if not 1 <= depth <= 64:
-            raise ValueError("depth must be in 1..64")
+            raise ConfigError("depth must be in 1..64")
         self.iterable, self.depth = iterable, depth
         self._flow = as_dataflow(iterable)  # its close() is ours
         self.device = resolve_device(device)

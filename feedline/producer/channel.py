@@ -26,7 +26,7 @@ import zmq
 from feedline import messages as m
 from feedline import wire
 from feedline.client import ClientLoop, Waker
-from feedline.errors import FeedlineError
+from feedline.errors import BatchTooLarge as BatchTooLarge
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.producer.metrics import ProducerMetrics
@@ -35,10 +35,6 @@ from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)
 _CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
-
-
-class BatchTooLarge(FeedlineError):
-    """A batch no broker can take: larger than every broker's memory budget or limit."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +63,14 @@ class UnitEnd:
 
 @dataclass(frozen=True)
 class ExactSpec:
-    """What an exact producer declares: the dataset's size, a unit's, the epochs (0: all)."""
+    """What a producer that works by units declares: the dataset's size, a unit's, the
+    epochs (0: all). ``delivery`` is ``exact``, or ``training`` for a training producer that
+    claims its shards from the broker (``dataset_size``: the shards, ``unit_size`` 1)."""
 
     dataset_size: int
     unit_size: int
     epochs: int = 0
+    delivery: str = m.EXACT
 
 
 @dataclass(frozen=True)
@@ -204,7 +203,7 @@ class ProducerIO:
                 next_seq=ch.seq if ch else 0, max_batch_bytes=self.out.largest,
                 stream=self.out.stream, registration=registration,
                 last_broker=(ch.link.broker_id or 0) if ch else 0,
-                delivery=m.EXACT if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
+                delivery=x.delivery if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
                 unit_size=x.unit_size if x else 0, epochs=x.epochs if x else 0,
                 fleet=self.out.fleet[0], fleet_max=self.out.fleet[1])
 

@@ -7,8 +7,8 @@ import logging
 import os
 import socket
 
-from feedline import endpoints, security
-from feedline.codec import DEFAULT_LIMITS, EncodeError
+from feedline import endpoints
+from feedline.codec import DEFAULT_LIMITS
 from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
@@ -23,8 +23,10 @@ from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
 from feedline.producer.dataflow.base import DataFlow
+from feedline.producer.dataflow.base import stages as all_stages
+from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.exact import ExactPipeline, build_exact, is_exact, send_exact
-from feedline.producer.metrics import StageMetrics
+from feedline.producer.metrics import ShardMetrics, StageMetrics
 from feedline.producer.pipeline import (
     ConfigError,
     build_pipeline,
@@ -95,8 +97,9 @@ def decoder_info() -> str:
             return "OpenCV"
 
 
-# The sources that read a dataset from disk, and the argument naming where.
-DATA_ARGS = {"image_folder": "root", "lmdb": "path"}
+# The sources that read a dataset, and the argument naming where.
+DATA_ARGS = {"image_folder": "root", "lmdb": "path", "webdataset": "urls", "tfrecord": "urls",
+             "parquet": "urls"}
 
 
 def with_data(cfg: dict, data: str | None) -> dict:
@@ -148,7 +151,7 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
     """Exact delivery: serve the units the broker hands out (docs/pipelines.md)."""
     try:
         curve = client_keys(args)
-    except (security.KeyFileError, security.CurveUnavailable) as e:
+    except FeedlineError as e:  # a key file, CURVE
         raise SystemExit(f"feedline producer: {e}") from None
     if args.epochs is not None:
         pipe.epochs = args.epochs
@@ -156,22 +159,24 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
+    if isinstance(pipe.source, ShardedSource):
+        ShardMetrics(registry, [pipe.source])
     try:
         serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
     except endpoints.AddressError as e:
         raise SystemExit(f"feedline producer: {e}") from None
     producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
     log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream %s, exact "
-             "delivery over %d samples in units of %d, %s", __version__, producer_id,
+             "delivery over %d samples in %d units, %s", __version__, producer_id,
              ", ".join(args.broker), args.config, decoder_info(), pipe.stream,
-             pipe.source.samples(), pipe.unit_size,
+             pipe.source.samples(), -(-pipe.spec.dataset_size // max(1, pipe.spec.unit_size)),
              f"{pipe.epochs} epoch(s)" if pipe.epochs else "epochs forever")
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)
     try:
         sent = send_exact(pipe, args.broker, producer_id=producer_id, link=link, curve=curve,
                           stop=stop, registry=registry, fleet=(args.fleet, args.fleet_max))
-    except (FeedlineError, EncodeError) as e:
+    except FeedlineError as e:
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
     log.info("sent %d batches", sent)
     return 0
@@ -181,7 +186,7 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
     stages = pipeline_stages(df)
     try:
         curve = client_keys(args)
-    except (security.KeyFileError, security.CurveUnavailable) as e:
+    except FeedlineError as e:  # a key file, CURVE
         raise SystemExit(f"feedline producer: {e}") from None
     epochs = args.epochs if args.epochs is not None else cfg.get("epochs")
     stop = stop_on_signals()
@@ -189,6 +194,7 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
 
     registry = CollectorRegistry()
     StageMetrics(registry, stages)
+    ShardMetrics(registry, [s for s in all_stages(df) if isinstance(s, ShardedSource)])
     try:
         serve_metrics(registry, args.metrics_port or None, args.metrics_addr)
     except endpoints.AddressError as e:
@@ -211,7 +217,7 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
                               log_interval=args.log_interval,
                               skipped=lambda: sum(s.skipped for s in stages),
                               fleet=(args.fleet, args.fleet_max))
-    except (FeedlineError, EncodeError) as e:
+    except FeedlineError as e:
         # What the operator must change (a batch larger than the broker's --max-bytes, a
         # datapoint over the protocol's limits): one line, not a traceback.
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None

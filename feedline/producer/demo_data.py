@@ -20,6 +20,8 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
+from feedline.errors import DataError, Unavailable
+
 # Photographs in the scikit-image wheel (checked against its file list), not synthetic figures.
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "hubble_deep_field.jpg", "ihc.png",
           "motorcycle_left.png", "retina.jpg", "rocket.jpg", "camera.png", "moon.png",
@@ -31,7 +33,7 @@ def photo_dir() -> Path:
     """Where scikit-image keeps its bundled images (found without importing it)."""
     spec = importlib.util.find_spec("skimage")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the demo dataset needs scikit-image: pip install 'feedline[demo]'")
+        raise Unavailable("the demo dataset needs scikit-image: pip install 'feedline[demo]'")
     return Path(list(spec.submodule_search_locations)[0]) / "data"
 
 
@@ -44,7 +46,7 @@ def load_photos() -> dict[str, np.ndarray]:
         if img is not None:
             out[name.rsplit(".", 1)[0]] = img
     if len(out) < 4:
-        raise RuntimeError(f"expected scikit-image's sample photos in {d}")
+        raise Unavailable(f"expected scikit-image's sample photos in {d}")
     return out
 
 
@@ -89,7 +91,7 @@ def build(out: str | Path, count: int = 256, seed: int = 0, progress: bool = Tru
         quality = int(rng.integers(75, 96))
         ok, enc = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, quality])
         if not ok:
-            raise RuntimeError("JPEG encoding failed")
+            raise DataError("JPEG encoding failed")
         # Two processes may build the same set at once (tests in parallel, two demos): each
         # writes its own temporary file; the bytes are the same, the last rename wins.
         tmp = out / name / f".{i:06d}.{os.getpid()}.jpg.tmp"

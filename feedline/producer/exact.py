@@ -39,14 +39,22 @@ from feedline.messages import DEFAULT_STREAM
 from feedline.producer.channel import ExactSpec
 from feedline.producer.dataflow import BatchData
 from feedline.producer.dataflow.autotune import cpu_budget
-from feedline.producer.dataflow.base import Indexable
+from feedline.producer.dataflow.base import Indexable, UnitSource
 from feedline.producer.dataflow.map_data import ComponentFunc, apply, reseed
 from feedline.producer.dataflow.worker import WorkerInfo, set_worker
-from feedline.producer.pipeline_spec import MAP_STEPS, SOURCES, Args, ConfigError, one_key
+from feedline.producer.pipeline_spec import (
+    MAP_STEPS,
+    SOURCES,
+    Args,
+    ConfigError,
+    guarded,
+    one_key,
+)
 from feedline.producer.sender import Sender
 
 log = logging.getLogger(__name__)
 DEFAULT_UNIT = 1024
+_LOAD = object()  # a sample an Indexable source reads by index, in the worker thread
 
 
 def sample_key(epoch: int, index: int) -> int:
@@ -57,7 +65,7 @@ def sample_key(epoch: int, index: int) -> int:
 
 @dataclass
 class ExactPipeline:
-    source: Indexable
+    source: Indexable | UnitSource  # a UnitSource (shards) cuts its own units
     funcs: list[Callable[[Any], Any]]
     batch_size: int
     seed: int = 0
@@ -70,6 +78,8 @@ class ExactPipeline:
 
     @property
     def spec(self) -> ExactSpec:
+        if isinstance(self.source, UnitSource):  # the coordinator counts units: one each
+            return ExactSpec(self.source.units(), 1, self.epochs)
         return ExactSpec(self.source.samples(), self.unit_size, self.epochs)
 
     def unit_samples(self, epoch: int, unit: int) -> list[int]:
@@ -81,22 +91,27 @@ class ExactPipeline:
         return order
 
     def slots(self, epoch: int, unit: int) -> int:
-        return -(-len(self.unit_samples(epoch, unit)) // self.batch_size)
+        n = self.source.unit_length(epoch, unit) if isinstance(self.source, UnitSource) else \
+            len(self.unit_samples(epoch, unit))
+        return -(-n // self.batch_size)
 
     def batches(self, epoch: int, unit: int, start: int = 0
                 ) -> Iterator[tuple[int, Any | None]]:
         """``(index, batch)`` for the unit's batches from ``start`` on; ``batch`` is None for
         a batch every sample of which was skipped."""
-        order = self.unit_samples(epoch, unit)
-        bs = self.batch_size
         local = threading.local()
+        parts = self._parts(epoch, unit, start)
 
-        def one(i: int) -> tuple[Any, bool]:
+        def one(item: tuple[int, Any]) -> tuple[Any, bool]:
             funcs = getattr(local, "funcs", None)
             if funcs is None:
                 set_worker(WorkerInfo(0, 1))
                 funcs = local.funcs = copy.deepcopy(self.funcs)
-            dp: Any = self.source.sample(i)
+            i, dp = item
+            if dp is _LOAD:
+                dp = self.source.sample(i)  # type: ignore[union-attr]
+            elif dp is None:  # a corrupt record (counted by the source): a place left empty
+                return None, False
             for f in funcs:
                 reseed(f, sample_key(epoch, i))
                 dp, skipped = apply(f, dp, self.on_error)
@@ -105,16 +120,36 @@ class ExactPipeline:
             return dp, False
 
         pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        nxt = start
         try:
-            for j in range(start, -(-len(order) // bs)):
-                part = order[j * bs:(j + 1) * bs]
+            for j, part in enumerate(parts, start):
                 # One thread: no pool (a future per sample costs ~30 us).
                 done = list(pool.map(one, part)) if pool is not None else [one(i) for i in part]
                 kept = [dp for dp, _ in done if dp is not None]
                 yield j, (BatchData.aggregate(kept) if kept else None)
+                nxt = j + 1
         finally:
             if pool is not None:
                 pool.shutdown()
+        for k in range(nxt, self.slots(epoch, unit)):  # a shard that ended early: empty
+            yield k, None
+
+    def _parts(self, epoch: int, unit: int, start: int) -> Iterator[list[tuple[int, Any]]]:
+        """The unit's batches from ``start`` on, as ``(sample id, datapoint or _LOAD)``."""
+        bs = self.batch_size
+        if isinstance(self.source, UnitSource):
+            part: list[tuple[int, Any]] = []
+            for item in self.source.read_unit(epoch, unit, start * bs, self.shuffle):
+                part.append(item)
+                if len(part) == bs:
+                    yield part
+                    part = []
+            if part:
+                yield part
+            return
+        order = self.unit_samples(epoch, unit)
+        for j in range(start, -(-len(order) // bs)):
+            yield [(i, _LOAD) for i in order[j * bs:(j + 1) * bs]]
 
     def run(self, sender: Sender, stop: threading.Event | None = None) -> int:
         """Produce the units the broker hands out until every epoch is served; returns the
@@ -152,7 +187,7 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
     seed = top.integer("seed", 0)
     on_error = top.text("on_error", "raise", choices=("raise", "skip"))
     x = Args(cfg.get("exact") or {}, "exact")
-    unit_size = x.integer("unit_size", DEFAULT_UNIT, lo=1)
+    unit_size = x.integer("unit_size", None, lo=1, allow_none=True)
     shuffle = x.flag("shuffle", True)
     x.done()
     par = Args({"workers": "auto"} if cfg.get("parallel") == "auto" else
@@ -172,9 +207,14 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
     a = Args(args, f"source.{name}")
     src = SOURCES[name](a, seed)
     a.done()
-    if not isinstance(src, Indexable):
+    if isinstance(src, UnitSource):  # shards: a unit is a shard, or a slice of unit_size
+        guarded(f"source.{name}", lambda: src.set_units(unit_size))
+    elif not isinstance(src, Indexable):
         raise ConfigError(f"source.{name}: exact delivery needs a source it can read by index "
-                          "(image_folder, lmdb, list, fake)")
+                          "(image_folder, lmdb, list, fake) or by shards (webdataset, "
+                          "tfrecord, parquet)")
+    else:
+        unit_size = unit_size or DEFAULT_UNIT
     funcs: list[Callable[[Any], Any]] = []
     batch_size = None
     steps = cfg.get("steps") or []
@@ -196,7 +236,7 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
     if batch_size is None:
         raise ConfigError("steps: delivery: exact needs a batch step, last")
     epochs = cfg.get("epochs")
-    return ExactPipeline(src, funcs, batch_size, seed, on_error, workers, unit_size,
+    return ExactPipeline(src, funcs, batch_size, seed, on_error, workers, unit_size or 0,
                          int(epochs or 0), shuffle, str(cfg.get("stream", DEFAULT_STREAM)))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -95,3 +95,47 @@ class StageMetrics(Collector):
                 if isinstance(active, int) and mode:
                     workers.add_metric([s.name, mode], active)
         return [out, skipped, workers]
+
+
+class ShardCounts(Protocol):
+    """What :class:`ShardMetrics` reads: a sharded source's ``format`` and ``stats``."""
+
+    format: str
+    stats: Any
+
+
+# (metric name, help, ShardStats attribute)
+_SHARD_FAMILIES = (
+    ("feedline_producer_shard_retries", "Reads of a shard retried after a transient failure "
+     "(connection reset, timeout, 5xx, a body cut short).", "retries"),
+    ("feedline_producer_shards_failed", "Shards given up on after every retry (skipped in "
+     "training, an error under exact delivery); the log names each.", "failed_shards"),
+    ("feedline_producer_corrupt_records", "Records skipped as corrupt (bad CRC, bad tar "
+     "header, truncated member, missing field); the log names each.", "corrupt_records"),
+    ("feedline_producer_shards_read", "Shards read to their end.", "shards_read"),
+    ("feedline_producer_shard_read_bytes", "Bytes read from shards.", "bytes_read"),
+)
+
+
+class ShardMetrics(Collector):
+    """The counters of the pipeline's sharded sources, read at scrape time, by ``format``."""
+
+    def __init__(self, registry: CollectorRegistry, sources: Sequence[ShardCounts]) -> None:
+        self.sources = list(sources)
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(()))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(self.sources))
+
+    @staticmethod
+    def _families(sources: Iterable[ShardCounts]) -> list[Metric]:
+        out: list[Metric] = []
+        for name, doc, attr in _SHARD_FAMILIES:
+            fam = CounterMetricFamily(name, doc, labels=["format"])
+            for s in sources:
+                fam.add_metric([s.format], getattr(s.stats, attr))
+            out.append(fam)
+        return out

@@ -58,6 +58,7 @@ from feedline.producer.dataflow.base import Counted, Shardable, as_dataflow, sta
 from feedline.producer.dataflow.map_data import ComponentFunc, reseed
 from feedline.producer.dataflow.parallel_map import ParallelMapBase
 from feedline.producer.dataflow.shard import check_shard
+from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.pipeline_spec import (
     MAP_STEPS,
     SOURCES,
@@ -67,6 +68,7 @@ from feedline.producer.pipeline_spec import (
     call_with_args,
     guarded,
     load_object,
+    located,
     one_key,
 )
 
@@ -267,6 +269,12 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
     a = Args(args, f"source.{name}")
     ds = SOURCES[name](a, seed)
     a.done()
+    if par["mode"] == "runner" and isinstance(ds, ShardedSource) and ds.claims \
+            and "shard" not in cfg:
+        raise ConfigError(f"parallel.mode: runner runs whole copies of the source in worker "
+                          f"processes, and source.{name} claims its shards from the broker in "
+                          "the producer's: use mode: process (the map steps in worker "
+                          "processes), or give the source a static shard (claim: false)")
     if "shard" in cfg:
         s = Args(cfg["shard"], "shard")
         index = s.integer("index", required=True, lo=0)
@@ -314,9 +322,7 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
         try:
             ds = CountData(STEPS[step](ds, a, step_seed), f"{i}:{step}")
         except (ValueError, TypeError) as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(f"{where}: {e}") from None
+            raise located(where, e) from None
         a.done()
     if funcs:
         ds = _wrap_map(ds, funcs, par, on_error, fused)

@@ -12,6 +12,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from feedline.errors import ConfigError as ConfigError
+from feedline.errors import Unavailable
 from feedline.producer import image
 from feedline.producer.dataflow import (
     BatchData,
@@ -25,10 +27,10 @@ from feedline.producer.dataflow import (
     LocallyShuffleData,
     RepeatedData,
 )
-
-
-class ConfigError(ValueError):
-    """A pipeline file is invalid; the message names the field."""
+from feedline.producer.dataflow.parquet import Parquet
+from feedline.producer.dataflow.tfrecord import TFRecord
+from feedline.producer.dataflow.webdataset import WebDataset
+from feedline.producer.shards.retry import RetryPolicy
 
 
 class Args:
@@ -144,10 +146,17 @@ def guarded(where: str, build: Callable[[], Any]) -> Any:
     """Run a constructor; its ValueError/TypeError becomes a ConfigError at ``where``."""
     try:
         return build()
-    except ConfigError:
-        raise
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise located(where, e) from None
+
+
+def located(where: str, e: Exception) -> ConfigError:
+    """``e`` as a ConfigError that names the place in the file: ``where`` put in front,
+    unless the message starts with it already (those of :class:`Args`)."""
+    if isinstance(e, ConfigError) and str(e).startswith((f"{where}:", f"{where}.",
+                                                          f"{where}[")):
+        return e
+    return ConfigError(f"{where}: {e}")
 
 
 # -- sources: (args, seed) -> DataFlow ------------------------------------------------------
@@ -204,9 +213,44 @@ def _generator(a: Args, seed: int) -> DataFlow:
     return DataFromGenerator(gen, size=size)
 
 
+def _sharded(cls: Callable[..., DataFlow]) -> Callable[[Args, int], DataFlow]:
+    """The builder of a sharded source (webdataset, tfrecord, parquet): the same keys for
+    each (docs/pipelines.md, "Sharded datasets")."""
+    def build(a: Args, seed: int) -> DataFlow:
+        urls, manifest = a.get("urls"), a.text("manifest")
+        if urls is None and manifest is None:
+            raise ConfigError(f"{a.field('urls')}: required (a list, a glob or a brace "
+                              "pattern), or manifest")
+        kw: dict[str, Any] = {"urls": urls, "manifest": manifest}
+        fields = a.get("fields")
+        if fields is not None:
+            if not (isinstance(fields, list) and fields and all(isinstance(f, str)
+                                                                for f in fields)):
+                raise ConfigError(f"{a.field('fields')}: expected a list of names")
+            kw["fields"] = fields
+        for key in ("read_ahead", "chunk_size", "prefetch", "max_sample_bytes",
+                    "shuffle_buffer"):
+            if key in a.m:
+                kw[key] = a.integer(key, lo=1)
+        opts = a.get("storage_options", {})
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"{a.field('storage_options')}: expected a map")
+        kw.update(shuffle=a.flag("shuffle", True), seed=a.integer("seed", seed),
+                  claim=a.flag("claim", True), timeout=a.number("timeout", 30.0, lo=0.1),
+                  retry=RetryPolicy(attempts=a.integer("retries", 6, lo=1)),
+                  storage_options=dict(opts))
+        a.done()
+        try:
+            return guarded(a.where, lambda: cls(**kw))  # type: ignore[no-any-return]
+        except Unavailable as e:  # a store client or pyarrow that is not installed
+            raise ConfigError(f"{a.where}: {e}") from None
+    return build
+
+
 SOURCES: dict[str, Callable[[Args, int], DataFlow]] = {
     "fake": _fake, "image_folder": _image_folder, "lmdb": _lmdb, "list": _list,
-    "generator": _generator,
+    "generator": _generator, "webdataset": _sharded(WebDataset), "tfrecord": _sharded(TFRecord),
+    "parquet": _sharded(Parquet),
 }
 
 # -- augmentors (inside an `augment` step) -------------------------------------------------

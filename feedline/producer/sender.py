@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from feedline import messages as m
 from feedline import wire
 from feedline.client import ClientLoop, Waker
-from feedline.errors import FeedlineError, Stopped
+from feedline.errors import ConfigError, DataError, FeedlineError, Stopped
 from feedline.link import LinkConfig
 from feedline.producer.channel import (
     BatchItem,
@@ -42,6 +42,7 @@ from feedline.producer.channel import (
     UnitAsk,
     UnitEnd,
 )
+from feedline.producer.claims import SenderClaims, claim_spec, claiming_source
 from feedline.producer.dataflow.base import as_dataflow
 from feedline.producer.metrics import ProducerMetrics
 from feedline.producer.targets import Targets
@@ -97,10 +98,10 @@ class Sender:
         self.limits = cfg.limits
         self.producer_id = producer_id or default_producer_id()
         if not 0 < len(self.producer_id) <= self.limits.max_id_len:
-            raise ValueError(f"producer_id must be 1..{self.limits.max_id_len} characters")
+            raise ConfigError(f"producer_id must be 1..{self.limits.max_id_len} characters")
         self.addrs = [addr] if isinstance(addr, str) else list(addr)
         if not self.addrs:
-            raise ValueError("no broker address")
+            raise ConfigError("no broker address")
         self.targets = Targets(self.addrs)
         self.session = random.getrandbits(62)
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
@@ -131,7 +132,7 @@ class Sender:
     @seq.setter
     def seq(self, value: int) -> None:
         if value < self._seq:
-            raise ValueError("sequence numbers only move forward")
+            raise ConfigError("sequence numbers only move forward")
         if value > self._seq:
             self._hand_over(SkipItem(value - self._seq), None)
             self._seq = value
@@ -321,8 +322,12 @@ def send_dataflow(
     df = as_dataflow(df)
     df.reset_state()
     stats = SendStats()
+    shards = claiming_source(df)  # a sharded source reads the shards the broker hands out
+    spec = None if shards is None else claim_spec(shards, epochs)
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream, fleet=fleet) as sender:
+                stream=stream, exact=spec, fleet=fleet) as sender:
+        if shards is not None:
+            shards.attach(SenderClaims(sender, stop))
         rate = _RateLog(sender, log_interval, skipped)
         t0 = time.monotonic()
         try:
@@ -338,8 +343,10 @@ def send_dataflow(
                     ready = time.monotonic()
                     if stop is not None and stop.is_set():
                         raise Stopped
-                if stats.batches == before:
-                    raise ValueError("the dataflow yielded nothing in a whole epoch")
+                if shards is not None and shards.finished:
+                    break  # the broker handed out every epoch's shards
+                if stats.batches == before and shards is None:
+                    raise DataError("the dataflow yielded nothing in a whole epoch")
                 epoch += 1
                 stats.epochs = epoch
             sender.end(epoch)

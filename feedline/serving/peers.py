@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from feedline.errors import Refusal
+
 
 @dataclass
 class Peer:
@@ -60,7 +62,7 @@ class PeerTable(Generic[P]):
     def add(self, peer: P) -> None:
         """Register ``peer`` (replacing an earlier registration on its connection)."""
         if peer.ident not in self._peers and self.full():
-            raise OverflowError(f"more than {self.capacity} {self.role}s")
+            raise Refusal("too_many_peers", f"more than {self.capacity} {self.role}s")
         self._peers[peer.ident] = peer
 
     def remove(self, ident: bytes) -> P | None:

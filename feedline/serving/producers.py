@@ -29,7 +29,9 @@ import zmq
 from feedline import messages as m
 from feedline import wire
 from feedline.codec import DecodeError, Limits
+from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
+from feedline.serving.claims import ClaimStreams
 from feedline.serving.coordinator import ExactPlan, ExactStreams
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
@@ -95,6 +97,7 @@ class ProducerSide:
                  exact: ExactStreams | None = None) -> None:
         self._send, self.sink, self.metrics, self.limits = send, sink, metrics, limits
         self.exact = exact if exact is not None else ExactStreams()
+        self.claims = ClaimStreams()  # training streams whose producers claim shards
         self.cfg, self.instance, self._cut_off = cfg, instance, cut_off
         self.max_batch_bytes = min(cfg.max_bytes,
                                    limits.max_message_bytes + limits.max_header_bytes)
@@ -143,11 +146,11 @@ class ProducerSide:
                                            detail="this is a broker's ingress (or a trainer "
                                            "serving producers): consumers connect to the "
                                            "broker's --egress address"))
-            raise DecodeError("wrong_port", f"consumer {msg.consumer} at the ingress")
+            raise Refusal("wrong_port", f"consumer {msg.consumer} at the ingress")
         elif p is None:
             if not isinstance(msg, m.Bye):
                 self._control(ident, m.Reset(broker=self.instance))
-                raise DecodeError("unknown_peer", type(msg).__name__)
+                raise Refusal("unknown_peer", type(msg).__name__)
         else:
             p.last_seen = now
             self._registered(p, msg, now)
@@ -169,19 +172,25 @@ class ProducerSide:
             # Queued, not sent now: it must not overtake the batches sent before it.
             item = Held([m.encode(msg)], 0, 0, p.session, 0, broadcast=True)
             if not self.sink.accept(p.stream, item):
-                raise DecodeError("buffer_full", type(msg).__name__)
+                raise Refusal("buffer_full", type(msg).__name__)
         elif isinstance(msg, m.Bye):
             self.drop(p.ident, "bye")
         elif isinstance(msg, (m.UnitRequest, m.UnitDone)):
             self._unit_message(p, msg)
         elif not isinstance(msg, m.Heartbeat):
-            raise DecodeError("bad_kind", f"{type(msg).__name__} from a producer")
+            raise Refusal("bad_kind", f"{type(msg).__name__} from a producer")
 
     def _unit_message(self, p: Producer, msg: m.UnitRequest | m.UnitDone) -> None:
         c = self.exact.get(p.stream)
+        claims = self.claims.get(p.stream) if c is None else None
+        if claims is not None:  # a training producer claims a shard, or starts one
+            reply = claims.answer(p.ident, msg, self.instance, p.registration)
+            if reply is not None:
+                self._control(p.ident, reply)
+            return
         if c is None or msg.registration != p.registration:
             if c is None:
-                raise DecodeError("not_exact", f"{type(msg).__name__} on stream {p.stream}")
+                raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
             return
         if isinstance(msg, m.UnitDone):
             for epoch in c.unit_done(p.ident, msg.epoch, msg.unit, msg.batches, msg.empty):
@@ -206,18 +215,18 @@ class ProducerSide:
             # An honest peer registers again after a restart or a reconnect, not ten times a
             # second: a flood would cost the broker a registration each (tables, metric
             # series). The HELLO is refused and counted; what is registered stays.
-            raise DecodeError("hello_flood", f"producer {msg.producer}")
+            raise Refusal("hello_flood", f"producer {msg.producer}")
         if old is not None:
             self.drop(ident, "registered_again")
         if self.producers.full():
             self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
                                            limit=self.producers.capacity))
-            raise DecodeError("too_many_peers", f"producer {msg.producer}")
+            raise Refusal("too_many_peers", f"producer {msg.producer}")
         if self.cfg.stream is not None and msg.stream != self.cfg.stream:
             self._control(ident, m.Refused(
                 broker=self.instance, reason="wrong_stream",
                 detail=f"this trainer takes stream {self.cfg.stream!r}, not {msg.stream!r}"))
-            raise DecodeError("wrong_stream", f"producer {msg.producer}: {msg.stream}")
+            raise Refusal("wrong_stream", f"producer {msg.producer}: {msg.stream}")
         self._check_delivery(ident, msg)
         label = self.metrics.producer_label.acquire(msg.producer)
         fd, ino = connection(fd)
@@ -261,10 +270,13 @@ class ProducerSide:
                 why = got if isinstance(got, str) else ""
         elif exact is not None:
             why = f"stream {msg.stream!r} is exact: every producer of it must be"
+        elif msg.dataset_size > 0:  # a training producer that claims its shards
+            claims = self.claims.join(msg.stream, msg.dataset_size, msg.epochs, ident)
+            why = claims if isinstance(claims, str) else ""
         if why:
             self._control(ident, m.Refused(broker=self.instance, reason="delivery_mismatch",
                                            detail=why))
-            raise DecodeError("delivery_mismatch", f"producer {msg.producer}: {why}")
+            raise Refusal("delivery_mismatch", f"producer {msg.producer}: {why}")
 
     def _welcome(self, p: Producer) -> None:
         self._control(p.ident, m.Welcome(broker=self.instance, registration=p.registration,
@@ -274,7 +286,7 @@ class ProducerSide:
         p = self.producers.get(ident)
         if p is None:
             self._control(ident, m.Reset(broker=self.instance))
-            raise DecodeError("unknown_peer", "BATCH")
+            raise Refusal("unknown_peer", "BATCH")
         p.last_seen = now
         nbytes = sum(len(f) for f in frames)
         self._charge(p, nbytes, now)
@@ -286,15 +298,15 @@ class ProducerSide:
             # batch every consumer would refuse must not be forwarded.
             batch = wire.decode_batch(frames, self.limits, header=header)
             if batch.session != p.session:
-                raise DecodeError("bad_header", "session changed without HELLO")
-        except DecodeError as e:
+                raise Refusal("bad_header", "session changed without HELLO")
+        except Refusal as e:
             self._refuse(p, e, seq if isinstance(seq, int) and seq >= 0 else -1)
             raise
         exact = self.exact.get(p.stream)
         if exact is not None:
             if batch.unit < 0:
-                self._refuse(p, DecodeError("not_exact", "a batch without its unit"), batch.seq)
-                raise DecodeError("not_exact", f"producer {p.name}")
+                self._refuse(p, Refusal("not_exact", "a batch without its unit"), batch.seq)
+                raise Refusal("not_exact", f"producer {p.name}")
             if not exact.accept(batch.key):
                 # Already here or settled (a re-run unit), or of another epoch: dropped; it
                 # was charged to its credit, which the next plan gives back.
@@ -320,9 +332,9 @@ class ProducerSide:
                                              detail="sent beyond its credit: cut off"))
             self._cut_off(p.fd, p.fd_ino, "producer", breach)
             self.drop(p.ident, breach)
-            raise DecodeError(breach, f"producer {p.name}")
+            raise Refusal(breach, f"producer {p.name}")
 
-    def _refuse(self, p: Producer, e: DecodeError, seq: int) -> None:
+    def _refuse(self, p: Producer, e: Refusal, seq: int) -> None:
         self.dirty = True  # its credit comes back with the next plan
         self.metrics.refused.labels(p.label, e.reason).inc()
         self._control(p.ident, m.Refused(broker=self.instance, reason=e.reason, seq=seq,
@@ -372,6 +384,7 @@ class ProducerSide:
         c = self.exact.get(p.stream)
         if c is not None:
             c.release(ident)  # its unit goes to another producer
+        self.claims.leave(p.stream, ident)
         self.metrics.producer_label.release(p.label)
         self._info.info("producer %s dropped (%s)", p.name, reason)
         self.metrics.dropped_peers.labels("producer", reason).inc()

@@ -23,8 +23,9 @@ The number exported, :attr:`Estimate.wanted`, moves only when the evidence holds
 (:class:`Stabilizer`): up when every proposal of the last ``up_hold`` seconds was higher (to
 the lowest of them), down when every proposal of the last ``down_hold`` seconds was lower,
 with ``band`` more headroom (to the highest of them). Proposals up also look at the demand
-of the last half window (a rise shows there first); proposals down at the whole window. A need that wanders inside the band
-never reverses the number (tests/test_sizing.py proves it with Hypothesis).
+of the last half window (a rise shows there first); proposals down at the whole window. A
+need that wanders inside the band never reverses the number (tests/test_sizing.py proves it
+with Hypothesis).
 
 Guards where the figures and the verdict disagree: model-bound never asks for more, and
 input-bound never for fewer. Before any capacity was learned the verdict alone moves the
@@ -41,6 +42,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from feedline.errors import ConfigError
 from feedline.verdict import VerdictTracker
 
 IDLE = "idle"  # no consumer reads the stream
@@ -62,9 +64,9 @@ class SizingConfig:
 
     def __post_init__(self) -> None:
         if self.window <= 0 or self.up_hold < 0 or self.down_hold < 0:
-            raise ValueError("window must be > 0 and the holds >= 0")
+            raise ConfigError("window must be > 0 and the holds >= 0")
         if self.headroom < 0 or self.band < 0:
-            raise ValueError("headroom and band must be >= 0")
+            raise ConfigError("headroom and band must be >= 0")
 
     @classmethod
     def for_window(cls, window: float) -> SizingConfig:

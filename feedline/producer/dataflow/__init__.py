@@ -32,8 +32,11 @@ from feedline.producer.dataflow.map_data import MapData, MapDataComponent
 from feedline.producer.dataflow.multi_process_map_data import MultiProcessMapData
 from feedline.producer.dataflow.multi_process_runner import MultiProcessRunner
 from feedline.producer.dataflow.multi_thread_map_data import MultiThreadMapData
+from feedline.producer.dataflow.parquet import Parquet
 from feedline.producer.dataflow.repeated_data import RepeatedData
 from feedline.producer.dataflow.test_data_speed import TestDataSpeed
+from feedline.producer.dataflow.tfrecord import TFRecord
+from feedline.producer.dataflow.webdataset import WebDataset
 from feedline.producer.dataflow.worker import WorkerInfo, get_worker, make_rng
 
 __all__ = [
@@ -56,13 +59,16 @@ __all__ = [
     "MultiProcessMapData",
     "MultiProcessRunner",
     "MultiThreadMapData",
+    "Parquet",
     "ProxyDataFlow",
     "RepeatedData",
     "Reseedable",
     "SampleError",
     "Shardable",
+    "TFRecord",
     "TestDataSpeed",
     "WorkerError",
+    "WebDataset",
     "WorkerInfo",
     "as_dataflow",
     "get_worker",

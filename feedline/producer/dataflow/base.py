@@ -15,7 +15,8 @@ and :func:`stages` walks a whole pipeline.
 What some stages offer besides are Protocols, checked with ``isinstance``:
 :class:`Shardable` (a source that keeps one shard), :class:`Counted` (a stage that counts
 what its skip policy dropped), :class:`Reseedable` (a random map function),
-:class:`Indexable` (a source exact delivery cuts into work units).
+:class:`Indexable` (a source exact delivery cuts into work units), :class:`UnitSource` (a
+source that cuts its own units: a sharded one).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
+from feedline.errors import FeedlineError
 
-class UnknownLength(NotImplementedError, TypeError):
+
+class UnknownLength(FeedlineError, NotImplementedError, TypeError):
     """Raised by ``len()`` of a stage whose length is unknown.
 
     A NotImplementedError as in tensorpack, and a TypeError so that ``list(df)`` (which asks
@@ -40,6 +43,27 @@ class Indexable(Protocol):
     def samples(self) -> int: ...
 
     def sample(self, i: int) -> Any: ...
+
+
+@runtime_checkable
+class UnitSource(Protocol):
+    """A source exact delivery reads by units of its own, front to back (a sharded source: a
+    unit is a shard or a slice of one). ``read_unit`` yields ``(sample id, datapoint)`` in
+    the unit's order for the epoch (a pure function of (seed, epoch, unit)) from its
+    ``skip``-th sample on; a None datapoint holds the place of one that cannot be read.
+    ``set_units(n)`` cuts units of at most ``n`` samples (None: the source's own, whole
+    shards); ``samples()`` counts them all."""
+
+    def set_units(self, unit_size: int | None) -> None: ...
+
+    def samples(self) -> int: ...
+
+    def units(self) -> int: ...
+
+    def unit_length(self, epoch: int, unit: int) -> int: ...
+
+    def read_unit(self, epoch: int, unit: int, skip: int = 0,
+                  shuffle: bool = True) -> Iterator[tuple[int, Any]]: ...
 
 
 @runtime_checkable

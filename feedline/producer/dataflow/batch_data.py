@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from feedline.errors import ConfigError, DataError
 from feedline.producer.dataflow.base import DataFlow, ProxyDataFlow
 
 
@@ -23,7 +24,7 @@ class BatchData(ProxyDataFlow):
                  use_list: bool = False) -> None:
         super().__init__(ds)
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+            raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.batch_size, self.remainder, self.use_list = batch_size, remainder, use_list
 
     def __len__(self) -> int:
@@ -65,5 +66,5 @@ def _stack(items: list[Any], use_list: bool, which: Any) -> Any:
             return np.asarray(items, dtype=np.float32)
         return np.asarray(items)
     except ValueError as e:
-        raise ValueError(f"BatchData: cannot stack component {which!r} ({e}); "
+        raise DataError(f"BatchData: cannot stack component {which!r} ({e}); "
                          "use use_list=True for ragged data") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from feedline.errors import UsageError
 from feedline.producer.dataflow.base import DataFlow, UnknownLength
 
 
@@ -12,7 +13,7 @@ class DataFromGenerator(DataFlow):
     """Yield what ``gen()`` yields, calling it again for every pass.
 
     ``gen`` may also be an iterator, which then supports a single pass only (a second pass
-    raises ``RuntimeError`` rather than silently yielding nothing). ``size``, if given, is
+    raises ``UsageError`` rather than silently yielding nothing). ``size``, if given, is
     what ``len`` reports.
     """
 
@@ -31,7 +32,7 @@ class DataFromGenerator(DataFlow):
             yield from self.gen()
             return
         if self._used:
-            raise RuntimeError("DataFromGenerator over an iterator can be iterated once; "
+            raise UsageError("DataFromGenerator over an iterator can be iterated once; "
                                "pass a generator function to iterate again")
         self._used = True
         yield from self.gen

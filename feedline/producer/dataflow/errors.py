@@ -1,29 +1,16 @@
-"""Errors of the DataFlow library."""
+"""Errors of the DataFlow library (defined in :mod:`feedline.errors`), and the ``on_error``
+policy of the map stages."""
 
 from __future__ import annotations
 
-
-class SampleError(Exception):
-    """One datapoint cannot be processed (a corrupt or unreadable input).
-
-    Map stages with ``on_error="skip"`` drop such a datapoint and count it; every other
-    exception is a bug and always propagates.
-    """
-
-
-class WorkerError(RuntimeError):
-    """A parallel worker failed; the message carries the worker's own traceback."""
-
-    def __init__(self, message: str, remote_traceback: str = "") -> None:
-        super().__init__(f"{message}\n--- worker traceback ---\n{remote_traceback}"
-                         if remote_traceback else message)
-        self.remote_traceback = remote_traceback
-
+from feedline.errors import ConfigError
+from feedline.errors import SampleError as SampleError
+from feedline.errors import WorkerError as WorkerError
 
 ERROR_POLICIES = ("raise", "skip")
 
 
 def check_policy(on_error: str) -> str:
     if on_error not in ERROR_POLICIES:
-        raise ValueError(f"on_error must be one of {ERROR_POLICIES}, got {on_error!r}")
+        raise ConfigError(f"on_error must be one of {ERROR_POLICIES}, got {on_error!r}")
     return on_error

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.base import DataFlow
 
 
@@ -34,14 +35,14 @@ class FakeData(DataFlow):
         delay: float = 0.0,
     ) -> None:
         if size < 0:
-            raise ValueError("size must be >= 0")
+            raise ConfigError("size must be >= 0")
         if not delay >= 0:
-            raise ValueError("delay must be >= 0")
+            raise ConfigError("delay must be >= 0")
         self.delay = float(delay)
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         dtypes = [dtype] * len(self.shapes) if isinstance(dtype, str) else list(dtype)
         if len(dtypes) != len(self.shapes):
-            raise ValueError(f"{len(dtypes)} dtypes for {len(self.shapes)} shapes")
+            raise ConfigError(f"{len(dtypes)} dtypes for {len(self.shapes)} shapes")
         self.dtypes = [np.dtype(d) for d in dtypes]
         self.size, self.random, self.domain, self.seed = size, random, domain, seed
         self._rng: np.random.Generator | None = None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from feedline.errors import ConfigError, DataError, DataNotFound
 from feedline.producer.dataflow.base import DataFlow
 from feedline.producer.dataflow.shard import check_shard, shard_positions
 from feedline.producer.dataflow.worker import make_rng
@@ -43,10 +44,10 @@ def scan_folder(root: str | Path, extensions: Sequence[str] = IMAGE_EXTENSIONS,
     """
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"not a directory: {root}")
+        raise DataNotFound(f"not a directory: {root}")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
     if not classes:
-        raise ValueError(f"{root}: no class sub-folders")
+        raise DataError(f"{root}: no class sub-folders")
     exts = tuple(e.lower() for e in extensions)
     paths, labels = [], []
     for label, name in enumerate(classes):
@@ -57,7 +58,7 @@ def scan_folder(root: str | Path, extensions: Sequence[str] = IMAGE_EXTENSIONS,
                     paths.append(os.path.join(dirpath, f))
                     labels.append(label)
     if not paths:
-        raise ValueError(f"{root}: no image files with extensions {exts}")
+        raise DataError(f"{root}: no image files with extensions {exts}")
     return paths, labels, classes
 
 
@@ -73,7 +74,7 @@ def read_list_file(list_file: str | Path, root: str | Path | None = None,
             continue
         parts = line.rsplit(None, 1)
         if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
-            raise ValueError(f"{list_file}:{n}: expected 'PATH LABEL', got {line!r}")
+            raise DataError(f"{list_file}:{n}: expected 'PATH LABEL', got {line!r}")
         paths.append(str(base / parts[0]))
         labels.append(int(parts[1]))
     return paths, labels
@@ -92,7 +93,7 @@ class ImageFolder(DataFlow):
                  shuffle: bool = True, seed: int = 0, shard: tuple[int, int] = (0, 1),
                  read: bool = True) -> None:
         if root is None and list_file is None:
-            raise ValueError("ImageFolder needs root or list_file")
+            raise ConfigError("ImageFolder needs root or list_file")
         if list_file is not None:
             self.paths, self.labels = read_list_file(list_file, root)
             self.classes: list[str] = []

@@ -16,6 +16,7 @@ from typing import Any
 import lmdb
 from tqdm import tqdm
 
+from feedline.errors import DataError, DataNotFound, OutputExists
 from feedline.producer.dataflow.base import DataFlow, as_dataflow
 from feedline.producer.dataflow.serialize import dumps, loads
 from feedline.producer.dataflow.shard import check_shard, shard_positions
@@ -48,7 +49,7 @@ class LMDBSerializer:
         if stale is not None:
             stale.close()
         if path.exists() and not overwrite:
-            raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+            raise OutputExists(f"{path} exists (pass overwrite=True to replace it)")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
         df = as_dataflow(df)
@@ -114,7 +115,7 @@ def open_reader(path: str | Path) -> lmdb.Environment:
     env = _READERS.get(k)
     if env is None:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"no LMDB file at {path}")
+            raise DataNotFound(f"no LMDB file at {path}")
         for old in [o for o in _READERS if o[1] != os.getpid()]:
             # Inherited through fork: unusable here, and py-lmdb refuses a second open of
             # the same file while it is registered. Closing unmaps it in this process only
@@ -149,7 +150,7 @@ class LMDBData(DataFlow):
                  shard: tuple[int, int] = (0, 1)) -> None:
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"no LMDB file at {self.path}")
+            raise DataNotFound(f"no LMDB file at {self.path}")
         self.shuffle, self.seed = shuffle, seed
         self.set_shard(*shard)
         self._epoch = 0
@@ -173,7 +174,7 @@ class LMDBData(DataFlow):
         with self._open().begin() as txn:
             value = txn.get(key(i))
         if value is None:
-            raise KeyError(f"{self.path}: datapoint {i} is missing")
+            raise DataError(f"{self.path}: datapoint {i} is missing")
         return loads(value)
 
     def samples(self) -> int:
@@ -191,7 +192,7 @@ class LMDBData(DataFlow):
                 for i in order:
                     value = txn.get(key(i))
                     if value is None:
-                        raise KeyError(f"{self.path}: datapoint {i} is missing")
+                        raise DataError(f"{self.path}: datapoint {i} is missing")
                     yield loads(value)
                 return
             index, count = self.shard

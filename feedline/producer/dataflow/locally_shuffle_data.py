@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.base import DataFlow, ProxyDataFlow
 from feedline.producer.dataflow.worker import make_rng
 
@@ -20,7 +21,7 @@ class LocallyShuffleData(ProxyDataFlow):
     def __init__(self, ds: DataFlow, buffer_size: int, seed: int = 0) -> None:
         super().__init__(ds)
         if not isinstance(buffer_size, int) or buffer_size < 1:
-            raise ValueError(f"buffer_size must be an int >= 1, got {buffer_size!r}")
+            raise ConfigError(f"buffer_size must be an int >= 1, got {buffer_size!r}")
         self.buffer_size, self.seed = buffer_size, seed
         self._epoch = 0
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import zmq
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow import ipc
 from feedline.producer.dataflow.autotune import AutoWorkers
 from feedline.producer.dataflow.base import DataFlow
@@ -84,7 +85,7 @@ class MultiProcessMapData(ParallelMapBase):
                  chunk: int = 8, autotune: AutoWorkers | None = None) -> None:
         super().__init__(ds, num_proc, buffer_size, strict, on_error, autotune)
         if not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+            raise ConfigError(f"chunk must be an int >= 1, got {chunk!r}")
         self.func = func
         # Datapoints travel in messages of up to `chunk` (and results likewise): each
         # message costs wake-ups and context switches in both processes, so fewer is faster.

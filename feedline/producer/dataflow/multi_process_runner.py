@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow import ipc
 from feedline.producer.dataflow.base import DataFlow, ProxyDataFlow, Shardable, stages
 from feedline.producer.dataflow.errors import WorkerError
@@ -127,10 +128,10 @@ class MultiProcessRunner(ProxyDataFlow):
                  strict: bool = False) -> None:
         super().__init__(ds)
         if not isinstance(num_proc, int) or num_proc < 1:
-            raise ValueError(f"num_proc must be an int >= 1, got {num_proc!r}")
+            raise ConfigError(f"num_proc must be an int >= 1, got {num_proc!r}")
         source = source_of(self.ds)
         if strict and not isinstance(source, Shardable):
-            raise ValueError(f"strict MultiProcessRunner needs a shardable source, not "
+            raise ConfigError(f"strict MultiProcessRunner needs a shardable source, not "
                              f"{type(source).__name__}")
         self.num_proc, self.queue_size, self.strict = num_proc, queue_size, strict
         self._procs: list[Any] = []

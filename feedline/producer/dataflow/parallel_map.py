@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.autotune import AutoWorkers
 from feedline.producer.dataflow.base import DataFlow, ProxyDataFlow
 from feedline.producer.dataflow.errors import WorkerError, check_policy
@@ -42,13 +43,13 @@ class ParallelMapBase(ProxyDataFlow):
                  on_error: str, autotune: AutoWorkers | None = None) -> None:
         super().__init__(ds)
         if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+            raise ConfigError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if not isinstance(buffer_size, int) or buffer_size < num_workers:
-            raise ValueError(f"buffer_size must be an int >= num_workers ({num_workers}), "
+            raise ConfigError(f"buffer_size must be an int >= num_workers ({num_workers}), "
                              f"got {buffer_size!r}")
         self.num_workers, self.buffer_size, self.strict = num_workers, buffer_size, strict
         if autotune is not None and strict:
-            raise ValueError("autotune changes the workers a datapoint goes to: not with "
+            raise ConfigError("autotune changes the workers a datapoint goes to: not with "
                              "strict (ordered, reproducible) output")
         self.auto = autotune
         # Datapoints go to workers first .. first + active - 1 (all of them unless tuned).

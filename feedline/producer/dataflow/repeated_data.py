@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.base import DataFlow, ProxyDataFlow, UnknownLength
 
 
@@ -14,7 +15,7 @@ class RepeatedData(ProxyDataFlow):
     def __init__(self, ds: DataFlow, num: int) -> None:
         super().__init__(ds)
         if not isinstance(num, int) or (num < 1 and num != -1):
-            raise ValueError(f"num must be an int >= 1 or -1 (forever), got {num!r}")
+            raise ConfigError(f"num must be an int >= 1 or -1 (forever), got {num!r}")
         self.num = num
 
     def __len__(self) -> int:

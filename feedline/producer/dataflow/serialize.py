@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 
 from feedline import wire
+from feedline.errors import DataError
 
 _ARRAY = 42
 
@@ -32,14 +33,14 @@ def _default(obj: Any) -> Any:
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code != _ARRAY:
-        raise ValueError(f"unknown extension type {code}")
+        raise DataError(f"unknown extension type {code}")
     unpacker = wire.Unpacker(raw=False)
     unpacker.feed(data)
     dtype_str, shape = unpacker.unpack()
     try:
         dt = wire.check_dtype(dtype_str)  # numeric and bool only: never object arrays
     except wire.DecodeError as e:
-        raise ValueError(f"refusing dtype {dtype_str!r}") from e
+        raise DataError(f"refusing dtype {dtype_str!r}") from e
     offset = unpacker.tell()
     return np.frombuffer(data, dtype=dt, offset=offset).reshape(tuple(shape))
 

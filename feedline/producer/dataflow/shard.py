@@ -12,15 +12,16 @@ shard inside a producer's.
 
 from __future__ import annotations
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.base import DataFlow, stages
 
 
 def check_shard(index: int, count: int) -> tuple[int, int]:
-    """Validate a shard; raises ValueError naming the bad part."""
+    """Validate a shard; raises ConfigError (a ValueError) naming the bad part."""
     if not isinstance(count, int) or count < 1:
-        raise ValueError(f"shard count must be an int >= 1, got {count!r}")
+        raise ConfigError(f"shard count must be an int >= 1, got {count!r}")
     if not isinstance(index, int) or not 0 <= index < count:
-        raise ValueError(f"shard index must be an int in [0, {count}), got {index!r}")
+        raise ConfigError(f"shard index must be an int in [0, {count}), got {index!r}")
     return index, count
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from feedline.errors import ConfigError, DataError
 from feedline.producer.dataflow.base import as_dataflow
 
 
@@ -23,7 +24,7 @@ class TestDataSpeed:
     def __init__(self, ds: Iterable[Any], size: int = 5000, warmup: int = 0,
                  disable_progress: bool = False) -> None:
         if size < 1:
-            raise ValueError("size must be >= 1")
+            raise ConfigError("size must be >= 1")
         self.ds, self.size, self.warmup = as_dataflow(ds), size, warmup
         self.disable_progress = disable_progress
         self.rate = 0.0
@@ -35,7 +36,7 @@ class TestDataSpeed:
                 empty = False
                 yield dp
             if empty:
-                raise ValueError("the dataflow yielded nothing in a whole pass")
+                raise DataError("the dataflow yielded nothing in a whole pass")
 
     def start(self) -> float:
         """Run the test; returns (and stores in ``rate``) datapoints per second."""

@@ -289,10 +289,22 @@ PyMODINIT_FUNC PyInit__jpegturbo(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    CorruptJPEG = PyErr_NewException("feedline.producer.image._jpegturbo.CorruptJPEG", PyExc_ValueError,
+    /* Both are FeedlineErrors, as every error of the package is (turbo.py translates them,
+       but a test walks every module's classes). */
+    PyObject *errors = PyImport_ImportModule("feedline.errors");
+    PyObject *root = errors ? PyObject_GetAttrString(errors, "FeedlineError") : NULL;
+    PyObject *bases = root ? PyTuple_Pack(2, root, PyExc_ValueError) : NULL;
+    Py_XDECREF(root);
+    Py_XDECREF(errors);
+    if (bases == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    CorruptJPEG = PyErr_NewException("feedline.producer.image._jpegturbo.CorruptJPEG", bases,
                                      NULL);
-    Unsupported = PyErr_NewException("feedline.producer.image._jpegturbo.Unsupported",
-                                     PyExc_ValueError, NULL);
+    Unsupported = PyErr_NewException("feedline.producer.image._jpegturbo.Unsupported", bases,
+                                     NULL);
+    Py_DECREF(bases);
     if (CorruptJPEG == NULL || Unsupported == NULL ||
         PyModule_AddObjectRef(m, "CorruptJPEG", CorruptJPEG) < 0 ||
         PyModule_AddObjectRef(m, "Unsupported", Unsupported) < 0 ||

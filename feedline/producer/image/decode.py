@@ -19,7 +19,8 @@ from typing import Any
 import cv2
 import numpy as np
 
-from feedline.producer.dataflow.errors import SampleError
+from feedline.errors import ConfigError
+from feedline.errors import CorruptImage as CorruptImage
 
 _FLAGS = {r: f | cv2.IMREAD_IGNORE_ORIENTATION for r, f in [
     (1, cv2.IMREAD_COLOR), (2, cv2.IMREAD_REDUCED_COLOR_2), (4, cv2.IMREAD_REDUCED_COLOR_4),
@@ -29,11 +30,6 @@ _FLAGS = {r: f | cv2.IMREAD_IGNORE_ORIENTATION for r, f in [
 MAX_PIXELS = 1 << 26
 # SOFn markers that carry the frame size (not DHT C4, JPG C8, DAC CC).
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-
-
-class CorruptImage(SampleError):
-    """The bytes are not a decodable image; the message starts with the file's path when the
-    data came from a file (see :func:`name_of`)."""
 
 
 def name_of(data: Any) -> str:
@@ -123,7 +119,7 @@ def decode(data: Any, reduce: int = 1, source: Any = None,
     naming the file of ``source`` (or of ``data``; see :func:`name_of`).
     """
     if reduce not in _FLAGS:
-        raise ValueError(f"reduce must be 1, 2, 4 or 8, got {reduce!r}")
+        raise ConfigError(f"reduce must be 1, 2, 4 or 8, got {reduce!r}")
     buf = as_buffer(data)
     src = data if source is None else source
     if buf.size == 0:

@@ -12,6 +12,8 @@ import math
 import cv2
 import numpy as np
 
+from feedline.errors import ConfigError
+
 
 def resize(img: np.ndarray, w: int, h: int) -> np.ndarray:
     """Resize with area averaging when shrinking by more than 2x (no aliasing), else
@@ -58,7 +60,7 @@ class RandomResizedCrop:
         self.scale: tuple[float, float] = (float(scale[0]), float(scale[1]))
         self.ratio: tuple[float, float] = (float(ratio[0]), float(ratio[1]))
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
-            raise ValueError(f"scale must satisfy 0 < lo <= hi <= 1, got {scale}")
+            raise ConfigError(f"scale must satisfy 0 < lo <= hi <= 1, got {scale}")
 
     def sample_box(self, h: int, w: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         """``(y0, x0, ch, cw)`` of the region to keep, in source pixels."""

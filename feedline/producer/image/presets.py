@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from feedline.errors import ConfigError
 from feedline.producer.dataflow.worker import get_worker, make_rng
 from feedline.producer.image import turbo
 from feedline.producer.image.color import ColorJitter, Lighting
@@ -47,7 +48,7 @@ DECODERS = ("auto", "opencv")
 
 def _fused(decoder: str, reduced_decode: bool) -> bool:
     if decoder not in DECODERS:
-        raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
+        raise ConfigError(f"decoder must be one of {DECODERS}, got {decoder!r}")
     return reduced_decode and decoder == "auto" and turbo.AVAILABLE
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import cv2
 import numpy as np
 
+from feedline.errors import ConfigError, FeedlineError
 from feedline.producer.image.decode import MAX_PIXELS, CorruptImage, name_of
 from feedline.producer.image.geometry import resize
 
@@ -50,7 +51,7 @@ FAST_SCALES = (1, 2, 4, 8)
 EDGE = 1
 
 
-class Unsupported(Exception):
+class Unsupported(FeedlineError):
     """A JPEG this decoder does not handle (CMYK/YCCK, 12-bit, lossless): decode otherwise."""
 
 
@@ -93,9 +94,9 @@ def plan(src_hw: tuple[int, int], box: tuple[float, float, float, float],
     h, w = src_hw
     y0, x0, y1, x1 = box
     if not (0 <= y0 < y1 <= h and 0 <= x0 < x1 <= w):
-        raise ValueError(f"box {box} is not inside a {h}x{w} image")
+        raise ConfigError(f"box {box} is not inside a {h}x{w} image")
     if not scales or not all(1 <= m <= 8 for m in scales):
-        raise ValueError(f"scales must be in 1..8, got {scales}")
+        raise ConfigError(f"scales must be in 1..8, got {scales}")
     m = dct_scale((y1 - y0, x1 - x0), out_hw, scales)
     s = m / 8
     sh, sw = -(-h * m // 8), -(-w * m // 8)

@@ -1,0 +1,324 @@
+"""ShardedSource: the base of the sources that read shards (WebDataset, TFRecord, Parquet).
+
+A sharded source reads a list of shards (:func:`~feedline.producer.shards.locations.expand`:
+a list, a glob, braces, or the shards a manifest lists) from wherever they live, one shard
+front to back at a time per open slot, ``read_ahead`` shards open at once and their samples
+interleaved. What a subclass adds is :meth:`ShardedSource._read`: one shard's samples in
+order, each a datapoint or, in its place, the
+:class:`~feedline.producer.shards.records.CorruptRecord` that stood there.
+
+Which shards a pass reads (training, :meth:`__iter__`):
+
+- given a :class:`ClaimFeed` (:meth:`attach`; ``send_dataflow`` attaches the broker's when it
+  serves a stream), the shards the broker hands this producer: each shard goes to one
+  producer per epoch, across all producers of the stream. A pass is one epoch's claims;
+- otherwise every shard of this source's ``shard`` (``(index, count)`` over the shard list,
+  as any Shardable source), in an order shuffled per pass by ``(seed, epoch)``.
+
+Exact delivery reads it by units instead (:meth:`units`, :meth:`read_unit`): a unit is a
+shard, or a slice of at most ``unit_size`` samples of one; it needs each shard's sample count
+(a manifest, or the Parquet footers).
+
+Failures never stop the others: a corrupt record is counted and named
+(``stats.corrupt_records``, logged) and its place skipped; a shard that keeps failing after
+the retries is counted and named (``stats.failed_shards``) and skipped in training, and
+raised (a :class:`~feedline.producer.shards.retry.ShardError`) under exact delivery.
+
+Memory: each open shard holds at most ``(prefetch + 2) * chunk_size`` bytes
+(:class:`~feedline.producer.shards.stream.ChunkStream`) plus the sample being cut out of it,
+so the source holds at most ``read_ahead * ((prefetch + 2) * chunk_size + max_sample_bytes)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from feedline.errors import ConfigError
+from feedline.producer.dataflow.base import DataFlow, UnknownLength
+from feedline.producer.dataflow.shard import check_shard, shard_positions
+from feedline.producer.shards import manifest as mf
+from feedline.producer.shards.locations import Location, expand, protocol_of
+from feedline.producer.shards.records import CorruptRecord
+from feedline.producer.shards.retry import RetryPolicy, ShardError
+from feedline.producer.shards.stats import ShardStats
+from feedline.producer.shards.stream import ChunkStream
+
+log = logging.getLogger(__name__)
+_UNIT_ORDER = 0xC1A1  # the per-epoch shard order's stream, apart from other draws
+
+
+@runtime_checkable
+class ClaimFeed(Protocol):
+    """Hands out this producer's shards: ``claim()`` -> ``(epoch, unit)`` (unit: an index of
+    the shard list, before the per-epoch shuffle), or None once every epoch is served."""
+
+    def claim(self) -> tuple[int, int] | None: ...
+
+
+class ShardedSource(DataFlow):
+    format = ""
+
+    def __init__(self, urls: str | Sequence[str] | None = None, *, manifest: str | None = None,
+                 fields: Sequence[str] = (), shuffle: bool = True, seed: int = 0,
+                 shard: tuple[int, int] = (0, 1), read_ahead: int = 2,
+                 chunk_size: int = 2 << 20, prefetch: int = 2,
+                 retry: RetryPolicy | None = None, timeout: float = 30.0,
+                 storage_options: dict[str, Any] | None = None,
+                 max_sample_bytes: int = 16 << 20, shuffle_buffer: int = 256,
+                 claim: bool = True) -> None:
+        if urls is None and manifest is None:
+            raise ConfigError("needs urls (a list, a glob or a brace pattern) or a manifest")
+        for name, v in (("read_ahead", read_ahead), ("chunk_size", chunk_size),
+                        ("prefetch", prefetch), ("max_sample_bytes", max_sample_bytes),
+                        ("shuffle_buffer", shuffle_buffer)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
+        self.options = dict(storage_options or {})
+        self.manifest_url = manifest
+        self.manifest = mf.read(manifest, self.options) if manifest else None
+        self.urls = expand(urls, self.options) if urls is not None else \
+            mf.shard_urls(manifest, self.manifest)  # type: ignore[arg-type]
+        self.fields = list(fields)
+        self.shuffle, self.seed = shuffle, seed
+        self.read_ahead, self.chunk_size, self.prefetch = read_ahead, chunk_size, prefetch
+        self.retry = retry or RetryPolicy()
+        self.timeout, self.max_sample_bytes = timeout, max_sample_bytes
+        self.shuffle_buffer = shuffle_buffer
+        self.stats = ShardStats()
+        self.claims = claim  # read the shards a broker hands out, when sent to one
+        self._locs: dict[str, Location] = {}
+        self._feed: ClaimFeed | None = None
+        self._held: tuple[int, int] | None = None
+        self._finished = False
+        self._epoch = 0
+        self._table: list[tuple[int, int, int]] | None = None  # exact: (shard, start, count)
+        self._offsets: list[int] = []
+        self.set_shard(*shard)
+
+    # -- what a subclass implements ---------------------------------------------------
+    def _read(self, url: str) -> Iterator[Any]:
+        """The shard's samples in order: datapoints, or a CorruptRecord in the place of one
+        that cannot be read. Raises ShardError when the shard cannot be read at all."""
+        raise NotImplementedError
+
+    def _count(self, url: str) -> int | None:
+        """The shard's sample count without reading it, where the format says (else None)."""
+        return None
+
+    # -- helpers for subclasses -------------------------------------------------------
+    def location(self, url: str) -> Location:
+        p = protocol_of(url)
+        loc = self._locs.get(p)
+        if loc is None:
+            loc = self._locs[p] = Location(p, self.options, self.timeout)
+        return loc
+
+    def stream(self, url: str) -> ChunkStream:
+        return ChunkStream(self.location(url), url, chunk_size=self.chunk_size,
+                           prefetch=self.prefetch, retry=self.retry, stats=self.stats)
+
+    def memory_bound(self) -> int:
+        """The bytes this source's reads hold at most (the module docstring's formula)."""
+        return self.read_ahead * ((self.prefetch + 2) * self.chunk_size + self.max_sample_bytes)
+
+    # -- DataFlow ----------------------------------------------------------------------
+    def set_shard(self, index: int, count: int) -> None:
+        """A static share of the shard list (a producer's ``shard:``): no claims then."""
+        self.shard = check_shard(index, count)
+        if count > 1:
+            self.claims = False
+
+    def attach(self, feed: ClaimFeed | None) -> None:
+        """Read the shards ``feed`` hands out (None: this source's own ``shard`` again)."""
+        self._feed, self._held, self._finished = feed, None, False
+
+    @property
+    def finished(self) -> bool:
+        """The feed said every epoch is served (a pass now yields nothing)."""
+        return self._finished
+
+    def __len__(self) -> int:
+        counts = self._counts(required=False)
+        if counts is None or self._feed is not None:
+            raise UnknownLength(f"{type(self).__name__}: the sample count needs a manifest "
+                                "(and is unknown when the broker hands out the shards)")
+        return sum(counts[i] for i in shard_positions(len(self.urls), self.shard))
+
+    def reset_state(self) -> None:
+        self._epoch = 0
+        self._locs = {}  # a fresh client in this process
+
+    def order(self, epoch: int) -> list[int]:
+        """Shard indices in their order for ``epoch``: unit ``u`` is shard ``order[u]``."""
+        idx = list(range(len(self.urls)))
+        if self.shuffle:
+            np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, _UNIT_ORDER]).shuffle(idx)
+        return idx
+
+    def _pass_shards(self) -> Iterator[int]:
+        if self._feed is None:
+            epoch, self._epoch = self._epoch, self._epoch + 1
+            order = self.order(epoch)
+            yield from (order[p] for p in shard_positions(len(self.urls), self.shard))
+            return
+        got = self._held if self._held is not None else self._feed.claim()
+        epoch = got[0] if got is not None else -1
+        while got is not None and got[0] == epoch:
+            if not 0 <= got[1] < len(self.urls):
+                raise ShardError(f"unit {got[1]}", f"the broker handed out a unit outside the "
+                                 f"{len(self.urls)} shards: do all producers of the stream "
+                                 "read the same shards?")
+            yield self.order(epoch)[got[1]]
+            got = self._feed.claim()
+        self._held = got
+        self._finished = got is None
+
+    def _guarded(self, url: str) -> Iterator[Any]:
+        """``_read(url)`` with corrupt records counted and a failed shard skipped."""
+        try:
+            for item in self._read(url):
+                if isinstance(item, CorruptRecord):
+                    self._corrupt(item)
+                else:
+                    yield item
+            self.stats.add(shards_read=1)
+        except ShardError as e:
+            self.stats.shard_failed(url)
+            log.warning("skipped the rest of %s", e)
+
+    def _corrupt(self, e: CorruptRecord) -> None:
+        self.stats.record_corrupt(e.where)
+        log.warning("corrupt record %s%s", e, "" if e.resumable else
+                    "; the rest of the shard cannot be found")
+
+    def __iter__(self) -> Iterator[Any]:
+        shards = self._pass_shards()
+        open_: deque[Iterator[Any]] = deque()
+        try:
+            while True:
+                while len(open_) < self.read_ahead:
+                    nxt = next(shards, None)
+                    if nxt is None:
+                        break
+                    it = self._guarded(self.urls[nxt])
+                    open_.append(it)
+                if not open_:
+                    return
+                it = open_.popleft()
+                dp = next(it, _END)
+                if dp is _END:
+                    continue
+                open_.append(it)
+                yield dp
+        finally:
+            for it in open_:
+                it.close()  # type: ignore[attr-defined]
+            shards.close()  # type: ignore[attr-defined]
+
+    # -- exact delivery: units --------------------------------------------------------
+    def _counts(self, required: bool = True) -> list[int] | None:
+        if self.manifest is not None:
+            return self.manifest.counts(self.urls)
+        counts = []
+        for u in self.urls:
+            c = self._count(u)
+            if c is None:
+                break
+            counts.append(c)
+        if len(counts) < len(self.urls):
+            if not required:
+                return None
+            raise mf.ManifestError(
+                f"the sample count of each shard is needed (exact delivery numbers samples by "
+                f"it): give the manifest `feedline convert` wrote beside the shards, or write "
+                f"one with `feedline info {self.urls[0]} ... --manifest manifest.json`")
+        return counts
+
+    def set_units(self, unit_size: int | None) -> None:
+        """Cut units for exact delivery: whole shards (None), or slices of at most
+        ``unit_size`` samples of each."""
+        counts = self._counts()
+        assert counts is not None
+        self._offsets = list(np.cumsum([0, *counts[:-1]])) if counts else []
+        table = []
+        for s, n in enumerate(counts):
+            step = unit_size or max(n, 1)
+            table += [(s, a, min(step, n - a)) for a in range(0, max(n, 1), step)]
+        self._table = table
+
+    def samples(self) -> int:
+        return sum(c for _, _, c in self._table or [])
+
+    def units(self) -> int:
+        if self._table is None:
+            self.set_units(None)
+        return len(self._table or [])
+
+    def _slice(self, epoch: int, unit: int) -> tuple[int, int, int]:
+        """Unit ``unit`` of ``epoch``: (shard, first sample, samples); units are read in an
+        order shuffled per epoch (the coordinator numbers them the same every epoch)."""
+        self.units()
+        assert self._table is not None
+        order = list(range(len(self._table)))
+        if self.shuffle:
+            np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, _UNIT_ORDER]).shuffle(order)
+        return self._table[order[unit]]
+
+    def unit_length(self, epoch: int, unit: int) -> int:
+        return self._slice(epoch, unit)[2]
+
+    def read_unit(self, epoch: int, unit: int, skip: int = 0,
+                  shuffle: bool = True) -> Iterator[tuple[int, Any]]:
+        """``(sample id, datapoint or None)`` for the unit's samples in their order for
+        ``epoch`` (a pure function of (seed, epoch, unit)), from its ``skip``-th on. A
+        sample's id is its place in the dataset (shards in list order); None stands for a
+        corrupt record. ShardError if the shard cannot be read."""
+        s, start, count = self._slice(epoch, unit)
+        base = int(self._offsets[s])
+
+        def in_place() -> Iterator[tuple[int, Any]]:
+            with closing(self._read(self.urls[s])) as records:  # type: ignore[type-var]
+                for pos, item in enumerate(records):
+                    if pos >= start + count:
+                        break
+                    if pos >= start:
+                        if isinstance(item, CorruptRecord):
+                            self._corrupt(item)
+                            item = None
+                        yield base + pos, item
+        items = in_place()
+        if shuffle:
+            rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, unit])
+            items = _buffer_shuffle(items, self.shuffle_buffer, rng)
+        for k, item in enumerate(items):
+            if k >= skip:
+                yield item
+
+    def fingerprint(self) -> list[str]:
+        """What identifies the dataset for exact delivery: the shard names, in order."""
+        return list(self.urls)
+
+
+_END = object()
+
+
+def _buffer_shuffle(items: Iterator[Any], size: int, rng: np.random.Generator,
+                    ) -> Iterator[Any]:
+    """Items in an order drawn from ``rng`` through a buffer of ``size``: a pure function of
+    the input order and the generator's seed."""
+    buf: list[Any] = []
+    for x in items:
+        if len(buf) < size:
+            buf.append(x)
+            continue
+        j = int(rng.integers(size))
+        buf[j], x = x, buf[j]
+        yield x
+    rng.shuffle(buf)  # type: ignore[arg-type]
+    yield from buf

@@ -1,0 +1,62 @@
+"""TFRecord: ``tf.train.Example`` records from TFRecord files, CRCs checked, no TensorFlow."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from feedline.errors import ConfigError
+from feedline.producer.dataflow.shard_fields import feature
+from feedline.producer.dataflow.sharded import ShardedSource
+from feedline.producer.shards.records import CorruptRecord
+from feedline.producer.shards.tfrecord import parse_example, records
+
+DEFAULT_FIELDS = ("image/encoded", "image/class/label")
+
+
+class TFRecord(ShardedSource):
+    """Yield one datapoint per record: the ``fields`` (feature keys) in order, by default
+    ``[image bytes, label]`` from the usual ImageNet keys. A record whose CRC is wrong, that
+    does not parse, or that lacks a field is a corrupt record (counted, named
+    ``file#offset``); one whose length cannot be trusted loses the rest of its file. Every
+    other argument is :class:`~feedline.producer.dataflow.sharded.ShardedSource`'s."""
+
+    format = "tfrecord"
+
+    def __init__(self, urls: str | Sequence[str] | None = None, *,
+                 fields: Sequence[str] = DEFAULT_FIELDS, **kw: Any) -> None:
+        super().__init__(urls, fields=fields, **kw)
+        if not self.fields:
+            raise ConfigError("fields: at least one feature key")
+
+    def _read(self, url: str) -> Iterator[Any]:
+        stream = self.stream(url)
+        try:
+            while True:
+                try:
+                    at = stream.offset
+                    for data in records(stream, url, self.max_sample_bytes):
+                        yield self._example(data, f"{url}#{at}")
+                        at = stream.offset
+                    return
+                except CorruptRecord as e:
+                    yield e
+                    if not e.resumable:
+                        return
+        finally:
+            stream.close()
+
+    def _example(self, data: bytes, where: str) -> Any:
+        try:
+            ex = parse_example(data, self.fields)
+        except ValueError as e:
+            return CorruptRecord(where, f"not a tf.train.Example: {e}", True)
+        try:
+            return [feature(ex[k], k, where) if k in ex else _missing(k, ex, where)
+                    for k in self.fields]
+        except CorruptRecord as e:
+            return e
+
+
+def _missing(key: str, ex: dict[str, Any], where: str) -> Any:
+    raise CorruptRecord(where, f"no feature {key!r}", True)

@@ -1,0 +1,184 @@
+"""One shard read front to back, in chunks a thread fetches ahead: memory is bounded by
+the chunk size and the prefetch depth, never by the shard's size.
+
+A :class:`ChunkStream` owns one fetch thread. It opens the shard through its
+:class:`~feedline.producer.shards.locations.Location` with no cache (each ``read`` of
+``chunk_size`` is one ranged request on an object store or HTTP server) and puts each chunk
+on a queue of at most ``prefetch`` chunks; the reader takes them in order. So one open shard
+holds at most ``prefetch + 2`` chunks: the queue, the one the thread is putting, the one the
+reader is cutting records from.
+
+A failed fetch is retried where it failed (the file is opened again at that offset) if it
+is transient (:func:`~feedline.producer.shards.retry.is_transient`), with backoff, and
+counted in :class:`~feedline.producer.shards.stats.ShardStats`; after ``retry.attempts``
+failures in a row, or at once for a permanent one, the reader gets a
+:class:`~feedline.producer.shards.retry.ShardError` naming the shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+from feedline.errors import ConfigError, Stopped
+from feedline.producer.shards.locations import Location
+from feedline.producer.shards.retry import RetryPolicy, ShardError, ShortRead, is_transient
+from feedline.producer.shards.stats import ShardStats
+
+log = logging.getLogger(__name__)
+_POLL = 0.1
+_EOF = b""
+
+
+class StreamClosed(Stopped):
+    """The stream was closed (its source stopped) while a read waited."""
+
+
+class ChunkStream:
+    """``read(n)``: exactly ``n`` bytes, fewer only at the shard's end."""
+
+    def __init__(self, loc: Location, url: str, *, chunk_size: int = 2 << 20, prefetch: int = 2,
+                 retry: RetryPolicy | None = None, stats: ShardStats | None = None,
+                 start: int = 0) -> None:
+        if chunk_size < 1 or prefetch < 1:
+            raise ConfigError(f"chunk_size and prefetch must be >= 1, got {chunk_size}, "
+                             f"{prefetch}")
+        self.loc, self.url = loc, url
+        self.chunk_size, self.retry = chunk_size, retry or RetryPolicy()
+        self.stats = stats if stats is not None else ShardStats()
+        self.size: int | None = None
+        self._q: queue.Queue[bytes | ShardError] = queue.Queue(prefetch)
+        self._stop = threading.Event()
+        self._buf = memoryview(b"")
+        self._pos = 0
+        self._eof = False
+        self.offset = start  # bytes handed to the reader
+        self._thread = threading.Thread(target=self._fetch, args=(start,), daemon=True,
+                                        name=f"feedline-shard-{url[-40:]}")
+        self._thread.start()
+
+    # -- the fetch thread -------------------------------------------------------------
+    def _open(self, offset: int) -> Any:
+        f = self.loc.fs().open(self.url, "rb", block_size=self.chunk_size, cache_type="none")
+        if self.size is None:
+            size = getattr(f, "size", None)
+            self.size = int(size) if isinstance(size, int) else None
+        if offset:
+            f.seek(offset)
+        return f
+
+    def _fetch(self, offset: int) -> None:
+        f = None
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    if f is None:
+                        f = self._open(offset)
+                    data = f.read(self.chunk_size)
+                    if self.size is not None:
+                        want = min(self.chunk_size, self.size - offset)
+                        if len(data) < want:
+                            raise ShortRead(f"{len(data)} of {want} bytes at offset {offset}")
+                except Exception as e:  # every failure of a read is judged below, none lost
+                    if f is not None:
+                        _close(f)
+                        f = None
+                    failures += 1
+                    if not is_transient(e) or failures >= self.retry.attempts:
+                        why = f"{type(e).__name__}: {e}" + (
+                            f" (after {failures} tries)" if is_transient(e) else "")
+                        self._put(ShardError(self.url, why))
+                        return
+                    self.stats.add(retries=1)
+                    log.warning("shard %s: %s: %s; try %d of %d at offset %d", self.url,
+                                type(e).__name__, e, failures + 1, self.retry.attempts, offset)
+                    if not self.retry.wait(failures, self._stop):
+                        return
+                    continue
+                failures = 0
+                offset += len(data)
+                self.stats.add(bytes_read=len(data))
+                if not self._put(bytes(data)) or not data:
+                    return
+        finally:
+            if f is not None:
+                _close(f)
+
+    def _put(self, item: bytes | ShardError) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=_POLL)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    # -- the reader -------------------------------------------------------------------
+    def _next_chunk(self) -> bool:
+        while True:
+            if self._stop.is_set():
+                raise StreamClosed(self.url)
+            try:
+                item = self._q.get(timeout=_POLL)
+                break
+            except queue.Empty:
+                continue
+        if isinstance(item, ShardError):
+            self._eof = True
+            raise item
+        if not item:
+            self._eof = True
+            return False
+        self._buf, self._pos = memoryview(item), 0
+        return True
+
+    def read(self, n: int) -> bytes:
+        if n <= len(self._buf) - self._pos:  # the usual case: inside the current chunk
+            out = bytes(self._buf[self._pos:self._pos + n])
+            self._pos += n
+            self.offset += n
+            return out
+        parts = bytearray(self._buf[self._pos:])
+        self._pos = len(self._buf)
+        while len(parts) < n and not self._eof and self._next_chunk():
+            take = min(n - len(parts), len(self._buf))
+            parts += self._buf[:take]
+            self._pos = take
+        self.offset += len(parts)
+        return bytes(parts)
+
+    def skip(self, n: int) -> int:
+        """Read past ``n`` bytes without keeping them; returns how many there were."""
+        left = n
+        while left:
+            have = len(self._buf) - self._pos
+            if have == 0:
+                if self._eof or not self._next_chunk():
+                    break
+                continue
+            step = min(have, left)
+            self._pos += step
+            left -= step
+        self.offset += n - left
+        return n - left
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._buf = memoryview(b"")
+
+    def __enter__(self) -> ChunkStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close(f: Any) -> None:
+    try:
+        f.close()
+    except Exception:  # closing a broken connection may fail again: nothing to keep
+        pass

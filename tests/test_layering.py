@@ -1,0 +1,181 @@
+"""Which way the imports go (docs/architecture.md, "The rooms"), read from the source.
+
+Every module of the package is parsed with ``ast``: every import (at the top, inside
+functions, under ``TYPE_CHECKING``), every ``importlib.import_module("feedline...")``, and the
+module names in the lazy-export tables of ``feedline/__init__.py`` and
+``feedline/consumer/__init__.py``. Then:
+
+- the kernel (``feedline/*.py`` but ``__init__``/``__main__``) imports no component;
+- ``feedline.serving`` and ``feedline.producer`` import only the kernel;
+- ``feedline.broker`` imports only ``serving`` and the kernel;
+- ``feedline.consumer`` imports ``serving``, ``producer`` and the kernel, never ``broker``;
+- only ``commands`` (and the facade: ``feedline/__init__.py``, ``feedline/__main__.py``)
+  imports ``commands``, and nothing imports the facade;
+- no two modules import each other, directly or around a circle.
+
+A failure names the file, the line and the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from dataclasses import dataclass
+
+from tests.package_source import Module, extension_modules, modules
+
+KERNEL, FACADE = "kernel", "facade"
+COMPONENTS = ("serving", "producer", "broker", "consumer", "commands")
+# What each room may import besides itself.
+ALLOWED = {
+    KERNEL: {KERNEL},
+    "serving": {KERNEL},
+    "producer": {KERNEL},
+    "broker": {KERNEL, "serving"},
+    "consumer": {KERNEL, "serving", "producer"},
+    "commands": {KERNEL, *COMPONENTS},
+    FACADE: {KERNEL, *COMPONENTS},
+}
+# name -> module tables whose string values are imports (resolved on first use)
+LAZY_TABLES = {"feedline": "_EXPORTS", "feedline.consumer": "_LAZY"}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: Module
+    target: str  # a module of the package
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.source.rel}:{self.line}: {self.text}"
+
+
+def room(name: str) -> str:
+    parts = name.split(".")
+    if name in ("feedline", "feedline.__main__"):
+        return FACADE
+    if len(parts) > 1 and parts[1] in COMPONENTS:
+        return parts[1]
+    return KERNEL
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The package's module ``name`` names, or the closest package above it; None outside."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(mod: Module, known: set[str]) -> list[Import]:
+    """Every import of the package's modules that ``mod`` makes."""
+    out = []
+
+    def add(target: str, node: ast.AST, text: str) -> None:
+        resolved = _resolve(target, known)
+        if resolved is not None and resolved != mod.name:
+            out.append(Import(mod, resolved, getattr(node, "lineno", 0), text))
+
+    package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node, ast.unparse(node))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                add(sub if sub in known else base, node, ast.unparse(node))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
+                node.func, "id", "")) == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            add(node.args[0].value, node, ast.unparse(node))
+        elif (isinstance(node, (ast.Assign, ast.AnnAssign)) and mod.name in LAZY_TABLES
+              and any(isinstance(t, ast.Name) and t.id == LAZY_TABLES[mod.name]
+                      for t in (node.targets if isinstance(node, ast.Assign)
+                                else [node.target]))):
+            assert isinstance(node.value, ast.Dict), f"{mod.rel}: {LAZY_TABLES[mod.name]}"
+            for k, v in zip(node.value.keys, node.value.values, strict=True):
+                assert isinstance(v, ast.Constant) and isinstance(v.value, str)
+                name = k.value if isinstance(k, ast.Constant) else "?"
+                add(v.value, v, f"{LAZY_TABLES[mod.name]}[{name!r}] = {v.value!r}")
+    return out
+
+
+def all_imports() -> list[Import]:
+    known = {m.name for m in modules()} | extension_modules()
+    return [i for m in modules() for i in imports_of(m, known)]
+
+
+def test_the_reader_sees_the_imports_it_must_judge() -> None:
+    """Claim: the reader finds imports of every kind (top level, in a function, under
+    TYPE_CHECKING, lazy tables), so the rules below judge real edges."""
+    edges = {(i.source.name, i.target) for i in all_imports()}
+    assert ("feedline.producer.sender", "feedline.wire") in edges  # top level
+    assert ("feedline", "feedline.consumer.remote") in edges  # _EXPORTS, and TYPE_CHECKING
+    assert ("feedline.consumer", "feedline.consumer.queue_input") in edges  # _LAZY
+    assert ("feedline.__main__", "feedline.commands.main") in edges
+    assert len(edges) > 300, len(edges)
+
+
+def test_every_import_goes_down_the_layers() -> None:
+    bad = []
+    for i in all_imports():
+        src, dst = room(i.source.name), room(i.target)
+        if dst == src and src != FACADE:
+            continue
+        if dst == FACADE:
+            bad.append(f"{i}  ({src} imports the facade `feedline`: import the module that "
+                       "defines the name)")
+        elif dst not in ALLOWED[src]:
+            bad.append(f"{i}  ({src} -> {dst})")
+    assert not bad, "imports against the layering (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    """Claim: the graph of imports between the package's modules has no circle (Tarjan's
+    strongly connected components; each circle is printed with the imports that close it)."""
+    graph: dict[str, list[Import]] = defaultdict(list)
+    for i in all_imports():
+        graph[i.source.name].append(i)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # recursive: the graph is a few hundred modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for e in graph[v]:
+            if e.target not in index:
+                visit(e.target)
+                low[v] = min(low[v], low[e.target])
+            elif e.target in on_stack:
+                low[v] = min(low[v], index[e.target])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                circles.append(sorted(scc))
+
+    for m in modules():
+        if m.name not in index:
+            visit(m.name)
+    described = []
+    for scc in circles:
+        members = set(scc)
+        described.append(" <-> ".join(scc) + "\n  " + "\n  ".join(
+            str(e) for v in scc for e in graph[v] if e.target in members))
+    assert not circles, "import cycles:\n" + "\n".join(described)
