@@ -120,6 +120,7 @@ class Tuner:
         self.cfg = cfg
         self.k = max(cfg.lo, min(cfg.hi, start))
         self._trial: tuple[int, float, float] | None = None  # (previous k, its rate, wait)
+        self._confirmed = 0  # periods a try of fewer workers has held so far
         self._cool = {+1: 0, -1: 0}  # periods before trying that direction again
         self._backoff = {+1: 1, -1: 1}
         self._settled_rate: float | None = None
@@ -136,11 +137,15 @@ class Tuner:
             self._cool[d] = max(0, self._cool[d] - 1)
         if self._trial is not None:
             prev, prev_rate, _ = self._trial
-            self._trial = None
             d = +1 if self.k > prev else -1
-            # More workers must earn their CPU; fewer that deliver as much free one.
+            # More workers must earn their CPU; fewer that deliver as much free one, judged
+            # over two periods (a wrong "fewer" costs rate, a wrong "more" only a CPU).
             kept = rate >= prev_rate * (1 + cfg.gain) if d > 0 else \
                 rate >= prev_rate * (1 - cfg.loss)
+            if kept and d < 0 and self._confirmed < 1:
+                self._confirmed += 1
+                return self.k
+            self._trial, self._confirmed = None, 0
             if kept:
                 self.last = f"{self.k} kept ({rate:.0f}/s, was {prev_rate:.0f}/s with {prev})"
                 self._backoff[d] = 1
