@@ -6,8 +6,9 @@ a consumer process (each side its own process, every variant the same):
 - ``feedline``:  ``feedline producer`` -> tcp -> ``feedline broker`` -> ipc -> RemoteDataZMQ
 - ``direct``:    ``feedline producer`` -> tcp -> ``RemoteDataZMQ(bind=True)``: the trainer
                  serves its producers, one hop (direct mode)
-- ``before``:    the same with another checkout of feedline (``--before DIR``): the code as
-                 it was, measured in the same run (a change must not make this slower)
+- ``before``, ``direct-before``: ``feedline`` and ``direct`` with another checkout of
+                 feedline (``--before DIR``): the code as it was, measured in the same run
+                 (a change must not make either slower)
 - ``relay``:     PUSH -> tcp -> ``zmq.proxy`` (PULL/PUSH, own process) -> ipc -> PULL
 - ``raw``:       PUSH -> tcp -> PULL, one hop, the cheapest framing there is
 - ``raw-threads``: the same with feedline's thread layout and nothing else: at each end the
@@ -275,15 +276,15 @@ def via_broker(run: Run, tree: Path) -> float:
     return run.consume("feedline", egress, tree)
 
 
-def direct(run: Run) -> float:
+def direct(run: Run, tree: Path = ROOT) -> float:
     addr = f"tcp://127.0.0.1:{free_port()}"
     cfg = run.work / "fake.yaml"
     cfg.write_text(yaml.safe_dump({"source": {"fake": {
         "shapes": [[run.n, run.side, run.side, 3], [run.n]], "dtypes": ["uint8", "int32"],
         "random": False, "size": 100000}}}))
     run.child([sys.executable, "-m", "feedline.producer", "--config", str(cfg), "--broker", addr,
-               "--log-level", "WARNING"], "producer")
-    return run.consume("feedline-direct", addr)
+               "--log-level", "WARNING"], "producer", tree)
+    return run.consume("feedline-direct", addr, tree)
 
 
 def relay(run: Run) -> float:
@@ -323,6 +324,8 @@ def variants(before: Path | None) -> dict[str, Callable[[Run], float]]:
     if before is not None:
         out["before"] = lambda r: via_broker(r, before)
     out["direct"] = direct
+    if before is not None:
+        out["direct-before"] = lambda r: direct(r, before)
     out["relay"] = relay
     out["raw"] = raw
     out["raw-threads"] = raw_threads

@@ -1,22 +1,27 @@
-"""Receiving one ZeroMQ message frame by frame, with its frame count checked as it goes.
+"""Receiving one ZeroMQ message frame by frame, its frame count and its size checked as it goes.
 
 ``recv_multipart`` builds a Python object for every frame before anyone can look at the
 count: one message of 4 M empty frames (8 MiB on the wire) cost a broker 1 GiB and half a
-minute. :func:`recv_message` keeps at most ``max_frames`` frames; the rest of an oversized
-message is read and dropped without being kept, and the message is refused as
-``too_many_frames``.
+minute. :func:`recv_message` keeps at most ``max_frames`` frames and ``max_bytes`` bytes of a
+message: the frames are weighed as they are read, and once a message passes either bound what
+was kept of it is let go, the rest is read without being kept, and the message is refused
+(:class:`Oversized`: ``too_many_arrays`` or ``message_too_large``). So a message of 40 frames
+of 15 MiB against a 16 MiB budget is held by this process one frame at a time, not whole.
 
 What no application can bound: libzmq delivers a multipart message only once all of it has
 arrived, so it holds the whole message first (64 bytes per frame in its pipe, plus the
-frames' data). ``ZMQ_MAXMSGSIZE`` bounds a frame, not the number of frames; the frame count
-is bounded only by what a peer can send, which is why every exposed port needs CURVE keys.
+frames' data). ``ZMQ_MAXMSGSIZE`` bounds a frame, not a message (libzmq 4.3.5 checks each
+frame's size as it decodes it, nothing else); what one connection can make libzmq hold is one
+message of any number of frames, per message its receive high-water mark lets in. That is
+what the hosts bound with a receive high-water mark of one message per producer connection,
+and by cutting off the sender of an oversized message (:mod:`feedline.serving.endpoint`); the
+rest is why every exposed port needs CURVE keys.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
@@ -26,15 +31,27 @@ _CHECK_EVERY = 4096  # frames between clock checks while draining an oversized m
 _KEEPALIVE_SECONDS = 0.1  # ... and the keepalive calls, at most this far apart
 
 
-class TooManyFrames(DecodeError):
-    """A message had more frames than allowed; it was read to its end and dropped.
+class Oversized(DecodeError):
+    """A message had more frames or more bytes than allowed; it was read to its end and
+    dropped, nothing of it kept.
 
-    ``first`` is its first frame (a ROUTER's peer identity), ``frames`` how many it had.
+    ``first`` is its first frame's bytes (a ROUTER's peer identity; empty if longer than 256
+    bytes), ``fd`` the connection it came on (``zmq.SRCFD``, -1 if unknown), ``frames`` and
+    ``nbytes`` what it had in all, ``seconds`` how long reading it took.
     """
 
-    def __init__(self, first: Any, frames: int, seconds: float) -> None:
-        super().__init__("too_many_arrays", f"a message of {frames} frames")
-        self.first, self.frames, self.seconds = first, frames, seconds
+    def __init__(self, reason: str, first: bytes, fd: int, frames: int, nbytes: int,
+                 seconds: float) -> None:
+        what = (f"{frames} frames" if reason == TOO_MANY_FRAMES
+                else f"{nbytes} bytes in {frames} frames")
+        super().__init__(reason, f"a message of {what}")
+        self.what = what
+        self.first, self.fd, self.frames, self.nbytes = first, fd, frames, nbytes
+        self.seconds = seconds
+
+
+TOO_MANY_FRAMES = "too_many_arrays"
+TOO_LARGE = "message_too_large"
 
 
 def waiting(sock: zmq.Socket) -> bool:
@@ -44,33 +61,60 @@ def waiting(sock: zmq.Socket) -> bool:
 
 
 def recv_message(sock: zmq.Socket, max_frames: int, flags: int = zmq.NOBLOCK,
-                 keepalive: Callable[[], None] | None = None) -> list[zmq.Frame]:
-    """One whole message as zero-copy frames, at most ``max_frames`` of them.
+                 keepalive: Callable[[], None] | None = None,
+                 max_bytes: int | None = None,
+                 oversized: Callable[[str, int], None] | None = None) -> list[zmq.Frame]:
+    """One whole message as zero-copy frames, at most ``max_frames`` of them and (if given)
+    ``max_bytes`` bytes in all.
 
-    Raises ``zmq.Again`` if none is waiting (with ``zmq.NOBLOCK``), :class:`TooManyFrames`
-    for a message with more frames (read to its end: the socket is ready for the next one).
-    ``keepalive`` is called now and then while such a message is drained, so that the caller
-    can keep its peers' links alive meanwhile.
+    Raises ``zmq.Again`` if none is waiting (with ``zmq.NOBLOCK``), :class:`Oversized` for a
+    message with more frames or bytes (read to its end: the socket is ready for the next
+    one). ``oversized(reason, fd)`` is called as soon as a message is found too large or too
+    long, before the rest of it is read (``fd``: its connection, ``zmq.SRCFD``, -1 if
+    unknown): a caller that cuts the sender off there stops what it sends next while this one
+    is drained. ``keepalive`` is called now and then while such a message is drained, so that
+    the caller can keep its peers' links alive meanwhile.
     """
     first = sock.recv(flags, copy=False)
     frames = [first]
     more = first.more
-    while more and len(frames) < max_frames:
-        f = sock.recv(copy=False)
-        frames.append(f)
-        more = f.more
-    if not more:
-        return frames
+    if max_bytes is None:
+        while more and len(frames) < max_frames:
+            f = sock.recv(copy=False)
+            frames.append(f)
+            more = f.more
+        if not more:
+            return frames
+        reason, size = TOO_MANY_FRAMES, 0
+    else:
+        size = len(first)
+        while more and len(frames) < max_frames and size <= max_bytes:
+            f = sock.recv(copy=False)
+            frames.append(f)
+            size += len(f)
+            more = f.more
+        if not more and size <= max_bytes:
+            return frames
+        reason = TOO_LARGE if size > max_bytes else TOO_MANY_FRAMES
     t0 = last = time.monotonic()
     n = len(frames)
     ident = first.bytes if len(first) <= 256 else b""
+    try:
+        fd = int(first.get(zmq.SRCFD))
+    except zmq.ZMQError:  # not every transport has one
+        fd = -1
     frames.clear()  # keep nothing of it
+    del first
+    if oversized is not None:
+        oversized(reason, fd)
     while more:
-        more = sock.recv(copy=False).more
+        f = sock.recv(copy=False)
+        more = f.more
+        size += len(f)
         n += 1
         if keepalive is not None and n % _CHECK_EVERY == 0:
             now = time.monotonic()
             if now - last >= _KEEPALIVE_SECONDS:
                 keepalive()
                 last = now
-    raise TooManyFrames(ident, n, time.monotonic() - t0)
+    raise Oversized(reason, ident, fd, n, size, time.monotonic() - t0)

@@ -58,14 +58,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits, packb
-from feedline.errors import FeedlineError
+from feedline.errors import ConfigError, FeedlineError
 from feedline.wire import PROTOCOL_VERSION, Kind, header_map
 
 __all__ = [
     "BROKER_SENT", "EXACT", "TRAINING", "Bye", "ConsumerHello", "Deliver", "EpochEnd", "Eos",
     "Error", "Grant", "Heartbeat", "Message", "ProducerHello", "Refused", "Reset", "Returned",
     "Revoke", "Taken", "Unit", "UnitDone", "UnitRequest", "UnitWait", "Want", "Welcome",
-    "broker_of", "decode", "encode",
+    "broker_of", "check_stream", "decode", "encode",
 ]
 
 _U63 = (1 << 63) - 1
@@ -151,6 +151,18 @@ def message(kind: Kind) -> Callable[[type[M]], type[M]]:
 
 
 DEFAULT_STREAM = "default"
+
+
+def check_stream(name: str, limits: Limits = DEFAULT_LIMITS) -> str:
+    """``name`` if the wire carries it as a stream name; else :class:`ConfigError`, one line
+    naming the stream and the rule (a producer or a consumer with such a name would only ever
+    see its HELLO refused, which looks like a broker that does not answer)."""
+    if not isinstance(name, str) or not 1 <= len(name) <= limits.max_stream_len \
+            or not _STREAM.fullmatch(name):
+        raise ConfigError(f"stream {name!r} is not a stream name: 1 to {limits.max_stream_len} "
+                         "ASCII letters, digits, '.', '_' or '-', starting with a letter or a "
+                         "digit (e.g. 'val-0', not 'val/0'); rename it")
+    return name
 
 
 @message(Kind.PRODUCER_HELLO)

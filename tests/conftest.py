@@ -129,3 +129,33 @@ def broker_proc(daemons, endpoints: Endpoints):
         return d
 
     return start
+
+
+class HostFactory:
+    """Starts hosts of one kind (``broker`` or ``direct``): see tests/hosts.py."""
+
+    def __init__(self, kind: str, daemons, tmp_path: Path, endpoints: Endpoints) -> None:
+        self.kind, self._daemons, self._tmp, self._endpoints = kind, daemons, tmp_path, endpoints
+        self.started: list = []
+
+    def __call__(self, *extra: str, **kw):
+        from tests.hosts import start_host
+
+        h = start_host(self.kind, self._daemons, self._tmp, self._endpoints, *extra, **kw)
+        self.started.append(h)
+        return h
+
+    def broker_only(self, why: str) -> None:
+        """Skip the direct-mode run of a test about what only a broker has."""
+        if self.kind != "broker":
+            pytest.skip(f"broker only: {why}")
+
+
+@pytest.fixture(params=["broker", "direct"])
+def host(request, daemons, tmp_path: Path, endpoints: Endpoints) -> Iterator[HostFactory]:
+    """Factory: a host of the serving core, run once as a broker process and once as a
+    direct-mode trainer process (``host(*broker_flags, reading=True)``); closed at teardown."""
+    f = HostFactory(request.param, daemons, tmp_path, endpoints)
+    yield f
+    for h in f.started:
+        h.close()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -333,10 +334,12 @@ class RawPeer:
 
 
 class CountingConsumer:
-    """A RemoteDataZMQ iterated by a thread, counting the batches it takes, per producer."""
+    """A RemoteDataZMQ iterated by a thread, counting the batches it takes, per producer
+    (and handing each to ``keep``, if given)."""
 
-    def __init__(self, addr: str, window: int = 4, link: LinkConfig = FAST) -> None:
-        self.addr, self.window, self.link = addr, window, link
+    def __init__(self, addr: str, window: int = 4, link: LinkConfig = FAST,
+                 keep: Callable[[wire.Batch], None] | None = None) -> None:
+        self.addr, self.window, self.link, self.keep = addr, window, link, keep
         self.counts: dict[str, int] = {}
         self.stats: dict[str, Any] = {}
         self._stop = threading.Event()
@@ -358,6 +361,8 @@ class CountingConsumer:
                     it = iter(src)
                     continue
                 self.counts[b.producer] = self.counts.get(b.producer, 0) + 1
+                if self.keep is not None:
+                    self.keep(b)
             self.stats = src.stats()
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from feedline.broker.buffer import Buffer
 from feedline.errors import Refusal
+from feedline.serving.budget import Budget
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
@@ -18,7 +19,7 @@ MiB = 1 << 20
 
 def planner(max_batches: int = 32, max_bytes: int = 64 * MiB, window: int = 4,
             lease: float = 2.0) -> CreditPlanner:
-    return CreditPlanner(max_batches, max_bytes, window, lease)
+    return CreditPlanner(Budget(max_batches, max_bytes), window, lease)
 
 
 def totals(cp: CreditPlanner) -> tuple[int, int]:

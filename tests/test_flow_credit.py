@@ -1,9 +1,11 @@
 """Credit always comes back (issue 16): a refused batch returns it, an unused grant expires, and
 a late grant of a replaced broker is worth nothing.
 
-Brokers are ``python -m feedline.broker`` processes (or a ROUTER played by the test, for what only a
-fake broker can send); the peers that break the rules are DEALERs speaking the protocol by
-hand (tests/flow_support.py), next to real producer processes and a real consumer.
+The hosts are both hosts of the serving core (the ``host`` fixture: a ``python -m
+feedline.broker`` process and a direct-mode trainer process), or a ROUTER played by the test
+for what only a fake broker can send (there the peer under test is a producer, the same in
+both modes); the peers that break the rules are DEALERs speaking the protocol by hand
+(tests/flow_support.py), next to real producer processes and a real training side.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import zmq
 
 from feedline import wire
+from feedline.procs import wait_for
 from feedline.producer import Sender
 from tests.flow_support import (
     ARRAY,
@@ -24,7 +27,6 @@ from tests.flow_support import (
     FAST,
     HELLO,
     WANT,
-    CountingConsumer,
     FakeBroker,
     RawPeer,
     batch_header,
@@ -33,7 +35,6 @@ from tests.flow_support import (
     broker_heartbeat,
     fake_yaml,
     send_in_thread,
-    start_broker,
     start_producer,
     unpack,
     want_of,
@@ -83,19 +84,23 @@ def test_encode_batch_names_the_limit_it_breaks():
         wire.encode_batch(OVER_LIMIT, producer="p", session=1, seq=0)
 
 
-def test_sender_send_raises_for_a_batch_over_the_limits(thread_broker, endpoints):
+def test_sender_send_raises_for_a_batch_over_the_limits(host):
     """Claim: ``Sender.send`` of that datapoint raises ``EncodeError`` naming
-    ``max_container_len`` and sends nothing (the broker refuses nothing).
+    ``max_container_len`` and sends nothing (the host refuses nothing).
 
     Before: it sends it; the broker counts it as rejected (bad_msgpack)."""
-    tb = thread_broker()
-    with Sender(endpoints.ingress, producer_id="toolong", link=FAST) as s:
+    h = host()
+    with Sender(h.ingress, producer_id="toolong", link=FAST) as s:
         with pytest.raises(wire.EncodeError, match="max_container_len"):
             s.send(OVER_LIMIT)
-    assert not tb.broker.stats.rejected
+        s.send([np.zeros(2, np.float32)])  # a batch that is fine: the link is up
+        s.flush(10)
+    wait_for(lambda: h.metrics.value("feedline_broker_received_batches_total") >= 1, 10,
+             what="the valid batch")
+    assert not h.metrics.by_label("feedline_broker_rejected_messages_total", "reason")
 
 
-def test_a_refused_batch_returns_its_credit(broker_proc, daemons, endpoints, tmp_path):
+def test_a_refused_batch_returns_its_credit(host, daemons, tmp_path):
     """Claim: eight producers (hand-played) hold the credit they are given and spend it on
     batches the broker refuses (a datapoint of 3000 scalars). The credit comes back: the
     outstanding-credit gauge does not grow past what it was, a healthy producer next to them
@@ -104,10 +109,11 @@ def test_a_refused_batch_returns_its_credit(broker_proc, daemons, endpoints, tmp
 
     Before: the refused batches' credit stays outstanding while their senders heartbeat:
     0 of the healthy producer's 20 batches in 10 s, and no new credit for the refused ones."""
-    _, metrics = start_broker(broker_proc)
+    h = host()
+    metrics = h.metrics
     ctx = zmq.Context()
-    peers = registered_raw_producers(ctx, endpoints.ingress, "refused")
-    consumer = CountingConsumer(endpoints.egress)
+    peers = registered_raw_producers(ctx, h.ingress, "refused")
+    consumer = h.trainer()
     try:
         baseline = metrics.value(CREDIT_GAUGE)
         for i, p in enumerate(peers):
@@ -115,7 +121,7 @@ def test_a_refused_batch_returns_its_credit(broker_proc, daemons, endpoints, tmp
                 p.send([batch_header(f"refused{i}", 1000 + i, seq, [ARRAY(0), *OVER_LIMIT],
                                      [("<f4", [4])]), np.zeros(4, np.float32)])
         cfg = fake_yaml(tmp_path, "healthy", [[4, 4]], ["float32"], size=20, epochs=1)
-        start_producer(daemons, endpoints.ingress, cfg, "healthy")
+        start_producer(daemons, h.ingress, cfg, "healthy")
         # Bounds with room for a loaded machine (the suite runs two tests at a time).
         heartbeat_until(peers, lambda: consumer.counts.get("healthy", 0) >= 20, 20)
         healthy = consumer.counts.get("healthy", 0)
@@ -140,7 +146,7 @@ def test_a_refused_batch_returns_its_credit(broker_proc, daemons, endpoints, tmp
     assert gauge <= baseline, (gauge, baseline)
 
 
-def test_idle_producers_do_not_keep_the_credit(broker_proc, daemons, endpoints, tmp_path):
+def test_idle_producers_do_not_keep_the_credit(host, daemons, tmp_path):
     """Claim: eight hand-played producers say HELLO, ask for credit, heartbeat and never send
     a batch; a real producer next to them gets batches flowing (>= 50 delivered to a consumer
     within 10 s), and what they hold stays within the quarter of --max-batches that producers
@@ -148,13 +154,14 @@ def test_idle_producers_do_not_keep_the_credit(broker_proc, daemons, endpoints, 
 
     Before: the idle ones hold all 32 credits (8 x window 4 = --max-batches): 0 batches
     delivered in 10 s, credit outstanding stays 32."""
-    _, metrics = start_broker(broker_proc)
+    h = host()
+    metrics = h.metrics
     ctx = zmq.Context()
-    peers = registered_raw_producers(ctx, endpoints.ingress, "idle")
-    consumer = CountingConsumer(endpoints.egress)
+    peers = registered_raw_producers(ctx, h.ingress, "idle")
+    consumer = h.trainer()
     try:
         cfg = fake_yaml(tmp_path, "busy", [[16, 16]], ["float32"])
-        start_producer(daemons, endpoints.ingress, cfg, "busy")
+        start_producer(daemons, h.ingress, cfg, "busy")
         flowing = heartbeat_until(peers, lambda: consumer.counts.get("busy", 0) >= 50, 10)
         outstanding = metrics.value(CREDIT_GAUGE)
     finally:
@@ -167,7 +174,9 @@ def test_idle_producers_do_not_keep_the_credit(broker_proc, daemons, endpoints, 
 
 
 def test_a_late_credit_of_a_replaced_broker_is_ignored():
-    """Claim: a Sender registered with broker instance A, then with its replacement B (which
+    """(The peer under test is a producer, against a broker played by the test.)
+
+    Claim: a Sender registered with broker instance A, then with its replacement B (which
     grants 2), must not use a CREDIT that A sent late: it sends 2 batches to B, not more.
 
     Before: it takes A's late grant of 10 and sends 10 batches to B."""
@@ -200,7 +209,9 @@ def test_a_late_credit_of_a_replaced_broker_is_ignored():
 
 
 def test_a_running_producer_does_not_ask_for_every_batch():
-    """Claim: a producer that has sent under its registration gets its next credit unasked
+    """(The peer under test is a producer, against a broker played by the test.)
+
+    Claim: a producer that has sent under its registration gets its next credit unasked
     (feedline/serving/credit.py grants a running producer one credit as room frees,
      worth its largest
     batch), so it sends WANT only to start and when a batch outgrows that: not one WANT per

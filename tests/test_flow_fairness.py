@@ -1,8 +1,10 @@
 """What benchmarks/hostile.py found: hostile peers that the broker refuses correctly (its memory
 stays within the budget) but that still take the honest peers' share.
 
-Each test is the smallest real set-up that shows one finding: a broker in a thread, a real
-Sender or RemoteDataZMQ as the honest peer, and a hand-played peer (tests/flow_support.py).
+Each test is the smallest real set-up that shows one finding: a host (a broker in a thread,
+or both hosts of the serving core as processes: the ``host`` fixture), a real Sender or
+RemoteDataZMQ as the honest peer, and a hand-played peer (tests/flow_support.py). A consumer
+that hogs the egress is the broker's business only: direct mode has no egress.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _send_forever(addr: str, name: str, nbytes: int, stop: threading.Event) -> t
     return t
 
 
-def test_byte_credit_left_over_by_small_batches_comes_back(thread_broker, endpoints):
+def test_byte_credit_left_over_by_small_batches_comes_back(host):
     """Claim: a hand-played producer declares 1 MiB batches (HELLO), is granted its window
     (4 batches, 4 x 1 MiB, once it has sent), spends 4 batch credits on 1 KiB batches and then only
     heartbeats. A real producer of 1 MiB batches next to it gets batches through (>= 20
@@ -55,11 +57,11 @@ def test_byte_credit_left_over_by_small_batches_comes_back(thread_broker, endpoi
     shows the idle one holding 0 batches and 4 MiB - 4 KiB reserved, forever (with the
     default 1 GiB budget, 1024 tiny batches do the same: benchmarks/hostile.py's "refused"
     scenario, whose refused batches count as received)."""
-    tb = thread_broker(max_bytes=4 * MiB)
+    h = host("--max-bytes", str(4 * MiB))
     ctx = zmq.Context()
-    idle = RawPeer(ctx, endpoints.ingress)
+    idle = RawPeer(ctx, h.ingress)
     stop = threading.Event()
-    consumer = CountingConsumer(endpoints.egress)
+    consumer = h.trainer()
     try:
         idle.hello_producer("tiny", 42)  # declares RAW_BATCH_BYTES, 1 MiB, and asks
         for seq in range(4):  # a new producer starts with one credit, then gets its window
@@ -67,13 +69,13 @@ def test_byte_credit_left_over_by_small_batches_comes_back(thread_broker, endpoi
             idle.send([batch_header("tiny", 42, seq, [ARRAY(0)], [("|u1", [1024])]),
                        np.zeros(1024, np.uint8)])
         wait_for(lambda: consumer.counts.get("tiny", 0) == 4, 10, what="the 4 tiny batches")
-        _send_forever(endpoints.ingress, "honest", MiB, stop)
+        _send_forever(h.ingress, "honest", MiB, stop)
         end = time.monotonic() + 10
         while time.monotonic() < end and consumer.counts.get("honest", 0) < 20:
             idle.read(100)
             idle.heartbeat()
         honest = consumer.counts.get("honest", 0)
-        reserved = tb.broker.ingress.outstanding()
+        reserved = h.metrics.value("feedline_broker_reserved_bytes")
     finally:
         stop.set()
         consumer.close()
@@ -83,12 +85,11 @@ def test_byte_credit_left_over_by_small_batches_comes_back(thread_broker, endpoi
 
 
 def test_a_consumer_that_never_reads_leaves_the_others_their_share(thread_broker, endpoints):
-    """Claim: a hand-played consumer says HELLO with window 4096, heartbeats and never reads;
-    an honest RemoteDataZMQ next to it keeps getting batches from a real producer (>= 200
-    more within 10 s once the hog has taken what it can): one consumer holds at most part of
-    the budget in flight, as feedline/broker/egress.py says of bytes ("one consumer holds at most
-    half
-    the budget in flight, so the rest stays for the buffer and the other consumers").
+    """Claim (broker only: the hog holds the broker's egress; direct mode has none): a
+    hand-played consumer says HELLO with window 4096, heartbeats and never reads; an honest
+    RemoteDataZMQ next to it keeps getting batches from a real producer (>= 200 more within
+    10 s once the hog has taken what it can): one consumer holds at most the budget's
+    per-consumer share (half) in flight, batches and bytes (feedline/serving/budget.py).
 
     Before: the hog holds all 32 batches of --max-batches in flight (1 KiB each: nowhere near
     half of --max-bytes); the honest consumer gets 0 more in 10 s (17 batches in 5 s in a
@@ -105,7 +106,7 @@ def test_a_consumer_that_never_reads_leaves_the_others_their_share(thread_broker
 
         def hog_is_full() -> bool:
             hog.heartbeat()
-            return tb.broker.egress.inflight()[0] >= tb.broker.cfg.max_batches // 2
+            return tb.broker.egress.inflight()[0] >= tb.broker.budget.per_consumer.batches
 
         try:
             wait_for(hog_is_full, 10, interval=0.2, what="the hog to take batches")
@@ -128,10 +129,11 @@ def test_a_consumer_that_never_reads_leaves_the_others_their_share(thread_broker
 
 def test_a_consumer_that_registers_again_without_reading_leaves_the_others_their_share(
         thread_broker, endpoints):
-    """Claim: a hand-played consumer says HELLO with window 4096 and never reads, takes its
-    half of --max-batches, then says HELLO again on the same connection (a new session and
-    registration, as a restarted iterator would) and heartbeats; an honest RemoteDataZMQ next
-    to it still gets >= 200 more batches within 10 s.
+    """Claim (broker only, as above): a hand-played consumer says HELLO with window 4096 and
+    never reads, takes its half of --max-batches, then says HELLO again on the same
+    connection (a new session and registration, as a restarted iterator would) and
+    heartbeats; an honest RemoteDataZMQ next to it still gets >= 200 more batches within
+    10 s.
 
     Before (benchmarks/hostile.py, "hog", after the half-budget cap): the first registration's
     16 batches stay counted as orphans and the second takes 16 more: 32 of 32 in flight, the
@@ -142,7 +144,7 @@ def test_a_consumer_that_registers_again_without_reading_leaves_the_others_their
     stop = threading.Event()
     consumer = CountingConsumer(endpoints.egress)
     hog = RawPeer(ctx, endpoints.egress, rcvhwm=1)
-    half = tb.broker.cfg.max_batches // 2
+    half = tb.broker.budget.per_consumer.batches
 
     def hello(n: int) -> None:
         hog.sock.send(m.encode(m.ConsumerHello(consumer="hog", session=n, window=4096,

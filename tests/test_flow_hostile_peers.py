@@ -3,7 +3,10 @@
 A message of a million empty frames, a flood of registrations, dtypes that do not travel
 between machines, bools that are not 0 or 1, a broker that sends a malformed envelope. The
 attackers are real sockets: ZeroMQ DEALERs and ROUTERs, or a raw stream speaking ZMTP by hand
-where libzmq would not let us misbehave (or would take seconds to).
+where libzmq would not let us misbehave (or would take seconds to). What attacks a host runs
+against both hosts of the serving core (the ``host`` fixture: a broker process and a
+direct-mode trainer process); what attacks a broker's consumer side (its egress) runs against
+the broker only, as direct mode has none.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from tests.flow_support import (
     FAST,
     HELLO,
     OVERHEAD,
-    CountingConsumer,
     FakeBroker,
     RawPeer,
     RssSampler,
@@ -36,18 +38,17 @@ from tests.flow_support import (
     deliver_envelope,
     empty_frames,
     fake_yaml,
-    start_broker,
     start_producer,
     welcome,
     zmtp_dealer,
 )
-from tests.test_security_hostile import honest_round
+from tests.hosts import honest_round
 
 FRAMES = 1_000_000
 ZMQ_MSG_T = 64  # what libzmq holds per frame before the first one is readable (zmq_msg_t)
 
 @pytest.mark.parametrize("side", ["ingress", "egress"])
-def test_a_message_of_a_million_empty_frames(side, broker_proc, daemons, endpoints, tmp_path):
+def test_a_message_of_a_million_empty_frames(side, host, daemons, endpoints, tmp_path):
     """Claim: one message of 1,000,000 empty frames from a DEALER on the broker's ingress (or
     egress) is refused and counted (feedline_broker_rejected_messages_total, reason
     "too_many_frames"), honest peers are not dropped meanwhile (dropped_peers, reason timeout,
@@ -62,13 +63,15 @@ def test_a_message_of_a_million_empty_frames(side, broker_proc, daemons, endpoin
     count is checked: the broker grew by 255-260 MiB and an honest peer was dropped for a
     timeout in most runs (the consumer or the producer); counted as too_many_arrays
     (ingress) or bad_envelope (egress)."""
+    if side == "egress":
+        host.broker_only("the egress is the broker's consumer side")
     liveness = ("--heartbeat-interval", "1", "--heartbeat-timeout", "15")
-    broker, metrics = start_broker(broker_proc, *liveness)
-    start_producer(daemons, endpoints.ingress, fake_yaml(tmp_path, "steady", [[8]], ["float32"]),
+    broker = host(liveness=liveness)
+    metrics = broker.metrics
+    start_producer(daemons, broker.ingress, fake_yaml(tmp_path, "steady", [[8]], ["float32"]),
                    "steady", *liveness)
-    consumer = CountingConsumer(endpoints.egress,
-                                link=LinkConfig(heartbeat_interval=1.0, heartbeat_timeout=15.0))
-    addr = endpoints.ingress if side == "ingress" else endpoints.egress
+    consumer = broker.trainer(link=LinkConfig(heartbeat_interval=1.0, heartbeat_timeout=15.0))
+    addr = broker.ingress if side == "ingress" else endpoints.egress
     try:
         wait_for(lambda: consumer.total >= 20, 20, what="honest traffic")
         bound = ZMQ_MSG_T * FRAMES + OVERHEAD
@@ -98,7 +101,7 @@ def test_a_message_of_a_million_empty_frames(side, broker_proc, daemons, endpoin
     assert rejected.get("unknown_peer", 0) <= 1, rejected
 
 
-def test_a_hello_flood_keeps_the_log_short(broker_proc, endpoints):
+def test_a_hello_flood_keeps_the_log_short(host):
     """Claim: 50,000 HELLOs with new producer ids and sessions (n > 0), from 50 DEALERs: the
     broker's log stays short (< 200 lines; repeated lines are rate-limited with a count of
     what was suppressed), its RSS grows by at most 48 MiB, an honest round passes after, and
@@ -108,9 +111,10 @@ def test_a_hello_flood_keeps_the_log_short(broker_proc, endpoints):
 
     Before: a "producer floodN joined" line per HELLO: 50,056 lines; then every HELLO was a
     registration (~270 us of broker CPU each)."""
-    broker, metrics = start_broker(broker_proc)
+    broker = host()
+    metrics = broker.metrics
     ctx = zmq.Context()
-    peers = [RawPeer(ctx, endpoints.ingress) for _ in range(50)]
+    peers = [RawPeer(ctx, broker.ingress) for _ in range(50)]
     t0 = time.monotonic()
     with RssSampler(broker.pid, limit=OVERHEAD) as rss:
         try:
@@ -118,7 +122,7 @@ def test_a_hello_flood_keeps_the_log_short(broker_proc, endpoints):
                 for j, p in enumerate(peers):
                     n = i * len(peers) + j
                     p.hello_producer(f"flood{n}", 1 << 40 | n, n=1 + n)
-            honest_round(endpoints)
+            honest_round(broker)
             sizes = [-1]
 
             def settled() -> bool:  # the broker's log has stopped growing

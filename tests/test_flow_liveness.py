@@ -1,12 +1,15 @@
 """Liveness is the link's job (issue 16): a slow pipeline never looks like a dead peer, a peer
 that was dropped has its losses counted, a peer at the wrong address is told so, and what a
-client or a broker starts is released when it goes away or fails.
+client or a host starts is released when it goes away or fails.
+
+What is about the host serving producers runs against both hosts of the serving core (the
+``host`` fixture: a broker process and a direct-mode trainer process); what is about the
+broker's consumer side (its egress, and consumers of it) runs against the broker only.
 """
 
 from __future__ import annotations
 
 import gc
-import itertools
 import signal
 import socket
 import threading
@@ -22,17 +25,18 @@ import zmq
 
 from feedline.broker import Broker, BrokerConfig
 from feedline.consumer import RemoteDataZMQ
+from feedline.endpoints import AddressError
 from feedline.errors import ReceiveTimeout
-from feedline.procs import wait_for
+from feedline.procs import free_port, wait_for
 from feedline.producer import send_dataflow
 from tests.flow_support import (
     FAST,
-    CountingConsumer,
     fake_yaml,
     log_lines,
     start_broker,
     start_producer,
 )
+from tests.hosts import KINDS
 
 DROPPED = "feedline_broker_dropped_peers_total"
 
@@ -44,36 +48,33 @@ def slow_pipeline(n: int, seconds: float) -> Iterator[list[np.ndarray]]:
         yield [np.full(4, i, np.int32)]
 
 
-def test_a_slow_pipeline_is_not_a_dead_peer(thread_broker, endpoints):
+def test_a_slow_pipeline_is_not_a_dead_peer(host):
     """Claim: a dataflow taking 2.5 s per datapoint (the broker's heartbeat timeout is 1.5 s),
     3 datapoints, epochs=1: the consumer gets all 3 and the broker drops nobody.
 
     Before: the producer sends no heartbeat while the pipeline runs, is dropped before each
     batch, and a batch sent then is refused as from an unknown peer: 0 or 1 of 3 delivered
     (two runs), the producer dropped 1-2 times, 0 counted lost."""
-    tb = thread_broker()
-    t = threading.Thread(target=send_dataflow, args=(slow_pipeline(3, 2.5), endpoints.ingress),
+    h = host()
+    trainer = h.trainer()
+    t = threading.Thread(target=send_dataflow, args=(slow_pipeline(3, 2.5), h.ingress),
                          kwargs={"epochs": 1, "producer_id": "slow", "link": FAST}, daemon=True)
     t.start()
-    got: list[int] = []
-    with RemoteDataZMQ(endpoints.egress, timeout=0.5, link=FAST) as src:
-        end = time.monotonic() + 12
-        while len(got) < 3 and time.monotonic() < end:
-            try:
-                got.extend(int(dp[0][0]) for dp in itertools.islice(src, 1))
-            except ReceiveTimeout:
-                pass
+    try:
+        wait_for(lambda: len(trainer.of("slow")) >= 3, 12, what="3 slow batches")
+    except TimeoutError:
+        pass
+    finally:
+        trainer.close()
     t.join(10)
-    dropped = tb.broker.registry.get_sample_value(DROPPED, {"role": "producer",
-                                                            "reason": "timeout"}) or 0
-    lost = tb.broker.registry.get_sample_value("feedline_broker_lost_batches_total",
-                                               {"producer": "slow"}) or 0
+    got = [b["a"][0][2] for b in trainer.of("slow")]
+    dropped = h.metrics.value(DROPPED, role="producer", reason="timeout")
+    lost = h.metrics.value("feedline_broker_lost_batches_total", producer="slow")
     assert sorted(got) == [0, 1, 2], f"got {got}, producer dropped {dropped}x, lost {lost}"
     assert dropped == 0
 
 
-def test_a_dropped_producer_that_comes_back_has_its_losses_counted(broker_proc, daemons,
-                                                                   endpoints, tmp_path):
+def test_a_dropped_producer_that_comes_back_has_its_losses_counted(host, daemons, tmp_path):
     """Claim: a producer process SIGSTOPped past the heartbeat timeout is dropped; after
     SIGCONT it comes back and finishes. Nothing disappears uncounted: the 120 batches it sent
     = what the consumer got + feedline_broker_lost_batches_total, and the broker logs a
@@ -83,14 +84,15 @@ def test_a_dropped_producer_that_comes_back_has_its_losses_counted(broker_proc, 
     sequence gap once it has registered again: 120 = 118 + 2 in the run seen), but the
     broker only logs "producer stopped dropped (timeout)" at INFO and "rejected a message:
     unknown_peer" without the id: no WARNING names the producer."""
-    broker, metrics = start_broker(broker_proc)
+    broker = host()
+    metrics = broker.metrics
     count = 120
     cfg = tmp_path / "stopped.yaml"
     cfg.write_text(yaml.safe_dump({"factory": "tests.ledger_data:make", "epochs": 1,
                                    "args": {"count": count, "nbytes": 1024, "rate": 40}}))
-    consumer = CountingConsumer(endpoints.egress)
+    consumer = broker.trainer()
     try:
-        prod = start_producer(daemons, endpoints.ingress, cfg, "stopped")
+        prod = start_producer(daemons, broker.ingress, cfg, "stopped")
         wait_for(lambda: consumer.counts.get("stopped", 0) >= 30, 20, what="30 batches")
         prod.signal(signal.SIGSTOP)
         try:
@@ -116,7 +118,9 @@ def test_a_dropped_producer_that_comes_back_has_its_losses_counted(broker_proc, 
 
 def test_a_producer_at_the_egress_is_told_to_use_the_ingress(broker_proc, daemons,
                                                               endpoints, tmp_path):
-    """Claim: a producer started with --broker = the broker's EGRESS address logs a WARNING
+    """Broker only (direct mode has no egress).
+
+    Claim: a producer started with --broker = the broker's EGRESS address logs a WARNING
     containing "ingress" within 10 s, and the broker's log line for what it refused names the
     socket (egress) and the peer (the producer's id).
 
@@ -136,26 +140,26 @@ def test_a_producer_at_the_egress_is_told_to_use_the_ingress(broker_proc, daemon
         broker.log_text()[-2000:]
 
 
-def test_a_consumer_at_the_ingress_is_told_to_use_the_egress(thread_broker, endpoints, caplog):
-    """Claim: ``RemoteDataZMQ`` pointed at the broker's INGRESS raises ReceiveTimeout whose
-    message mentions "egress" and does not say the broker "did not answer" (it did); the
-    broker's log line for what it refused names the socket (ingress) and the peer.
+def test_a_consumer_at_the_ingress_is_told_to_use_the_egress(host):
+    """Claim: ``RemoteDataZMQ`` pointed at the host's INGRESS (a broker's, or a direct-mode
+    trainer's address) raises ReceiveTimeout whose message mentions "egress" and does not say
+    the broker "did not answer" (it did); the host's log line for what it refused names the
+    socket (ingress) and the peer.
 
     Before: "the broker at tcp://... did not answer within 2.0s. Is it running at that
     address?"; the broker logs "rejected a message: bad_hello"."""
-    thread_broker()
-    with RemoteDataZMQ(endpoints.ingress, timeout=2.0, consumer_id="wrong-way",
-                       link=FAST) as src:
+    h = host()
+    with RemoteDataZMQ(h.ingress, timeout=2.0, consumer_id="wrong-way", link=FAST) as src:
         with pytest.raises(ReceiveTimeout) as err:
             next(iter(src))
     assert "egress" in str(err.value) and "did not answer" not in str(err.value), err.value
-    broker_lines = [r.getMessage() for r in caplog.records
-                    if r.name.startswith("feedline.broker") and r.levelname == "WARNING"]
-    assert any("ingress" in m and "wrong-way" in m for m in broker_lines), broker_lines
+    assert log_lines(h.log_text(), "WARNING", "ingress", "wrong-way"), h.log_text()[-2000:]
 
 
 def test_a_dropped_consumer_releases_everything(broker_proc, daemons, endpoints, tmp_path):
-    """Claim: 50 RemoteDataZMQ created in a loop, one batch taken from each, dropped without
+    """Broker only (a consumer of the broker's egress).
+
+    Claim: 50 RemoteDataZMQ created in a loop, one batch taken from each, dropped without
     close(): after gc.collect() and at most 6 s, this process's threads and open fds are back
     to where they were (+ small slack) and the broker counts no consumer. ``with
     RemoteDataZMQ(...)`` works.
@@ -203,9 +207,12 @@ def test_a_dropped_consumer_releases_everything(broker_proc, daemons, endpoints,
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
-def test_a_broker_that_fails_to_start_releases_what_it_started(tmp_path, endpoints):
-    """Claim: with CURVE keys and an ingress port already in use, ``Broker(config)`` raises and
-    ``threading.active_count()`` is back to what it was.
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_broker_that_fails_to_start_releases_what_it_started(kind, tmp_path, endpoints):
+    """Claim: with CURVE keys and an ingress port already in use, ``Broker(config)`` raises
+    and ``threading.active_count()`` is back to what it was; so does a direct-mode trainer
+    whose port was taken between ``RemoteDataZMQ(bind=True)`` and its first iteration (the
+    serving core's bind, in its I/O thread, fails the same way).
 
     Before: the ZAP authenticator thread is left running (+1 thread)."""
     from feedline import security
@@ -216,14 +223,20 @@ def test_a_broker_that_fails_to_start_releases_what_it_started(tmp_path, endpoin
     keys = security.ServerKeys.load(secret, allowed)
     gc.collect()
     before = threading.active_count()
+    port = free_port()
+    addr = f"tcp://127.0.0.1:{port}"
+    src = RemoteDataZMQ(addr, bind=True, curve=keys, timeout=5) if kind == "direct" else None
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", port))
         taken.listen()
-        port = taken.getsockname()[1]
-        cfg = BrokerConfig(ingress=f"tcp://127.0.0.1:{port}", egress=endpoints.egress,
-                           curve=keys)
-        with pytest.raises(zmq.ZMQError):
-            Broker(cfg)
+        if src is None:
+            cfg = BrokerConfig(ingress=addr, egress=endpoints.egress, curve=keys)
+            with pytest.raises((zmq.ZMQError, AddressError)):  # the address checks say it
+                Broker(cfg)
+        else:
+            with pytest.raises(AddressError):
+                next(iter(src))
+            src.close()
     try:
         wait_for(lambda: threading.active_count() <= before, 3, what="threads released")
     except TimeoutError:

@@ -1,9 +1,12 @@
-"""``--max-bytes`` is a bound on the broker's memory, whatever its peers do (issue 16).
+"""``--max-bytes`` is a bound on a host's memory, whatever its peers do (issue 16).
 
-Each test runs ``python -m feedline.broker`` with a byte budget, drives it with real producer
-processes, a tensorpack sender or a hand-played consumer, and samples the broker's resident
-memory (psutil) all along: the peak growth over the idle broker must stay within the budget
-plus OVERHEAD (48 MiB: interpreter, libzmq, socket buffers). A run that breaks the bound is
+Each test runs a host of the serving core with a byte budget (the ``host`` fixture: a
+``python -m feedline.broker`` process, and a direct-mode trainer process whose ``max_bytes``
+is the budget), drives it with real producer processes, a tensorpack sender or a hand-played
+consumer, and samples the host's resident memory (psutil) all along: the peak growth over
+the idle host must stay within the budget plus OVERHEAD (48 MiB: interpreter, libzmq, socket
+buffers). Where no consumer reads the broker, the direct-mode trainer takes nothing either
+(``reading=False``: its model took one batch and stopped). A run that breaks the bound is
 stopped as soon as it does (the producers are killed), so a failure costs seconds and at most a
 few hundred MiB, not the machine.
 """
@@ -25,9 +28,9 @@ from tests.flow_support import (
     RssSampler,
     fake_yaml,
     run_script,
-    start_broker,
     start_producer,
 )
+from tests.hosts import Trainer
 
 
 def observe(rss: RssSampler, seconds: float, until: Callable[[], bool] = lambda: False) -> None:
@@ -37,8 +40,7 @@ def observe(rss: RssSampler, seconds: float, until: Callable[[], bool] = lambda:
         pass
 
 
-def test_a_batch_larger_than_the_budget_is_refused_never_buffered(broker_proc, daemons,
-                                                                   endpoints, tmp_path):
+def test_a_batch_larger_than_the_budget_is_refused_never_buffered(host, daemons, tmp_path):
     """Claim: with --max-bytes 16MiB, eight producers of 64 MiB batches cannot make the broker
     hold more than 16 MiB (+ overhead): such a batch is refused before it is sent, and each
     producer exits non-zero with an error naming --max-bytes.
@@ -48,10 +50,10 @@ def test_a_batch_larger_than_the_budget_is_refused_never_buffered(broker_proc, d
     444-508 MiB; two producers sent all 4 batches and exited 0, the others waited for credit
     (the test stops the run at the bound: it then reports ~70-80 MiB)."""
     budget = 16 * MiB
-    broker, _ = start_broker(broker_proc, "--max-bytes", str(budget))
+    broker = host("--max-bytes", str(budget), reading=False)
     cfg = fake_yaml(tmp_path, "huge", [[64 * MiB]], ["uint8"], size=4, epochs=1)
     with RssSampler(broker.pid, limit=budget + OVERHEAD) as rss:
-        prods = [start_producer(daemons, endpoints.ingress, cfg, f"huge{i}") for i in range(8)]
+        prods = [start_producer(daemons, broker.ingress, cfg, f"huge{i}") for i in range(8)]
         observe(rss, 20, until=lambda: not any(p.alive() for p in prods))
         for p in prods:
             if rss.exceeded.is_set():
@@ -62,20 +64,19 @@ def test_a_batch_larger_than_the_budget_is_refused_never_buffered(broker_proc, d
         assert "--max-bytes" in p.log_text(), p.log_text()[-2000:]
 
 
-def test_many_producers_cannot_overrun_the_byte_budget(broker_proc, daemons, endpoints,
-                                                        tmp_path):
+def test_many_producers_cannot_overrun_the_byte_budget(host, daemons, tmp_path):
     """Claim: --max-bytes 64MiB, eight producers of 16 MiB batches and no consumer: the
     broker's RSS grows by at most 64 MiB + overhead.
 
     Before: credit of unknown size goes to every producer at once; left alone the broker
     buffered 384 MiB (24 batches) and grew by 417 MiB."""
     budget = 64 * MiB
-    broker, metrics = start_broker(broker_proc, "--max-bytes", str(budget))
+    broker = host("--max-bytes", str(budget), reading=False)
     cfg = fake_yaml(tmp_path, "big", [[16 * MiB]], ["uint8"])
     with RssSampler(broker.pid, limit=budget + OVERHEAD) as rss:
-        prods = [start_producer(daemons, endpoints.ingress, cfg, f"big{i}") for i in range(8)]
-        observe(rss, 20, until=lambda: metrics.value("feedline_broker_peers",
-                                                     role="producer") >= 8)
+        prods = [start_producer(daemons, broker.ingress, cfg, f"big{i}") for i in range(8)]
+        observe(rss, 20, until=lambda: broker.metrics.value("feedline_broker_peers",
+                                                            role="producer") >= 8)
         observe(rss, 4)  # everyone connected: what they can push, they push now
         for p in prods:
             if rss.exceeded.is_set():
@@ -83,7 +84,7 @@ def test_many_producers_cannot_overrun_the_byte_budget(broker_proc, daemons, end
     assert rss.peak_growth <= budget + OVERHEAD, f"broker grew {rss.mib()} MiB"
 
 
-def test_a_consumer_that_never_reads_cannot_grow_the_broker(broker_proc, daemons, endpoints,
+def test_a_consumer_that_never_reads_cannot_grow_the_broker(host, daemons, endpoints,
                                                              tmp_path):
     """Claim: --max-bytes 32MiB, a producer of 1 MiB batches, a hand-played consumer that says
     HELLO with window 4096, heartbeats but never reads (RCVHWM 1), then says HELLO twice more
@@ -92,8 +93,9 @@ def test_a_consumer_that_never_reads_cannot_grow_the_broker(broker_proc, daemons
 
     Before: a dispatched batch leaves the buffer (and the budget) while it waits in the broker's
     libzmq send queue: the broker grew by 1.3 GiB in 2.8 s and 3 GiB in 7 s."""
+    host.broker_only("the egress is the broker's consumer side")
     budget = 32 * MiB
-    broker, _ = start_broker(broker_proc, "--max-bytes", str(budget))
+    broker = host("--max-bytes", str(budget))
     cfg = fake_yaml(tmp_path, "mib", [[MiB]], ["uint8"])
     ctx = zmq.Context()
     hog = RawPeer(ctx, endpoints.egress, rcvhwm=1)
@@ -123,7 +125,7 @@ send_dataflow_zmq(DataFromList([[a]] * 8, shuffle=False), {addr!r}, hwm=4)  # lo
 """
 
 
-def test_tensorpack_ingress_stays_within_the_budget(broker_proc, endpoints, tmp_path):
+def test_tensorpack_ingress_stays_within_the_budget(host, tmp_path):
     """Claim: --max-bytes 8MiB and a tensorpack ``send_dataflow_zmq`` pushing 4 MiB arrays as
     fast as it can, no consumer: the broker's RSS grows by at most 8 MiB + overhead.
 
@@ -131,8 +133,8 @@ def test_tensorpack_ingress_stays_within_the_budget(broker_proc, endpoints, tmp_
     (RCVHWM = max_batches) keeps taking messages: it grew by 132 MiB."""
     tp = f"tcp://127.0.0.1:{free_port()}"
     budget = 8 * MiB
-    broker, metrics = start_broker(broker_proc, "--max-bytes", str(budget),
-                                   "--tensorpack-ingress", tp)
+    broker = host("--max-bytes", str(budget), "--tensorpack-ingress", tp, reading=False)
+    metrics = broker.metrics
     with RssSampler(broker.pid, limit=budget + OVERHEAD) as rss:
         sender = run_script(textwrap.dedent(_TP_SENDER.format(nbytes=4 * MiB, addr=tp)),
                             tmp_path / "tensorpack.log", env=TP_ENV)
@@ -166,8 +168,7 @@ send_dataflow_zmq(Phased(), {addr!r}, hwm=4)
 """
 
 
-def test_tensorpack_bytes_count_and_an_oversized_header_does_not_stall(broker_proc, endpoints,
-                                                                        tmp_path):
+def test_tensorpack_bytes_count_and_an_oversized_header_does_not_stall(host, tmp_path):
     """Claim: tensorpack datapoints carrying a 1.8 MiB python ``bytes`` (which travels inline,
     in the header the broker re-encodes) are either refused and counted, or counted at full
     size in feedline_broker_buffer_bytes; and after 5 such datapoints (re-encoded header over
@@ -175,39 +176,39 @@ def test_tensorpack_bytes_count_and_an_oversized_header_does_not_stall(broker_pr
 
     Before: 5 buffered, feedline_broker_buffer_bytes 0; they are forwarded to the consumer,
     whose decoder refuses headers over 64 KiB without returning the credit they took: with
-    its window of 4 it got 0 of the 20 ordinary batches in 10 s."""
-    from feedline.consumer import RemoteDataZMQ
-    from feedline.errors import ReceiveTimeout
-    from tests.flow_support import FAST
-
+    its window of 4 it got 0 of the 20 ordinary batches in 10 s. (A direct-mode trainer has no
+    buffer: there the claim is that each datapoint is refused or taken, and the 20 ordinary
+    batches are taken.)"""
     tp = f"tcp://127.0.0.1:{free_port()}"
-    _, metrics = start_broker(broker_proc, "--tensorpack-ingress", tp)
+    broker = host("--tensorpack-ingress", tp, reading=host.kind != "broker")
+    metrics = broker.metrics
     big, go = int(1.8 * MiB), tmp_path / "go"
     code = _TP_PHASED.format(big_count=5, big=big, go=str(go), ordinary=20, addr=tp)
     sender = run_script(textwrap.dedent(code), tmp_path / "tensorpack.log", env=TP_ENV)
-    ordinary: list[int] = []
+    trainer = None
     try:
-        def taken() -> float:  # no consumer yet: what was not refused stays in the buffer
+        def taken() -> float:  # a broker has no consumer yet: what is not refused is buffered
             s = metrics.snapshot()
-            return (s.total("feedline_broker_buffer_batches")
+            return (s.total("feedline_broker_received_batches_total", producer="tensorpack")
                     + s.total("feedline_broker_rejected_messages_total"))
 
         wait_for(lambda: taken() >= 5, 60, what="the 5 datapoints with bytes")
         s = metrics.snapshot()
         held = s.total("feedline_broker_buffer_batches")
         held_bytes = s.total("feedline_broker_buffer_bytes")
+        trainer = broker.trainer(window=4)
         go.touch()
-        with RemoteDataZMQ(endpoints.egress, timeout=0.5, link=FAST) as src:
-            end = time.monotonic() + 10
-            while len(ordinary) < 20 and time.monotonic() < end:
-                try:
-                    dp = next(iter(src))
-                except ReceiveTimeout:
-                    continue
-                if not isinstance(dp[0], bytes):
-                    ordinary.append(int(dp[0][0]))
+        wait_for(lambda: len(ordinary(trainer)) >= 20, 20, what="the 20 ordinary batches")
     finally:
         sender.kill()
         sender.wait(10)
+        if trainer is not None:
+            trainer.close()
     assert held_bytes >= held * big, f"{held} batches held, counted as {held_bytes} bytes"
-    assert sorted(ordinary) == list(range(20)), f"{len(ordinary)} of 20 ordinary batches"
+    got = ordinary(trainer)
+    assert sorted(got) == list(range(20)), f"{len(got)} of 20 ordinary batches"
+
+
+def ordinary(trainer: Trainer) -> list[int]:
+    """The values of the ordinary (int64) datapoints a trainer took."""
+    return [b["a"][0][2] for b in trainer.of("tensorpack") if b["a"][0][1:2] == ["<i8"]]

@@ -1,16 +1,16 @@
-"""Hostile peers against a real broker process: garbage, half messages, floods, known attacks.
+"""Hostile peers against a real host process: garbage, half messages, floods, known attacks.
 
-Each test runs ``python -m feedline.broker`` (plain TCP on 127.0.0.1), attacks it through real
-sockets
-(ZeroMQ DEALER/PUSH, and a raw TCP socket speaking ZMTP 3.0 by hand where libzmq would not
-let us misbehave), then proves that the broker is alive, counted each refused message under
-its reason in ``feedline_broker_rejected_messages_total``, and still serves an honest producer
-to an honest consumer, every batch intact.
+Each test runs against both hosts of the serving core (the ``host`` fixture: a ``python -m
+feedline.broker`` process, and a direct-mode trainer process, ``RemoteDataZMQ(bind=True)``;
+plain TCP on 127.0.0.1), attacks it through real sockets (ZeroMQ DEALER/PUSH, and a raw TCP
+socket speaking ZMTP 3.0 by hand where libzmq would not let us misbehave), then proves that
+the host is alive, counted each refused message under its reason in
+``feedline_broker_rejected_messages_total``, and still serves an honest producer to its
+training side, every batch intact.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import pickle
 import socket
@@ -24,73 +24,22 @@ from zmq.utils.monitor import recv_monitor_message
 
 from feedline import messages as m
 from feedline import wire
-from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
-from feedline.producer import send_dataflow
-from feedline.scrape import scrape
+from tests.hosts import KINDS, Host, honest_round
 
-FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 ARRAY = msgpack.ExtType(1, b"\0\0\0\0")
 
 
 # ------------------------------------------------------------------------------ helpers
 
 
-class Scraper:
-    def __init__(self, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}/metrics"
-
-    def samples(self) -> dict[tuple, float]:
-        got = scrape(self.url, timeout=5)
-        if got.error:
-            raise OSError(got.error)
-        return got.samples
-
-    def rejected(self) -> dict[str, int]:
-        return {dict(labels)["reason"]: int(v) for (name, labels), v in self.samples().items()
-                if name == "feedline_broker_rejected_messages_total"}
-
-    def received(self) -> int:
-        return int(sum(v for (name, _), v in self.samples().items()
-                       if name == "feedline_broker_received_batches_total"))
+def rejected(host: Host) -> dict[str, int]:
+    return {k: int(v) for k, v in host.metrics.by_label(
+        "feedline_broker_rejected_messages_total", "reason").items()}
 
 
-@pytest.fixture
-def broker(broker_proc):
-    """Factory: a broker process with metrics on a free port; returns (daemon, scraper)."""
-
-    def start(*extra: str):
-        port = free_port()
-        d = broker_proc("--metrics-port", str(port), *extra)
-        scraper = Scraper(port)
-        wait_for(lambda: _up(scraper), 20, what="broker metrics")
-        return d, scraper
-
-    return start
-
-
-def _up(s: Scraper) -> bool:
-    try:
-        s.samples()
-        return True
-    except OSError:
-        return False
-
-
-def honest_round(endpoints, n: int = 8, tag: int = 5) -> list:
-    """An honest producer sends n batches; an honest consumer must get exactly those."""
-    data = [[np.full((3, 5), tag, np.float32), np.array([i], np.int64)] for i in range(n)]
-    t = threading.Thread(target=send_dataflow, args=(data, endpoints.ingress), daemon=True,
-                         kwargs={"epochs": 1, "producer_id": f"honest{tag}", "link": FAST})
-    t.start()
-    with RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST) as src:
-        got = list(itertools.islice(src, n))
-    t.join(15)
-    assert not t.is_alive()
-    assert sorted(int(dp[1][0]) for dp in got) == list(range(n))
-    assert all(dp[0].shape == (3, 5) and (dp[0] == tag).all() for dp in got)
-    return got
+def received(host: Host) -> int:
+    return int(host.metrics.value("feedline_broker_received_batches_total"))
 
 
 class RawProducer:
@@ -183,12 +132,12 @@ class MakesFile:
 # ------------------------------------------------------------------------------ tests
 
 
-def test_garbage_flood_is_counted_and_honest_peers_are_served(broker, endpoints):
-    d, metrics = broker()
+def test_garbage_flood_is_counted_and_honest_peers_are_served(host):
+    d = host()
     ctx = zmq.Context()
     flood = ctx.socket(zmq.DEALER)
     flood.linger = 0
-    flood.connect(endpoints.ingress)
+    flood.connect(d.ingress)
     kinds = [
         os.urandom(64),  # bytes
         b"",  # an empty frame
@@ -211,69 +160,69 @@ def test_garbage_flood_is_counted_and_honest_peers_are_served(broker, endpoints)
     t = threading.Thread(target=run_flood, daemon=True)
     t.start()
     try:
-        honest_round(endpoints, n=20)  # while the flood goes on
+        honest_round(d, n=20)  # while the flood goes on
     finally:
         t.join(60)
         stop.set()
-    wait_for(lambda: sum(metrics.rejected().values()) >= n, 60, what="flood counted")
-    rejected = metrics.rejected()
-    assert sum(rejected.values()) == n, rejected
+    wait_for(lambda: sum(rejected(d).values()) >= n, 60, what="flood counted")
+    got = rejected(d)
+    assert sum(got.values()) == n, got
     assert {"bad_msgpack", "bad_header", "bad_version", "bad_kind", "unknown_peer"} <= set(
-        rejected), rejected
-    assert "internal_error" not in rejected
+        got), got
+    assert "internal_error" not in got
     assert d.alive()
     flood.close(linger=0)
     ctx.term()
-    honest_round(endpoints, n=5, tag=6)  # and after it
+    honest_round(d, n=5, tag=6)  # and after it
     log = d.log_text()
     # Logged at a rate limit: 4000 rejects make a handful of lines, not thousands.
     assert 1 <= log.count("rejected a message") < 50, log[-2000:]
 
 
-def test_half_multipart_and_truncated_frames_are_dropped(broker, endpoints):
-    d, metrics = broker()
+def test_half_multipart_and_truncated_frames_are_dropped(host):
+    d = host()
     h = wire.packb(header())
-    s = zmtp_connect(endpoints.port)  # a header frame with MORE, then the connection ends
+    s = zmtp_connect(d.port)  # a header frame with MORE, then the connection ends
     s.sendall(_frame(h, more=True))
     s.close()
-    s = zmtp_connect(endpoints.port)  # a frame that announces 200 bytes and sends 20
+    s = zmtp_connect(d.port)  # a frame that announces 200 bytes and sends 20
     s.sendall(bytes([0x00, 200]) + b"x" * 20)
     s.close()
-    s = zmtp_connect(endpoints.port)  # a complete header, then half of the array frame
+    s = zmtp_connect(d.port)  # a complete header, then half of the array frame
     s.sendall(_frame(h, more=True) + bytes([0x00, 16]) + b"\0" * 8)
     s.close()
-    s = socket.create_connection(("127.0.0.1", endpoints.port), timeout=10)
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=10)
     # Not ZMTP 3: libzmq may read it as unversioned ZMTP 1.0 framing and deliver garbage
     # messages, which the decoder must then refuse like any other.
     s.sendall(b"GET / HTTP/1.1\r\nHost: feedline\r\n\r\n" * 100)
     s.close()
     ctx = zmq.Context()
-    raw = RawProducer(ctx, endpoints.ingress)
+    raw = RawProducer(ctx, d.ingress)
     try:
         assert raw.hello() >= 1
         raw.send([wire.packb(header(a=[["<f4", [4]], ["<f4", [4]]], d=[ARRAY, ARRAY])),
                   b"\0" * 16])  # a batch that lost a frame
         raw.send([wire.packb(header())])  # a batch with its header only
-        wait_for(lambda: metrics.rejected().get("frame_count", 0) == 2, 20,
+        wait_for(lambda: rejected(d).get("frame_count", 0) == 2, 20,
                  what="truncated batches rejected")
     finally:
         raw.close()
         ctx.term()
-    honest_round(endpoints)
+    honest_round(d)
     assert d.alive()
-    assert metrics.received() == 8  # only the honest batches got in
-    rejected = metrics.rejected()
-    assert rejected["frame_count"] == 2 and "internal_error" not in rejected, rejected
+    assert received(d) == 8  # only the honest batches got in
+    got = rejected(d)
+    assert got["frame_count"] == 2 and "internal_error" not in got, got
 
 
-def test_oversized_message_disconnects_the_sender_only(broker, endpoints):
-    d, metrics = broker("--max-message-bytes", "64KiB")
+def test_oversized_message_disconnects_the_sender_only(host):
+    d = host("--max-message-bytes", "64KiB")
     ctx = zmq.Context()
     big = ctx.socket(zmq.DEALER)
     big.linger = 0
     mon = big.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     try:
-        big.connect(endpoints.ingress)
+        big.connect(d.ingress)
         assert recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
         big.send_multipart([wire.packb(header(a=[["|u1", [1 << 20]]])), b"\0" * (1 << 20)])
         # libzmq's MAXMSGSIZE on the broker's socket: the connection is cut, nothing read
@@ -283,12 +232,12 @@ def test_oversized_message_disconnects_the_sender_only(broker, endpoints):
         mon.close(linger=0)
         big.close(linger=0)
         ctx.term()
-    honest_round(endpoints)
-    assert d.alive() and metrics.received() == 8
+    honest_round(d)
+    assert d.alive() and received(d) == 8
 
 
-def test_main_ingress_known_attacks_are_rejected_by_reason(broker, endpoints, tmp_path):
-    d, metrics = broker()
+def test_main_ingress_known_attacks_are_rejected_by_reason(host):
+    d = host()
     attacks = {
         "bad_dtype": [wire.packb(header(a=[["|O", [2]]])), b"A" * 16],  # raw pointers
         "shape_mismatch": [wire.packb(header(a=[["<f4", [1000]]])), b"\0" * 16],  # lies
@@ -300,25 +249,25 @@ def test_main_ingress_known_attacks_are_rejected_by_reason(broker, endpoints, tm
         "bad_structure": [wire.packb(header(d=[msgpack.ExtType(1, b"\0\0\0\x09")])), b"\0" * 16],
     }
     ctx = zmq.Context()
-    raw = RawProducer(ctx, endpoints.ingress)
+    raw = RawProducer(ctx, d.ingress)
     try:
         raw.hello()
         for frames in attacks.values():
             raw.send(frames)
-        wait_for(lambda: sum(metrics.rejected().values()) >= len(attacks), 20,
+        wait_for(lambda: sum(rejected(d).values()) >= len(attacks), 20,
                  what="attacks rejected")
     finally:
         raw.close()
         ctx.term()
-    got = metrics.rejected()
+    got = rejected(d)
     assert got == {reason: 1 for reason in attacks}, got
-    honest_round(endpoints)
-    assert d.alive() and metrics.received() == 8
+    honest_round(d)
+    assert d.alive() and received(d) == 8
 
 
-def test_tensorpack_ingress_known_attacks(broker, endpoints, tmp_path):
+def test_tensorpack_ingress_known_attacks(host, tmp_path):
     tp_addr = f"tcp://127.0.0.1:{free_port()}"
-    d, metrics = broker("--tensorpack-ingress", tp_addr, "--max-message-bytes", "1MiB")
+    d = host("--tensorpack-ingress", tp_addr, "--max-message-bytes", "1MiB")
     marker = tmp_path / "pwned"
 
     def arr(type_: object, shape: object, data: bytes, kind: bytes = b"") -> dict:
@@ -345,29 +294,37 @@ def test_tensorpack_ingress_known_attacks(broker, endpoints, tmp_path):
         push.send(os.urandom(2 << 20))  # over MAXMSGSIZE: cut by libzmq, never read
     finally:
         push.close()
+    trainer = d.trainer()
     push = ctx.socket(zmq.PUSH)  # a fresh, honest tensorpack producer
     push.linger = 2000
     try:
         push.connect(tp_addr)
         push.send(wire.packb([arr("<i4", [3], np.arange(3, dtype="<i4").tobytes())]))
-        with RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST) as src:
-            dp = next(iter(src))
+        wait_for(lambda: trainer.counts.get("tensorpack", 0) >= 1, 30,
+                 what="the honest datapoint")
     finally:
         push.close()
         ctx.term()
-    np.testing.assert_array_equal(dp[0], [0, 1, 2])
-    wait_for(lambda: sum(metrics.rejected().values()) >= len(attacks), 20,
+        trainer.close()
+    assert trainer.of("tensorpack")[0]["a"] == [[[3], "<i4", 0, 2]], trainer.batches()
+    wait_for(lambda: sum(rejected(d).values()) >= len(attacks), 20,
              what="attacks rejected")
-    rejected = metrics.rejected()
-    assert sum(rejected.values()) == len(attacks), rejected
-    assert "internal_error" not in rejected and rejected.get("bad_dtype") == 3, rejected
+    got = rejected(d)
+    assert sum(got.values()) == len(attacks), got
+    assert "internal_error" not in got and got.get("bad_dtype") == 3, got
     assert not marker.exists()
-    assert d.alive() and metrics.received() == 1
-    honest_round(endpoints)
+    assert d.alive() and received(d) == 1
+    honest_round(d)
 
 
-def test_tensorpack_ingress_refuses_exposed_address_even_with_keys(tmp_path, endpoints):
-    """tensorpack cannot speak CURVE, so its port stays local unless --insecure."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensorpack_ingress_refuses_exposed_address_even_with_keys(kind, tmp_path, endpoints):
+    """tensorpack cannot speak CURVE, so its port stays local unless --insecure (broker) /
+    insecure=True (direct mode): the same rule, the same code, the same error
+    (feedline.serving.server.check_exposure).
+
+    Before (direct mode, issue 22 finding 21): ``DirectConfig(tensorpack="tcp://0.0.0.0:...")``
+    with server keys was accepted: tensorpack's plain port open to the network."""
     import subprocess
     import sys
 
@@ -379,11 +336,25 @@ def test_tensorpack_ingress_refuses_exposed_address_even_with_keys(tmp_path, end
     _, sec = security.generate_keypair(tmp_path / "b", "broker")
     allowed = tmp_path / "allowed"
     security.generate_keypair(allowed, "producer")
-    r = subprocess.run(
-        [sys.executable, "-m", "feedline.commands", "broker", "--ingress", endpoints.ingress,
-         "--egress", endpoints.egress, "--metrics-port", "0", "--curve-secret", str(sec),
-         "--curve-allowed", str(allowed), "--tensorpack-ingress", "tcp://0.0.0.0:1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode != 0 and "refusing to listen on tcp://0.0.0.0:1" in r.stderr
+    exposed = f"tcp://0.0.0.0:{free_port()}"
+    if kind == "broker":
+        r = subprocess.run(
+            [sys.executable, "-m", "feedline.commands", "broker", "--ingress",
+             endpoints.ingress, "--egress", endpoints.egress, "--metrics-port", "0",
+             "--curve-secret", str(sec), "--curve-allowed", str(allowed),
+             "--tensorpack-ingress", exposed],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode != 0, r.stderr
+        error = r.stderr.strip().splitlines()[-1]
+    else:
+        from feedline.consumer import RemoteDataZMQ
+        from feedline.consumer.direct import DirectConfig
 
+        keys = security.ServerKeys.load(sec, allowed)
+        with pytest.raises(ValueError) as err:
+            RemoteDataZMQ(endpoints.ingress, bind=True, curve=keys,
+                          direct=DirectConfig(tensorpack=exposed))
+        error = str(err.value)
+    assert f"refusing to listen on {exposed} without CURVE keys" in error, error
+    assert "tensorpack" in error and "\n" not in error, error

@@ -10,7 +10,7 @@ import zmq
 from feedline import endpoints, security, wire
 from feedline.broker.config import BrokerConfig
 from feedline.broker.core import Broker
-from feedline.errors import ConfigError, FeedlineError
+from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
     add_liveness_flags,
@@ -23,6 +23,7 @@ from feedline.flags import (
 )
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
+from feedline.serving.server import check_exposure
 
 log = logging.getLogger(__name__)
 
@@ -96,31 +97,21 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr,
         curve=_curve_from_args(args),
+        insecure=args.insecure,
     )
 
 
 def _curve_from_args(args: argparse.Namespace) -> security.ServerKeys | None:
-    """Keys from flags (else environment); refuse an exposed address without them.
+    """Keys from flags (else environment); refuse an exposed address without them, and an
+    exposed tensorpack ingress with or without them (the serving core's rule, checked here
+    too so that nothing starts: :func:`feedline.serving.server.check_exposure`).
 
     Raises ConfigError (KeyFileError) or CurveUnavailable with a message for the operator.
     """
     keys = server_keys(args)
-    insecure = args.insecure
-    # tensorpack producers cannot speak CURVE: that port is plain even when keys are given.
-    exposed = security.exposed([args.tensorpack_ingress])
-    if keys is None:
-        exposed = security.exposed([args.ingress, args.egress, args.tensorpack_ingress])
-    if exposed and not insecure:
-        raise ConfigError(
-            f"refusing to listen on {', '.join(exposed)} without CURVE keys: anyone who "
-            "reaches it could inject or read training data. Give --curve-secret and "
-            "--curve-allowed (see `feedline keys generate` and docs/security.md), bind "
-            "127.0.0.1 / ipc://, or pass --insecure on a network you trust"
-        )
-    for addr in exposed:
-        log.warning("--insecure: %s has no CURVE keys: %s can send batches into training and "
-                    "read them; give --curve-secret and --curve-allowed (docs/security.md) "
-                    "unless that network is trusted", addr, endpoints.reach(addr))
+    # Warned about (with --insecure) by the core when it binds.
+    check_exposure([args.ingress, args.egress], args.tensorpack_ingress, keys is not None,
+                   args.insecure)
     return keys
 
 
@@ -180,10 +171,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"feedline broker: {e}") from None
     try:
         broker = Broker(config, registry=registry)
-    except zmq.ZMQError as e:
+    except (zmq.ZMQError, ValueError) as e:  # ValueError: AddressError (a race with another)
         if server is not None:
             server.shutdown()
             server.server_close()
+        if isinstance(e, ValueError):
+            raise SystemExit(f"feedline broker: {e}") from None
         raise SystemExit(f"feedline broker: cannot bind {config.ingress} / {config.egress}: "
                          f"{e.strerror}; check the addresses") from None
     broker.run(stop)

@@ -9,6 +9,7 @@ from feedline.errors import ConfigError
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
+from feedline.serving.budget import Budget
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class BrokerConfig:
     curve: ServerKeys | None = None  # None: plain TCP
     state_dir: str | None = None  # exact streams' journals (their progress survives restarts)
     sizing_window: float = 10.0  # seconds the producers-wanted estimate averages over
+    insecure: bool = False  # listen on exposed addresses without CURVE keys (--insecure)
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
@@ -48,3 +50,8 @@ class BrokerConfig:
             raise ConfigError("sizing_window must be > 0")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
+
+    @property
+    def budget(self) -> Budget:
+        """``max_batches`` and ``max_bytes``, with the shares taken of them."""
+        return Budget(self.max_batches, self.max_bytes)

@@ -5,7 +5,8 @@ batches of its stream while both allow, round-robin among the stream's consumers
 an envelope (:class:`feedline.messages.Deliver`). Every byte delivered and not yet reported
 taken (TAKEN) is *in flight* and counts against the broker's ``max_bytes``: it sits in this
 process's socket queue or in the network until the consumer has it. One consumer holds at most
-half the budget in flight, so the rest stays for the buffer and the other consumers.
+the budget's per-consumer share in flight (half), so the rest stays for the buffer and the
+other consumers.
 
 In-flight bytes of a consumer that is gone (dropped, or registered again on its connection)
 become *orphans*: still counted until its connection is known to be closed (a probe to it
@@ -30,6 +31,7 @@ from feedline.codec import DecodeError, Limits
 from feedline.cursor import Cursor
 from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
+from feedline.serving.budget import Budget
 from feedline.serving.coordinator import ExactStreams
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -79,15 +81,15 @@ class ConsumerSide:
     """Everything the broker does on its egress socket (the socket itself is the loop's)."""
 
     def __init__(self, send: Send, buffer: Buffer, metrics: BrokerMetrics, limits: Limits,
-                 max_bytes: int, max_batches: int, capacity: int, instance: int,
+                 budget: Budget, capacity: int, instance: int,
                  cut_off: Callable[[int, int, str, str], None],
                  exact: ExactStreams | None = None) -> None:
         self._send, self.buffer, self.metrics, self.limits = send, buffer, metrics, limits
         self.exact = exact if exact is not None else ExactStreams()
-        # What one consumer may hold in flight: half the budget, so that one that never reads
-        # leaves the rest to the buffer and the other consumers.
-        self.cap = max(1, max_bytes // 2)
-        self.cap_batches = max(1, max_batches // 2)
+        # What one consumer may hold in flight (the budget's per-consumer share), so that one
+        # that never reads leaves the rest to the buffer and the other consumers.
+        self.cap = budget.per_consumer.nbytes
+        self.cap_batches = budget.per_consumer.batches
         self.instance, self._cut_off = instance, cut_off
         self.consumers: PeerTable[Consumer] = PeerTable("consumer", capacity)
         self.orphans: dict[bytes, Orphan] = {}
@@ -113,6 +115,10 @@ class ConsumerSide:
             b, y = out.get(o.stream, (0, 0))
             out[o.stream] = (b + o.batches, y + o.nbytes)
         return out
+
+    @property
+    def peers(self) -> PeerTable[Consumer]:
+        return self.consumers
 
     def demand(self, stream: str) -> bool:
         return any(c.stream == stream for c in self.consumers)

@@ -31,6 +31,7 @@ from feedline.flags import (
     stop_on_signals,
 )
 from feedline.logs import setup_logging
+from feedline.serving.server import Remedy, check_exposure
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +171,9 @@ def _where(args: argparse.Namespace) -> tuple[str, security.ClientKeys | securit
                          "--curve-allowed")
     endpoints.check_bind(args.bind, "--bind")
     keys = server_keys(args)
-    exposed = security.exposed([args.bind])
-    if keys is None and exposed and not args.insecure:
-        raise endpoints.AddressError(
-            f"refusing to serve producers on {args.bind} without CURVE keys: anyone who reaches "
-            "it could inject training data. Give --curve-secret and --curve-allowed (docs/"
-            "security.md), bind 127.0.0.1 / ipc://, or pass --insecure on a network you trust")
-    if keys is None and exposed:
-        log.warning("--insecure: %s has no CURVE keys: %s can send batches into training",
-                    args.bind, endpoints.reach(args.bind))
+    try:  # the serving core's rule (it checks again, and warns, when it binds)
+        check_exposure([args.bind], None, keys is not None, args.insecure,
+                       Remedy(ingress="--bind"))
+    except ValueError as e:
+        raise endpoints.AddressError(str(e)) from None
     return args.bind, keys

@@ -33,16 +33,17 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry
 
-from feedline import security
+from feedline import endpoints
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
 from feedline.cursor import Cursor
 from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
 from feedline.link import LinkConfig
-from feedline.messages import DEFAULT_STREAM
+from feedline.messages import DEFAULT_STREAM, check_stream
 from feedline.security import ClientKeys, ServerKeys
 from feedline.serving.metrics import BrokerMetrics
+from feedline.serving.server import DIRECT, check_exposure
 
 __all__ = ["ConsumerConfig", "ProducerStats", "RemoteDataZMQ"]
 
@@ -116,18 +117,18 @@ class RemoteDataZMQ:
         self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.return_meta, self.on_error = return_meta, on_error
         self.link_config, self.curve, self.bind = link, curve, bind
-        self.direct = direct or DirectConfig()
+        self.direct, self.insecure = direct or DirectConfig(), insecure
+        check_stream(stream, link.limits)
         if bind:
             if curve is not None and not isinstance(curve, ServerKeys):
                 raise TypeError("bind=True serves producers: curve= takes this trainer's "
                                 "ServerKeys (its key pair and the allowed producer keys)")
-            exposed = security.exposed([addr, self.direct.tensorpack])
-            if curve is None and exposed and not insecure:
-                raise ConfigError(
-                    f"refusing to serve producers on {', '.join(exposed)} without CURVE keys: "
-                    "anyone who reaches it could inject training data. Pass curve="
-                    "ServerKeys.load(secret, allowed_dir), bind 127.0.0.1 / ipc://, or "
-                    "insecure=True on a network you trust")
+            # The broker's rules, by the same code: keys for an exposed address, tensorpack's
+            # loopback-only, one bind per address (checked again when the I/O thread binds).
+            check_exposure([addr], self.direct.tensorpack, curve is not None, insecure, DIRECT)
+            endpoints.check_bind(addr, DIRECT.ingress)
+            if self.direct.tensorpack is not None:
+                endpoints.check_bind(self.direct.tensorpack, DIRECT.tensorpack)
         elif curve is not None and not isinstance(curve, ClientKeys):
             raise TypeError("curve= takes this process's ClientKeys (or ServerKeys with bind)")
         self._shared = Shared(self.consumer_id, random.getrandbits(62), self.config.window,
@@ -233,11 +234,11 @@ class RemoteDataZMQ:
             addr, cfg, curve = self.addr, self.link_config, self.curve
             if self.bind:
                 keys = curve if isinstance(curve, ServerKeys) else None
-                direct, metrics = self.direct, self.serving_metrics
+                direct, metrics, insecure = self.direct, self.serving_metrics, self.insecure
                 assert metrics is not None
 
                 def make(ctx: zmq.Context) -> Any:
-                    return DirectIO(ctx, addr, cfg, keys, shared, direct, metrics)
+                    return DirectIO(ctx, addr, cfg, keys, shared, direct, metrics, insecure)
             else:
                 client = curve if isinstance(curve, ClientKeys) else None
 

@@ -37,13 +37,13 @@ the worker processes and the runner adds their counts to this process's stages.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from feedline.messages import check_stream
 from feedline.producer.dataflow import (
     CountData,
     DataFlow,
@@ -241,9 +241,11 @@ def _check_stream(cfg: Mapping[str, Any]) -> None:
     :func:`feedline.producer.exact.build_exact`, not here)."""
     top = Args(cfg, "pipeline")
     stream = top.text("stream", "default")
-    if stream is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", stream):
-        raise ConfigError(f"stream: {stream!r} is not a stream name (letters, digits, . _ -; "
-                          "at most 64)")
+    if stream is not None:
+        try:
+            check_stream(stream)
+        except ValueError as e:
+            raise ConfigError(f"stream: {e}") from None
     delivery = top.text("delivery", "training", choices=("training", "exact"))
     if "exact" in cfg and delivery != "exact":
         raise ConfigError("exact: only with delivery: exact")

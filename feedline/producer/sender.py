@@ -99,6 +99,7 @@ class Sender:
         self.producer_id = producer_id or default_producer_id()
         if not 0 < len(self.producer_id) <= self.limits.max_id_len:
             raise ConfigError(f"producer_id must be 1..{self.limits.max_id_len} characters")
+        m.check_stream(stream, self.limits)
         self.addrs = [addr] if isinstance(addr, str) else list(addr)
         if not self.addrs:
             raise ConfigError("no broker address")

@@ -8,16 +8,21 @@ to ask for their unused credit back.
 
 The rules, each a bound:
 
-- Credit is batches and bytes. A producer holds ``granted - received`` batches and
-  ``granted_bytes - received_bytes`` bytes of credit (received counts refused batches too:
-  a refused batch used its credit, the room it did not fill is planned anew, which is how
-  its credit comes back). ``held + Σ outstanding <= max_batches`` and
-  ``held_bytes + Σ reserved <= max_bytes`` always.
+- Credit is batches and bytes, within one :class:`~feedline.serving.budget.Budget`. A
+  producer holds ``granted - received`` batches and ``granted_bytes - received_bytes`` bytes
+  of credit (received counts refused batches too: a refused batch used its credit, the room
+  it did not fill is planned anew, which is how its credit comes back).
+  ``held + Σ outstanding <= max_batches`` and ``held_bytes + Σ reserved <= max_bytes``
+  always.
 - A new registration gets nothing until it asks (WANT, which an honest producer sends once
   it has a batch ready): a peer that registers and never asks holds no credit, however
-  often it registers. Producers that have not sent a batch yet hold at most a quarter of
-  the budget together (at least one batch), so a flood of registrations that ask and never
-  send cannot take what the producers that do send need; they start a few at a time.
+  often it registers. Producers that have not sent a batch yet hold at most the budget's
+  ``new_producers`` share together (a quarter), so a flood of registrations that ask and
+  never send cannot take what the producers that do send need; they start a few at a time.
+- Streams share the budget (``Budget.per_stream``): only streams that are produced (a
+  producer of it has sent a batch, or something of it is held) count, so registrations
+  that never send, on stream names of their own, shrink nobody's share; and a stream that is
+  read keeps at least the budget's ``stream_floor`` whatever the others do.
 - A credit is worth ``unit`` bytes: the largest of the size the producer declared in its
   HELLO, the largest batch it sent, and what it asked for (WANT). A batch larger than
   ``max_bytes`` can never be granted: its WANT is refused (``batch_too_large``).
@@ -31,6 +36,8 @@ The rules, each a bound:
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from feedline.serving.budget import Budget, Share
 
 
 @dataclass
@@ -74,8 +81,8 @@ class Plan:
 class CreditPlanner:
     """Credit of every registered producer, by key (the broker uses ROUTER identities)."""
 
-    def __init__(self, max_batches: int, max_bytes: int, window: int, lease: float) -> None:
-        self.max_batches, self.max_bytes = max_batches, max_bytes
+    def __init__(self, budget: Budget, window: int, lease: float) -> None:
+        self.budget, self.max_bytes = budget, budget.max_bytes
         self.window, self.lease = window, lease
         self.producers: dict[bytes, ProducerCredit] = {}
         self._rr = 0
@@ -135,21 +142,30 @@ class CreditPlanner:
         return (sum(p.outstanding for p in self.producers.values()),
                 sum(p.reserved for p in self.producers.values()))
 
+    def shares(self, by_stream: dict[str, tuple[int, int]],
+               unread: set[str]) -> dict[str, Share]:
+        """Each registered producer's stream's share of the budget (``Budget.per_stream``).
+        The streams that count are those produced: a producer of it has sent a batch, or
+        something of it is held (``by_stream``); a stream that is not is counted as one more
+        for its own share (its producers' first credits come from the new producers' share
+        anyway). ``unread``: the streams no consumer reads now."""
+        produced = {p.stream for p in self.producers.values() if p.received > 0}
+        produced |= {s for s, (b, y) in by_stream.items() if b > 0 or y > 0}
+        out = {}
+        for s in {p.stream for p in self.producers.values()} | produced:
+            k = len(produced) + (s not in produced)
+            out[s] = self.budget.per_stream(k, read=s not in unread)
+        return out
+
     def _stream_room(self, by_stream: dict[str, tuple[int, int]],
                      unread: set[str]) -> dict[str, list[int]]:
-        """Free [batches, bytes] of each stream's share. With k streams producing, a stream
-        may hold at most 1/k of the budget (held and granted), and one no consumer reads (its
-        trainer not started yet, or gone) half of that, so it cannot fill what the others
-        need. One stream alone may use all of it (buffering across a trainer restart)."""
-        streams = {p.stream for p in self.producers.values()}
-        k = max(1, len(streams))
+        """Free [batches, bytes] of each stream's share (held and granted count)."""
         room = {}
-        for s in streams:
-            share = 2 * k if s in unread and k > 1 else k
+        for s, share in self.shares(by_stream, unread).items():
             b, y = by_stream.get(s, (0, 0))
             mine = [p for p in self.producers.values() if p.stream == s]
-            room[s] = [max(1, self.max_batches // share) - b - sum(p.outstanding for p in mine),
-                       max(1, self.max_bytes // share) - y - sum(p.reserved for p in mine)]
+            room[s] = [share.batches - b - sum(p.outstanding for p in mine),
+                       share.nbytes - y - sum(p.reserved for p in mine)]
         return room
 
     def plan(self, now: float, held_batches: int, held_bytes: int,
@@ -159,8 +175,8 @@ class CreditPlanner:
         ``by_stream``: what is held of each stream (one stream if not given); ``unread``:
         the streams no consumer reads now."""
         out_b, out_y = self.outstanding()
-        free_b = self.max_batches - held_batches - out_b
-        free_y = self.max_bytes - held_bytes - out_y
+        free_b = self.budget.max_batches - held_batches - out_b
+        free_y = self.budget.max_bytes - held_bytes - out_y
         if by_stream is None:
             by_stream = {p.stream: (held_batches, held_bytes) for p in self.producers.values()}
         room = self._stream_room(by_stream, unread or set())
@@ -232,11 +248,12 @@ class CreditPlanner:
         return Plan(list(grants), revokes)
 
     def _fresh_room(self) -> list[int]:
-        """[batches, bytes, holds nothing] left of the quarter of the budget that producers
-        which have not sent a batch yet may hold together."""
+        """[batches, bytes, holds nothing] left of the budget's share that producers which
+        have not sent a batch yet may hold together."""
         fresh = [p for p in self.producers.values() if p.received == 0]
         b, y = sum(p.outstanding for p in fresh), sum(p.reserved for p in fresh)
-        return [max(1, self.max_batches // 4) - b, self.max_bytes // 4 - y, int(b == y == 0)]
+        share = self.budget.new_producers
+        return [share.batches - b, share.nbytes - y, int(b == y == 0)]
 
     @staticmethod
     def _fits_fresh(p: ProducerCredit, fresh: list[int], batches: int, nbytes: int) -> bool:

@@ -1,18 +1,17 @@
-"""The broker's producer side: registrations, credit, batches, losses.
+"""The producer side of a host: registrations, credit, batches, losses.
 
 Producers register (HELLO) with their session, the next sequence number they will send and
-the largest batch they expect; the broker welcomes them and grants credit as the credit planner
-says (:mod:`feedline.serving.credit`). Every batch is checked whole (the same decoder the consumers
-run:
-a batch they would refuse must not cost them a credit) and goes to the sink (the broker's
-buffer, or a direct-mode trainer's queue). A refused batch is counted for its producer and
-answered with REFUSED (it logs why); its credit comes back with the next plan. A producer that
-sends beyond its grant, or keeps credit it was asked to return, is cut off: its connection is
-closed, its registration dropped and counted, and nobody else notices.
+the largest batch they expect; the host welcomes them and grants credit as the credit
+planner says (:mod:`feedline.serving.credit`). Every batch is checked whole (the same decoder
+the consumers run: a batch they would refuse must not cost them a credit) and goes to the
+sink (the broker's buffer, or a direct-mode trainer's queue). A refused batch is counted for
+its producer and answered with REFUSED (it logs why); its credit comes back with the next
+plan. A producer that sends beyond its grant, or keeps credit it was asked to return, is cut
+off: its connection is closed, its registration dropped and counted, and nobody else
+notices.
 
-The same class serves a broker and a direct-mode trainer (``feedline.consumer.direct``): only the
-sink
-and the socket differ.
+The same class serves a broker and a direct-mode trainer (``feedline.consumer.direct``), both
+through :class:`feedline.serving.server.Server`: only the sink differs.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from feedline import wire
 from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
+from feedline.serving.budget import Budget
 from feedline.serving.claims import ClaimStreams
 from feedline.serving.coordinator import ExactPlan, ExactStreams
 from feedline.serving.credit import CreditPlanner
@@ -72,8 +72,7 @@ class Sink(Protocol):
 
 @dataclass(frozen=True)
 class IngressConfig:
-    max_batches: int
-    max_bytes: int
+    budget: Budget
     producer_window: int
     credit_lease: float
     capacity: int  # registered producers, at most
@@ -99,11 +98,9 @@ class ProducerSide:
         self.exact = exact if exact is not None else ExactStreams()
         self.claims = ClaimStreams()  # training streams whose producers claim shards
         self.cfg, self.instance, self._cut_off = cfg, instance, cut_off
-        self.max_batch_bytes = min(cfg.max_bytes,
-                                   limits.max_message_bytes + limits.max_header_bytes)
+        self.max_batch_bytes = cfg.budget.max_message(limits)
         self.producers: PeerTable[Producer] = PeerTable("producer", cfg.capacity)
-        self.planner = CreditPlanner(cfg.max_batches, cfg.max_bytes, cfg.producer_window,
-                                     cfg.credit_lease)
+        self.planner = CreditPlanner(cfg.budget, cfg.producer_window, cfg.credit_lease)
         self.gaps = GapTracker(4 * cfg.capacity)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
         self._hellos: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
@@ -113,6 +110,10 @@ class ProducerSide:
         # running producer only moves a credit from granted to held: it frees no room, so a
         # caller may skip planning after one (direct mode does, once per batch).
         self.dirty = True
+
+    @property
+    def peers(self) -> PeerTable[Producer]:
+        return self.producers
 
     def _control(self, ident: bytes, msg: m.Message) -> int:
         return self._send(ident, [m.encode(msg)])

@@ -1,0 +1,98 @@
+"""The memory budget of a host that serves producers, and the shares taken of it.
+
+A broker (``--max-batches``, ``--max-bytes``) and a direct-mode trainer (``window``,
+``max_bytes``) each have one :class:`Budget`: everything its peers can make it hold
+(batches buffered or queued, in flight to consumers, and the credit granted to producers)
+is within ``max_batches`` batches and ``max_bytes`` bytes. Every part that takes a fraction of
+it asks this object, so that each rule is written once and the memory formula in
+docs/architecture.md is read off it:
+
+- :attr:`Budget.new_producers`: what producers that have not sent a batch yet hold together
+  (a quarter), so that registrations which never send cannot take the room of those that do;
+- :attr:`Budget.per_consumer`: what one consumer may have in flight (half), so that one that
+  never reads leaves the rest to the buffer and the other consumers;
+- :meth:`Budget.per_stream`: what one stream may hold (held and granted) when several are
+  produced: an equal part each, half of it for a stream nobody reads, and never less than
+  :attr:`Budget.stream_floor` (a quarter) for a stream that is read, however many other
+  streams there are;
+- :meth:`Budget.max_message`: the largest message a producer or tensorpack may send (a batch
+  never outgrows the whole budget); frames are weighed against it as they are read
+  (:mod:`feedline.framing`).
+
+tensorpack's ingress takes no share of its own: it is one more producer to the credit
+planner (:mod:`feedline.serving.tensorpack`), within the same shares.
+
+Pure values: no clock, no sockets. Batches and bytes always come in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from feedline.codec import Limits
+from feedline.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Share:
+    """A part of the budget: at most ``batches`` batches and ``nbytes`` bytes."""
+
+    batches: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``max_batches`` batches and ``max_bytes`` bytes, both >= 1 (ConfigError otherwise)."""
+
+    max_batches: int
+    max_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.max_batches < 1:
+            raise ConfigError(f"the budget's batches must be >= 1, not {self.max_batches}")
+        if self.max_bytes < 1:
+            raise ConfigError(f"the budget's bytes must be >= 1, not {self.max_bytes}")
+
+    def part(self, parts: int) -> Share:
+        """One of ``parts`` equal parts (at least one batch and one byte)."""
+        return Share(max(1, self.max_batches // parts), max(1, self.max_bytes // parts))
+
+    @property
+    def whole(self) -> Share:
+        return Share(self.max_batches, self.max_bytes)
+
+    @property
+    def new_producers(self) -> Share:
+        """Held together by producers that have not sent a batch yet: a quarter (at least one
+        batch; one batch of any size fits while none of them holds anything)."""
+        return Share(max(1, self.max_batches // 4), self.max_bytes // 4)
+
+    @property
+    def per_consumer(self) -> Share:
+        """In flight to one consumer connection, at most: half."""
+        return self.part(2)
+
+    @property
+    def stream_floor(self) -> Share:
+        """What a stream that a consumer reads may always hold: a quarter, whatever other
+        streams are registered or produced."""
+        return self.part(4)
+
+    def per_stream(self, streams: int, read: bool) -> Share:
+        """A stream's share when ``streams`` streams (itself included) are produced: the whole
+        budget for one alone; else an equal part, at least :attr:`stream_floor` for a stream
+        that is read, and half an equal part for one that nobody reads (the rest of what it
+        buffers is evicted: :meth:`feedline.serving.credit.CreditPlanner.shares`)."""
+        k = max(1, streams)
+        if k == 1:
+            return self.whole
+        if not read:
+            return self.part(2 * k)
+        equal, floor = self.part(k), self.stream_floor
+        return Share(max(equal.batches, floor.batches), max(equal.nbytes, floor.nbytes))
+
+    def max_message(self, limits: Limits) -> int:
+        """The largest message (wire bytes, header included) a host reads: what the limits
+        allow, and never more than the whole budget."""
+        return min(self.max_bytes, limits.max_message_bytes + limits.max_header_bytes)
