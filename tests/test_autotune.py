@@ -104,6 +104,17 @@ def test_the_climb_finds_the_best_count_and_stays_near_it(best: int, start: int,
     assert late.count(best) >= 0.8 * len(late), (best, ks)
 
 
+def test_a_bottleneck_at_the_top_of_its_range_rarely_tries_fewer() -> None:
+    """Two CPUs, a stage that could use four: once at 2, a try of 1 that was slower waits
+    the longest backoff (each such try cost the python-map benchmark half its rate for two
+    periods, every few seconds)."""
+    t = Tuner(TunerConfig(lo=1, hi=2, max_backoff=32), start=1)
+    ks = climb(t, curve(4), 120, noise=0.03)
+    tries = [i for i, k in enumerate(ks) if k == 1 and i > 0]
+    assert ks[0] == 2 and tries, ks
+    assert all(b - a > 32 for a, b in zip(tries, tries[1:])), ks
+
+
 def test_a_stage_that_is_not_the_bottleneck_gives_workers_back() -> None:
     t = Tuner(TunerConfig(lo=1, hi=8), start=4)
     ks = climb(t, curve(8), 60, demand=150.0)  # downstream takes 150/s: 2 workers do

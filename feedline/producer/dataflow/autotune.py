@@ -13,7 +13,8 @@ Two parts, both pure but for reading a few files:
   ``gain``. A stage whose results are always ready is not, and one where a worker more did
   not help may have too many: it tries one fewer and keeps it if the rate held (within
   ``loss``), which frees a CPU for the rest of the producer. A try that failed is not made
-  again for a while, twice as long each time it fails (bounded exploration); a rate that
+  again for a while, twice as long each time it fails (bounded exploration; a bottleneck at
+  ``hi`` that one fewer made slower waits the longest backoff at once); a rate that
   stayed far from the last decision's for a few periods (new data, a slower trainer) starts
   the exploring afresh.
 - :class:`ModeTuner`: with both kinds allowed, first measures threads and processes at the
@@ -136,7 +137,7 @@ class Tuner:
         for d in self._cool:
             self._cool[d] = max(0, self._cool[d] - 1)
         if self._trial is not None:
-            prev, prev_rate, _ = self._trial
+            prev, prev_rate, prev_wait = self._trial
             d = +1 if self.k > prev else -1
             # More workers must earn their CPU; fewer that deliver as much free one, judged
             # over two periods (a wrong "fewer" costs rate, a wrong "more" only a CPU).
@@ -152,6 +153,11 @@ class Tuner:
                 self._settled_rate = rate
                 return self.k
             self.last = f"{self.k} tried ({rate:.0f}/s): back to {prev} ({prev_rate:.0f}/s)"
+            if d < 0 and prev == cfg.hi and prev_wait >= cfg.busy:
+                # A bottleneck with every worker its range allows, and one fewer was slower:
+                # it has nothing to give back, so that try waits the longest backoff (each
+                # try costs its periods' rate).
+                self._backoff[d] = cfg.max_backoff
             self._cool[d] = self._backoff[d]
             self._backoff[d] = min(cfg.max_backoff, 2 * self._backoff[d])
             self.k = prev
