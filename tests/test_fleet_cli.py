@@ -115,3 +115,57 @@ def test_a_failed_producer_is_started_again_and_sigterm_stops_all(daemons, tmp_p
 
     assert not [p for p in running if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_top_shows_each_streams_number_and_its_reason(daemons, tmp_path: Path) -> None:
+    """One broker, two streams: "starved" (a producer paced at 10 batches/s, a trainer that
+    takes all it gets) is input-bound and wants more producers; "fed" (a free-running
+    producer, a trainer of 20 steps/s) is model-bound and wants one. `feedline top` shows
+    both numbers with their reasons, as the broker exports them."""
+    paced = tmp_path / "paced.yaml"
+    paced.write_text(yaml.safe_dump({"source": {"fake": {"shapes": [[16]], "size": 10**9,
+                                                         "delay": 0.01}},
+                                     "steps": [{"batch": {"batch_size": 10}}]}))
+    free = tmp_path / "free.yaml"
+    free.write_text(yaml.safe_dump({"source": {"fake": {"shapes": [[16]], "size": 10**9}},
+                                    "steps": [{"batch": {"batch_size": 10}}]}))
+    port, metrics = free_port(), free_port()
+    ingress, egress = f"tcp://127.0.0.1:{port}", f"ipc://{tmp_path}/e.sock"
+    daemons("feedline.broker", "--ingress", ingress, "--egress", egress, "--metrics-port",
+            metrics, "--sizing-window", "2", name="broker")
+    wait_for(lambda: tcp_ready(port), 20, what="broker port")
+    for stream, cfg, step in (("starved", paced, "0"), ("fed", free, "0.05")):
+        daemons("feedline.producer", "--config", cfg, "--broker", ingress, "--stream", stream,
+                "--log-level", "WARNING", name=f"producer-{stream}")
+        daemons("feedline.commands", "drain", "--broker", egress, "--stream", stream,
+                "--step-seconds", step, "--window", "8", "--log-level", "WARNING",
+                name=f"trainer-{stream}")
+    url = f"127.0.0.1:{metrics}"
+
+    def judged() -> bool:
+        b = scrape(url, 1.0)
+        return (b.get("feedline_broker_stream_bottleneck", stream="starved",
+                      verdict="input-bound") == 1
+                and (b.get("feedline_broker_stream_producers_wanted", stream="starved")
+                     or 0) >= 2
+                and b.get("feedline_broker_stream_bottleneck", stream="fed",
+                          verdict="model-bound") == 1)
+    wait_for(judged, 40, interval=0.5, what="both streams judged")
+    out = subprocess.run([sys.executable, "-m", "feedline.commands", "top", "--once",
+                          "--interval", "0.5", url],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("SIZING"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        name, *fields = line.split()
+        rows[name] = fields
+    # demand/s, supply/s, each/s, producers, wanted, waiting, reason
+    assert set(rows) == {"starved", "fed"}, out.stdout
+    starved, fed = rows["starved"], rows["fed"]
+    assert starved[-1] == "input-bound" and int(starved[4]) >= 2, out.stdout
+    assert float(starved[0]) > float(starved[2]), out.stdout  # demand above one's capacity
+    assert fed[-1] == "model-bound" and (fed[3], fed[4]) == ("1", "1"), out.stdout
