@@ -112,7 +112,7 @@ def test_a_bottleneck_at_the_top_of_its_range_rarely_tries_fewer() -> None:
     ks = climb(t, curve(4), 120, noise=0.03)
     tries = [i for i, k in enumerate(ks) if k == 1 and i > 0]
     assert ks[0] == 2 and tries, ks
-    assert all(b - a > 32 for a, b in zip(tries, tries[1:])), ks
+    assert all(b - a > 32 for a, b in zip(tries, tries[1:], strict=False)), ks
 
 
 def test_a_stage_that_is_not_the_bottleneck_gives_workers_back() -> None:
