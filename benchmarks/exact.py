@@ -95,8 +95,8 @@ class Run:
         egress = f"ipc://{self.work}/egress.sock"
         path = self.work / "pipeline.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        journal = self.mode == "exact" and not a.no_journal
-        extra = ["--state-dir", str(self.work / "state")] if journal else []
+        extra = [] if self.mode != "exact" else ["--exact-ephemeral"] if a.no_journal else \
+            ["--state-dir", str(self.work / "state")]
         broker = self._python("feedline.broker", ["--ingress", ingress, "--egress", egress,
                                          "--metrics-port", "0", "--log-level", "WARNING",
                                          *extra], "broker")
@@ -194,7 +194,8 @@ def main() -> None:
     ap.add_argument("--unit", type=int, default=256, help="exact: samples per work unit")
     ap.add_argument("--producers", type=int, default=2, help="producer processes")
     ap.add_argument("--no-journal", action="store_true",
-                    help="exact: run the broker without --state-dir (no fsync'd journal)")
+                    help="exact: run the broker with --exact-ephemeral instead of --state-dir "
+                    "(no fsync'd journal)")
     ap.add_argument("--window", type=int, default=4, help="the consumer's window")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")

@@ -83,7 +83,8 @@ def local_cluster(data: str, producers: int) -> Iterator[Cluster]:
         metrics = free_port()
         broker = Daemon("feedline.broker", ["--ingress", ingress, "--egress", egress,
                                    "--metrics-port", str(metrics), "--metrics-addr",
-                                   "127.0.0.1", *BROKER_BUFFER, *LIVENESS],
+                                   "127.0.0.1", "--state-dir", str(Path(tmp) / "state"),
+                                   *BROKER_BUFFER, *LIVENESS],
                         Path(tmp) / "broker.log")
         cluster = Cluster(egress, {}, metrics)
         try:

@@ -104,7 +104,7 @@ def _container(dp: Any) -> int:
     return CONTAINER_BARE
 
 
-_HEADER_SLACK = 96  # the map header, "v" ... "e" (and "u", "i", "l"), their largest values
+_HEADER_SLACK = 112  # the map header, "v" ... "e" (and "u", "i", "l", "f"), their largest values
 
 
 @dataclass(frozen=True)
@@ -122,15 +122,18 @@ class Prepared:
     wire_bytes: int
 
     def frames(self, *, producer: bytes, session: int, seq: int, epoch: int,
-               unit: int = -1, index: int = 0, last: bool = False) -> list[Any]:
+               unit: int = -1, index: int = 0, last: bool = False,
+               pipeline: int = 0) -> list[Any]:
         """``[header, arrays...]``; ``producer`` is the packed producer id (:func:`packb`).
 
         Exact delivery: ``unit`` >= 0 adds the batch's place in its work unit: ``"u"`` the
-        unit, ``"i"`` its index there, ``"l"`` true for the unit's last batch."""
-        head = (b"\x89" if unit < 0 else b"\x8c") + _V_K + b"\xa1p" + producer \
+        unit, ``"i"`` its index there, ``"l"`` true for the unit's last batch, ``"f"`` the
+        pipeline's fingerprint (what the consumers' cursors are tied to)."""
+        head = (b"\x89" if unit < 0 else b"\x8d") + _V_K + b"\xa1p" + producer \
             + b"\xa1q" + packb(session) + b"\xa1s" + packb(seq) + b"\xa1e" + packb(epoch)
         if unit >= 0:
-            head += b"\xa1u" + packb(unit) + b"\xa1i" + packb(index) + b"\xa1l" + packb(last)
+            head += b"\xa1u" + packb(unit) + b"\xa1i" + packb(index) + b"\xa1l" \
+                + packb(last) + b"\xa1f" + packb(pipeline)
         return [head + self.tail, *self.arrays]
 
 

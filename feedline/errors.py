@@ -58,7 +58,7 @@ class Refusal(FeedlineError):
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 class DecodeError(Refusal, ValueError):

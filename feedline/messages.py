@@ -29,8 +29,10 @@ Taken          C->B   batches taken by the model since the HELLO (absolute), and
                       the model waited for data (absolute: the demand estimate's input)
 Deliver        B->C   envelope in front of a forwarded batch: sequence gap seen upstream
 Eos, Error     P->B->C end of a producer's dataflow; a pipeline failure with traceback
-UnitRequest    P->B   exact delivery: "give me a work unit"
+UnitRequest    P->B   exact delivery: "give me a work unit" (``first``: this producer was
+                      never given one: on a finished stream it starts the next run)
 Unit           B->P   produce unit ``unit`` of epoch ``epoch``, from batch ``start`` on
+                      (the answer to request ``ask``; after a ``busy``, sent when there is one)
 UnitWait       B->P   no unit now (``busy``: the epoch's last units are in progress;
                       ``finished``: every epoch is done)
 UnitDone       P->B   a unit's batches were all sent: there were ``batches`` of them
@@ -117,6 +119,12 @@ def delivery_mode(v: Any, lim: Limits) -> str:
     return str(v)
 
 
+def flag(v: Any, lim: Limits) -> bool:
+    if not isinstance(v, bool):
+        raise _Bad
+    return v
+
+
 def index_list(v: Any, lim: Limits) -> list[int]:
     if not isinstance(v, list) or len(v) > lim.max_container_len or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _U63 for i in v):
@@ -185,6 +193,9 @@ class ProducerHello:
     # no limit), so that the broker can give each supervisor its share of the stream's number.
     fleet: str = field(default="", metadata=wire_key("f", fleet_id))
     fleet_max: int = field(default=0, metadata=wire_key("fm", count))
+    # The pipeline's fingerprint (what decides the sample order and the units): the cursors
+    # of the stream carry it, and a resume from another pipeline's cursor is refused.
+    pipeline: int = field(default=0, metadata=wire_key("fp", count))
 
 
 @message(Kind.CONSUMER_HELLO)
@@ -300,6 +311,8 @@ class Heartbeat:
 @dataclass(frozen=True)
 class UnitRequest:
     registration: int = field(default=0, metadata=wire_key("r", count))
+    first: bool = field(default=False, metadata=wire_key("f", flag))
+    ask: int = field(default=0, metadata=wire_key("a", count))  # echoed by the answer
 
 
 @message(Kind.UNIT)
@@ -310,6 +323,7 @@ class Unit:
     unit: int = field(metadata=wire_key("u", count))
     start: int = field(default=0, metadata=wire_key("i", count))
     registration: int = field(default=0, metadata=wire_key("r", count))
+    ask: int = field(default=0, metadata=wire_key("a", count))  # the request it answers
 
 
 @message(Kind.UNIT_WAIT)
@@ -318,6 +332,7 @@ class UnitWait:
     broker: int = field(metadata=wire_key("b", count))
     reason: str = field(metadata=wire_key("w", reason))
     registration: int = field(default=0, metadata=wire_key("r", count))
+    ask: int = field(default=0, metadata=wire_key("a", count))
 
 
 @message(Kind.UNIT_DONE)

@@ -16,6 +16,9 @@ Batch header (producer -> broker, and broker -> consumer after an envelope frame
      "d": [ExtType(1, b"\0\0\0\0"), ExtType(1, b"\0\0\0\1")],   # structure, see below
      "a": [["|u1", [64, 224, 224, 3]], ["<i4", [64]]]}         # dtype + shape of each frame
 
+Exact delivery's batches add ``"u"`` (work unit), ``"i"`` (index in it), ``"l"`` (the unit's
+last batch) and ``"f"`` (the pipeline's fingerprint, < 2**63).
+
 ``d`` is the datapoint with each array replaced by msgpack ExtType code 1 holding the big-endian
 uint32 index of its frame (frames 1..n hold arrays 0..n-1). Python scalars, strings, bytes and
 None travel inline. Nested containers are lists and str-keyed dicts (a nested tuple arrives as a
@@ -261,6 +264,7 @@ class Batch:
     unit: int = -1  # exact delivery: its work unit (-1: not exact)
     index: int = -1  # ... its index in the unit
     last: bool = False  # ... the unit's last batch
+    pipeline: int = 0  # ... the fingerprint of the pipeline that made it (0: not said)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -303,13 +307,15 @@ def decode_batch(
     elif container not in (0, 1, 2, 3):
         raise DecodeError("bad_structure", "container")
     nbytes = sum(a.nbytes for a in arrays)
-    unit, index, last = -1, -1, False
+    unit, index, last, pipeline = -1, -1, False, 0
     if "u" in header:
         unit, index = _int(header, "u", 0, 1 << 40), _int(header, "i", 0, 1 << 40)
         flag = header.get("l")
         if not isinstance(flag, bool):
             raise DecodeError("bad_header", "field 'l'")
         last = flag
+        if "f" in header:
+            pipeline = _int(header, "f")
     return Batch(
         producer=header["p"],
         session=header["q"],
@@ -321,4 +327,5 @@ def decode_batch(
         unit=unit,
         index=index,
         last=last,
+        pipeline=pipeline,
     )

@@ -55,6 +55,7 @@ class ExactCluster(Cluster):
         self.cfg_path.write_text(yaml.safe_dump(cfg))
         self.per_unit = -(-int(cfg["exact"]["unit_size"]) // self.batch_size)
         self.killed: set[str] = set()
+        self.crashed: set[str] = set()  # a job's process that crashed after its checkpoint
 
     @property
     def batch_size(self) -> int:
@@ -75,11 +76,12 @@ class ExactCluster(Cluster):
         self.producers[name].append(_Incarnation(child, Path(), time.time()))
         return child
 
-    def start_consumer(self, name: str = "c1", host: str = "trainer") -> Child:
+    def start_consumer(self, name: str = "c1", host: str = "trainer", *extra: str) -> Child:
+        """A ledger consumer; ``extra``: its checkpoint flags (``--save``, ``--resume``...)."""
         child = self.net[host].python(
             "tests.exact_ledger_consumer", "--broker", self.egress, "--ledger",
             self.tmp / f"{name}.ledger", "--window", str(self.window), "--step", str(self.step),
-            *self._hb_args(), log_path=self._log(name))
+            *self._hb_args(), *extra, log_path=self._log(name))
         self.consumers[name] = child
         return child
 
@@ -116,15 +118,18 @@ class ExactCluster(Cluster):
             return None
         return wait_for(fresh, timeout, interval=0.02, what=f"{producer} mid-unit")
 
-    def clean(self) -> dict[int, dict[int, str]]:
-        key = yaml.safe_dump(self.cfg)
+    def clean(self, epochs: int | None = None) -> dict[int, dict[int, str]]:
+        cfg = self.cfg if epochs is None else {**self.cfg, "epochs": epochs}
+        key = yaml.safe_dump(cfg)
         if key not in _CLEAN:  # seconds of work: once per pipeline and test session
-            _CLEAN[key] = clean_run(self.cfg)
+            _CLEAN[key] = clean_run(cfg)
         return _CLEAN[key]
 
-    def exact_audit(self) -> ExactAudit:
+    def exact_audit(self, epochs: int | None = None) -> ExactAudit:
+        """The audit (``epochs``: of that many epochs, when jobs ran more than the file's)."""
         ledgers = {n: self.exact_entries(n) for n in self.consumers}
-        return audit(ledgers, self.clean(), frozenset(self.killed))
+        crashed = {n: self.ledger(n).ckpt or 0 for n in self.crashed}
+        return audit(ledgers, self.clean(epochs), frozenset(self.killed), crashed)
 
 
 def taken_over(entries: list[ExactEntry], producer: str, until: float

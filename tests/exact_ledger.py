@@ -113,6 +113,7 @@ def format_entry(t: float, b: Any, samples: list[tuple[int, str]], ok: bool) -> 
 class ExactLedger:
     entries: list[ExactEntry] = field(default_factory=list)
     ends: list[tuple[float, list[int]]] = field(default_factory=list)  # each epoch() that ended
+    ckpt: int | None = None  # entries before its last checkpoint ("#ckpt"), if it saved one
 
 
 def read_exact_ledger(path: Path, tail: int | None = None) -> ExactLedger:
@@ -132,6 +133,9 @@ def read_exact_ledger(path: Path, tail: int | None = None) -> ExactLedger:
 def parse_ledger(text: str) -> ExactLedger:
     led = ExactLedger()
     for line in text.splitlines():
+        if line.startswith("#ckpt "):
+            led.ckpt = len(led.entries)
+            continue
         if line.startswith("#end "):
             _, when, epochs = (line + " ").split(" ", 2)
             led.ends.append((float(when), [int(x) for x in epochs.split(",") if x.strip()]))
@@ -180,23 +184,28 @@ class ExactAudit:
 
 
 def audit(ledgers: dict[str, list[ExactEntry]], expected: dict[int, dict[int, str]],
-          killed: frozenset[str] = frozenset()) -> ExactAudit:
+          killed: frozenset[str] = frozenset(),
+          crashed: dict[str, int] | None = None) -> ExactAudit:
     """Per epoch, the union of what the consumers took against the dataset and the clean run.
 
     The killed-consumer rule: a consumer's last batch before a kill -9 is unconfirmed until
     its TAKEN reaches the broker. If it never did, the broker serves that batch again to
     another consumer, and it is not counted for the dead one; if it did, nobody else gets it
     and it counts. Only the *last* batch of a killed consumer gets this allowance: any other
-    batch found in two ledgers is a duplicate."""
+    batch found in two ledgers is a duplicate.
+
+    ``crashed``: a job's process that crashed after a checkpoint (name -> the entries before
+    it): what it took after the checkpoint is not the job's (the job resumed from the
+    checkpoint), so only those entries count."""
     a = ExactAudit()
     samples: dict[int, list[tuple[int, str]]] = defaultdict(list)
     for name, entries in ledgers.items():
-        use = entries
-        if name in killed and entries:
-            last = entries[-1].key
+        use = entries[:crashed[name]] if crashed and name in crashed else entries
+        if name in killed and use:
+            last = use[-1].key
             elsewhere = {e.key for n, es in ledgers.items() if n != name for e in es}
             if last in elsewhere:
-                use = entries[:-1]
+                use = use[:-1]
                 a.served_again.append(last)
             else:
                 a.confirmed_last.append(last)

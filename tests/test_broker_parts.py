@@ -289,3 +289,17 @@ def test_the_buffer_evicts_the_oldest_batches_of_a_stream():
     gone = b.evict("val", 2, 1000)
     assert [h.frames[0] for h in gone] == [b"\0", b"\1", b"\2"]
     assert (b.batches, b.nbytes, b.controls) == (2, 20, 1)
+
+
+def test_a_stream_the_buffer_emptied_is_no_longer_listed_as_held():
+    """What ``by_stream`` lists is what the host holds: the serving core reclaims an exact
+    stream only when nothing of it is held, so a stream emptied by eviction or by discarding
+    (batches a consumer reported taken) must not stay listed, with nothing, for ever."""
+    b = Buffer()
+    for s in ("a", "b"):
+        for i in range(3):
+            b.push(s, Held([bytes([i])], 10, 10, 1, 0))
+    assert b.evict("a", 0, 0) and b.discard("b", lambda h: True) == 3
+    assert b.by_stream() == {} and b.streams() == [] and (b.batches, b.nbytes) == (0, 0)
+    b.push("a", Held([b"x"], 10, 10, 1, 0))
+    assert b.by_stream() == {"a": (1, 10)}

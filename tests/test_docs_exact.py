@@ -106,7 +106,8 @@ def _feed(session: Session, producers: list[list[str]]) -> Path:
     sock, port = session.cwd / "feedline.sock", free_port()
     session.subst["/tmp/feedline.sock"] = str(sock)
     broker = session.start(["broker", "--ingress", f"tcp://127.0.0.1:{port}", "--egress",
-                            f"ipc://{sock}", "--metrics-port", "0", *LIVENESS], "broker")
+                            f"ipc://{sock}", "--metrics-port", "0", "--state-dir",
+                            str(session.cwd / "state"), *LIVENESS], "broker")
     wait_for(lambda: (tcp_ready(port) and sock.exists()) or not broker.alive(), 30,
              what="broker")
     assert broker.alive(), broker.log_text()

@@ -31,12 +31,14 @@ LIVENESS = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5")
 N, UNIT, BATCH = 96, 16, 4
 
 
-def pipeline(tmp_path: Path, epochs: int | None = 2, delay: float = 0.0, n: int = N) -> Path:
-    cfg = {"stream": "val", "delivery": "exact", "exact": {"unit_size": UNIT}, "seed": 3,
+def pipeline(tmp_path: Path, epochs: int | None = 2, delay: float = 0.0, n: int = N,
+             seed: int = 3, batch: int = BATCH) -> Path:
+    cfg = {"stream": "val", "delivery": "exact", "exact": {"unit_size": UNIT}, "seed": seed,
            "epochs": epochs, "source": {"list": {"items": list(range(n))}},
            "steps": [{"map": {"function": "tests.ledger_data:exact_sample",
                               "args": {"nbytes": 512, "delay": delay}, "component": None}},
-                     {"batch": {"batch_size": BATCH}}]}
+                     {"batch": {"batch_size": batch}}]}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "exact.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -58,7 +60,7 @@ def clean_run(cfg: Path, epoch: int) -> dict[int, bytes]:
     """What a run without faults produces for ``epoch``: id -> payload bytes."""
     pipe = build_exact(yaml.safe_load(cfg.read_text()))
     out: dict[int, bytes] = {}
-    for unit in range(-(-N // UNIT)):
+    for unit in range(-(-pipe.source.samples() // pipe.unit_size)):
         for _, batch in pipe.batches(epoch, unit):
             assert batch is not None, "the test pipeline skips no sample"
             data, meta = batch
@@ -67,10 +69,11 @@ def clean_run(cfg: Path, epoch: int) -> dict[int, bytes]:
 
 
 def assert_exactly_once(seen: list[tuple[int, bytes]], cfg: Path, epoch: int) -> None:
-    ids = sorted(i for i, _ in seen)
-    assert ids == list(range(N)), f"lost {set(range(N)) - set(ids)}, " \
-        f"duplicated {[i for i in set(ids) if ids.count(i) > 1]}"
     expected = clean_run(cfg, epoch)
+    n = len(expected)
+    ids = sorted(i for i, _ in seen)
+    assert ids == list(range(n)), f"lost {set(range(n)) - set(ids)}, " \
+        f"duplicated {[i for i in set(ids) if ids.count(i) > 1]}"
     # Every sample's bytes differ from every other's, so a swap would show below.
     assert len(set(expected.values())) == len(expected), "samples with the same bytes"
     assert all(expected[i] == b for i, b in seen), "contents differ from a clean run"
@@ -78,7 +81,7 @@ def assert_exactly_once(seen: list[tuple[int, bytes]], cfg: Path, epoch: int) ->
 
 def test_two_producers_two_epochs_every_sample_exactly_once(broker_proc, daemons, endpoints,
                                                             tmp_path):
-    broker_proc()
+    broker_proc("--state-dir", str(tmp_path / "state"))
     cfg = pipeline(tmp_path)
     for i in range(2):
         producer(daemons, cfg, endpoints.ingress, f"p{i}")
@@ -93,7 +96,7 @@ def test_two_producers_two_epochs_every_sample_exactly_once(broker_proc, daemons
 
 def test_a_producer_killed_mid_unit_loses_and_repeats_nothing(broker_proc, daemons, endpoints,
                                                               tmp_path):
-    broker_proc()
+    broker_proc("--state-dir", str(tmp_path / "state"))
     cfg = pipeline(tmp_path, epochs=1, delay=0.01)
     victim = producer(daemons, cfg, endpoints.ingress, "victim")
     producer(daemons, cfg, endpoints.ingress, "survivor")
@@ -149,7 +152,7 @@ def test_one_of_two_consumers_killed_the_other_gets_its_share(broker_proc, daemo
     last batch is unconfirmed until its TAKEN arrives: if it had not, the broker serves it
     again (then another consumer has it) and it is not counted for the dead one; if it had,
     nobody else gets it."""
-    broker_proc()
+    broker_proc("--state-dir", str(tmp_path / "state"))
     cfg = pipeline(tmp_path, epochs=1, delay=0.002)
     ledgers = [tmp_path / f"ledger-{i}" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-c", CONSUMER, endpoints.egress, str(led),
@@ -183,7 +186,7 @@ def test_a_trainer_resumes_from_its_cursor(broker_proc, daemons, endpoints, tmp_
     """Take some batches, save the cursor (a checkpoint), take more (lost with the process
     that took them), then a new consumer resumes from the saved cursor: what the checkpoint
     had and what the new one takes are the epoch exactly once."""
-    broker_proc()
+    broker_proc("--state-dir", str(tmp_path / "state"))
     cfg = pipeline(tmp_path, epochs=1)
     for i in range(2):
         producer(daemons, cfg, endpoints.ingress, f"p{i}")

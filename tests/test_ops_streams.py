@@ -101,7 +101,8 @@ class TwoStreams:
 @pytest.fixture
 def two_streams(tmp_path: Path, endpoints, broker_proc, daemons) -> Iterator[TwoStreams]:
     broker_metrics, producer_metrics = free_port(), free_port()
-    broker_proc("--metrics-port", str(broker_metrics), "--metrics-addr", "127.0.0.1")
+    broker_proc("--metrics-port", str(broker_metrics), "--metrics-addr", "127.0.0.1",
+                "--state-dir", str(tmp_path / "state"))
     plain, exact = tmp_path / "plain.yaml", tmp_path / "exact.yaml"
     plain.write_text(yaml.safe_dump(PLAIN))
     exact.write_text(yaml.safe_dump(EXACT))

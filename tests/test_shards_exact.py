@@ -56,7 +56,7 @@ def test_image_folder_and_http_shards_give_identical_bytes_per_sample(broker_pro
     expected = {e: by_id(b for u in range(-(-27 // 5)) for _, b in folder.batches(e, u))
                 for e in range(2)}
     assert expected[0] != expected[1] and len(expected[0]) == 27
-    broker_proc()
+    broker_proc("--exact-ephemeral")  # nothing here restarts the broker
     with file_server(str(tmp_path / "shards")) as url:
         cfg = {"delivery": "exact", "stream": "val", "seed": 7, "epochs": 2,
                "source": {"webdataset": {"manifest": f"{url}/manifest.json"}},

@@ -68,7 +68,7 @@ TRAINER = textwrap.dedent("""
 
 def test_train_checkpoint_kill_restore_finish_the_epoch_exactly_once(broker_proc, daemons,
                                                                       endpoints, tmp_path):
-    broker_proc()
+    broker_proc("--state-dir", str(tmp_path / "state"))
     cfg = pipeline(tmp_path, epochs=1)
     for i in range(2):
         producer(daemons, cfg, endpoints.ingress, f"p{i}")

@@ -87,7 +87,7 @@ class Buffer:
                 self.nbytes -= h.nbytes
             else:
                 keep.append(h)
-        self._streams[stream] = keep
+        self._keep(stream, keep)
         return out
 
     def items(self, stream: str) -> list[Held]:
@@ -106,8 +106,15 @@ class Buffer:
             else:
                 self.batches -= 1
                 self.nbytes -= h.nbytes
-        self._streams[stream] = keep
+        self._keep(stream, keep)
         return len(dropped)
+
+    def _keep(self, stream: str, keep: deque[Held]) -> None:
+        # An emptied stream goes: what is listed (by_stream) is what is held.
+        if keep:
+            self._streams[stream] = keep
+        else:
+            del self._streams[stream]
 
     def requeue(self, stream: str, item: Held) -> None:
         """Put back an item that could not be sent (in front: order is kept)."""

@@ -56,7 +56,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="registered producers (and, apart, consumers) at most")
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="where exact-delivery streams keep their progress (fsync'd), so that "
-                   "it survives a broker restart (default: kept in memory only)")
+                   "it survives a broker restart; without it exact producers are refused "
+                   "(docs/reliability.md)")
+    p.add_argument("--exact-ephemeral", action="store_true",
+                   help="without --state-dir, serve exact streams from memory only: a "
+                   "restart loses their position (consumers mid-epoch are told so)")
+    p.add_argument("--max-streams", type=int, default=d.max_streams,
+                   help="streams the broker keeps state for at once (named by a registered "
+                   "peer, or exact streams in use); registrations of more are refused")
     p.add_argument("--producer-window", type=int, default=d.producer_window,
                    help="most credit one producer holds (its batches in flight)")
     p.add_argument("--sizing-window", type=float, default=d.sizing_window, metavar="SECONDS",
@@ -90,6 +97,8 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         max_peers=args.max_peers,
         state_dir=args.state_dir,
         sizing_window=args.sizing_window,
+        exact_ephemeral=args.exact_ephemeral,
+        max_streams=args.max_streams,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
         limits=wire.Limits(max_message_bytes=args.max_message_bytes),

@@ -31,7 +31,7 @@ from feedline.broker.buffer import Buffer
 from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
 from feedline.broker.sizing import BrokerSizing
-from feedline.serving.coordinator import ExactStreams
+from feedline.serving.exact_streams import ExactConfig
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.server import Server, ServingConfig
@@ -99,9 +99,9 @@ class Broker:
         self.ctx = ctx or zmq.Context(io_threads=config.io_threads)
         self.instance = random.getrandbits(62)
         self.buffer = Buffer()
-        self.exact = ExactStreams(Path(config.state_dir) if config.state_dir else None)
         self._sink = _Sink(self)
         self.stats = BrokerStats()
+        self._exact_labelled: set[str] = set()  # exact streams with series last tick
         self.server: Server | None = None
         try:
             self.server = server = Server(self.ctx, ServingConfig(
@@ -112,8 +112,12 @@ class Broker:
                 limits=config.limits, curve=config.curve,
                 tensorpack=config.tensorpack_ingress,
                 tensorpack_stream=config.tensorpack_stream,
-                recovery_grace=config.heartbeat_timeout, insecure=config.insecure),
-                self._sink, self.metrics, self.instance, log, self.exact)
+                exact=ExactConfig(Path(config.state_dir) if config.state_dir else None,
+                                  config.exact_ephemeral, config.max_streams,
+                                  grace=config.heartbeat_timeout,
+                                  idle=4 * config.heartbeat_timeout),
+                insecure=config.insecure),
+                self._sink, self.metrics, self.instance, log)
             # No ZMTP heartbeats towards consumers: a paused consumer's connection must
             # outlive its registration, so that what was sent to it is still there when it
             # wakes (it takes it, then registers again). A dead one's kernel closes it.
@@ -123,6 +127,7 @@ class Broker:
             self.close()
             raise
         self.stats.rejected = server.refusals.counts
+        self.exact = server.exact
         self.ingress = server.producers
         self.egress = ConsumerSide(egress.send, self.buffer, self.metrics, config.limits,
                                    self.budget, config.max_peers, self.instance,
@@ -207,18 +212,25 @@ class Broker:
             for p in table:
                 key = (p.stream, role)
                 peers[key] = peers.get(key, 0) + 1
-        streams = {s for s, _ in peers} | set(self.buffer.streams()) | set(self.exact.streams)
+        streams = {s for s, _ in peers} | set(self.buffer.streams()) | set(self.exact.streams) \
+            | self._exact_labelled
+        m.exact_streams.set(len(self.exact.streams))
         for s in streams:
             label = m.stream_label.acquire(s)
             m.stream_buffer.labels(label).set(self.buffer.count(s))
             for role in ("producer", "consumer"):
                 m.stream_peers.labels(label, role).set(peers.get((s, role), 0))
             c = self.exact.get(s)
+            if c is None and s in self._exact_labelled:
+                m.forget_exact(label)  # reclaimed
             if c is not None:
                 m.exact_epoch.labels(label).set(c.epoch)
                 m.exact_units.labels(label, "done").set(len(c.done))
                 m.exact_units.labels(label, "total").set(c.plan.units)
+                m.exact_durable.labels(label).set(c.journal is not None
+                                                  and c.journal.error is None)
             m.stream_label.release(label)
+        self._exact_labelled = set(self.exact.streams)
 
     # --------------------------------------------------------------------------- close
     def close(self) -> None:

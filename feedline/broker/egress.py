@@ -12,7 +12,10 @@ In-flight bytes of a consumer that is gone (dropped, or registered again on its 
 become *orphans*: still counted until its connection is known to be closed (a probe to it
 fails) or it shows it reads again (a TAKEN of its new registration, which arrives only after
 everything sent before it). So a consumer that never reads cannot grow the broker by
-registering again, and a paused one loses nothing.
+registering again, and a paused one loses nothing. An exact stream's batches in an orphan are
+served again (those not settled meanwhile) once its connection is closed, or as soon as the
+consumer registers again: it drops what it was sent under a registration it no longer has,
+and its HELLO reports what it took of it.
 """
 
 from __future__ import annotations
@@ -28,14 +31,13 @@ import zmq
 from feedline import messages as m
 from feedline.broker.buffer import Buffer
 from feedline.codec import DecodeError, Limits
-from feedline.cursor import Cursor
 from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
 from feedline.serving.budget import Budget
-from feedline.serving.coordinator import ExactStreams
+from feedline.serving.exact_streams import Applied, ExactStreams
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
-from feedline.serving.peers import Peer, PeerTable, connection
+from feedline.serving.peers import HELLO_RATE, HelloRate, Peer, PeerTable, connection
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,9 @@ class ConsumerSide:
         self._rr: dict[str, deque[bytes]] = {}
         self._log = RateLimitedLog(log, interval=5.0)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
+        self._hellos = HelloRate(HELLO_RATE, 4 * capacity)
+        self.exact.refuse = self._refuse_cursor
+        self.exact.applied = self._applied
 
     # -- accounting ---------------------------------------------------------------------
     def inflight(self) -> tuple[int, int]:
@@ -158,53 +163,92 @@ class ConsumerSide:
                                                                     msg.registration):
             self._welcome(old)  # a repeated HELLO of a registration we know: a no-op
             return
+        if self._hellos.too_often(ident, now):
+            # As for producers (what a HELLO carries, a cursor, costs to read): refused and
+            # counted; what is registered stays.
+            raise Refusal("hello_flood", f"consumer {msg.consumer}")
         if old is not None:
             self.drop(ident, "registered_again")
         if self.consumers.full():
             self._control(ident, m.Refused(broker=self.instance, reason="too_many_peers",
                                            limit=self.consumers.capacity))
             raise Refusal("too_many_peers", f"consumer {msg.consumer}")
+        applied = None
+        try:
+            self.exact.admit(msg.stream)
+            if msg.cursor:
+                applied = self.exact.cursor(ident, msg.stream, msg.cursor, now, self._alive)
+        except Refusal as e:
+            self._refuse_cursor(ident, e.reason, e.detail)
+            raise
         fd, ino = connection(fd)
         c = Consumer(ident=ident, name=msg.consumer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
                      fd=fd, fd_ino=ino, window=msg.window, max_bytes=msg.max_bytes)
-        if msg.cursor:
-            self._cursor(msg.stream, msg.cursor)
         self.consumers.add(c)
         self._rr.setdefault(c.stream, deque()).append(ident)
         self._info.info("consumer %s joined stream %s (%d connected)", c.name, c.stream,
                         len(self.consumers))
         self._welcome(c)
+        if applied is not None:
+            self._applied(ident, msg.stream, applied)
+        o = self.orphans.get(ident)
+        if o is not None and o.items:
+            # Its earlier registration's batches: it drops them (that registration is gone),
+            # and its HELLO reported what it took of them. Served again, what is not settled.
+            items, o.items = o.items, []
+            self._requeue(o.stream, items)
 
-    def _cursor(self, stream: str, data: bytes) -> None:
-        """Exact delivery: what a consumer says it took (after a broker restart), or the
-        checkpoint a restarted job resumes from."""
-        cursor = Cursor.decode(data)
-        if cursor.stream != stream:
-            raise Refusal("bad_cursor", f"a cursor of stream {cursor.stream!r}")
-        coord = self.exact.report(stream, cursor)
-        if coord is None:
-            return
-        if cursor.resume:
-            if coord.resume(cursor):
-                # Rolled back to another epoch: what is buffered of any other epoch is void.
-                self.buffer.discard(stream, lambda h: h.batch is not None
-                                    and h.batch.epoch != coord.epoch)
+    def _refuse_cursor(self, ident: bytes, reason: str, detail: str) -> None:
+        """A registration or its cursor is refused: say so, and end it if it was welcomed (a
+        cursor that waited for its stream's first producer: the consumer registers again
+        with it, and is refused at once)."""
+        self._control(ident, m.Refused(broker=self.instance, reason=reason,
+                                       detail=detail[: self.limits.max_text_len]))
+        self.drop(ident, "refused")
+
+    def _alive(self, idents: list[bytes]) -> list[bytes]:
+        """Those of ``idents`` whose connection is open (a probe to a closed one fails)."""
+        out = []
+        for ident in idents:
+            if self._control(ident, m.Heartbeat(broker=self.instance)) == zmq.EHOSTUNREACH:
+                self._gone(ident)
+            else:
+                out.append(ident)
+        return out
+
+    def _gone(self, ident: bytes) -> None:
+        """``ident``'s connection is closed: whatever of it is left goes."""
+        self.drop(ident, "unreachable")
+        o = self.orphans.pop(ident, None)
+        if o is not None:
+            self._release(o)
+        self.exact.forget(ident, gone=True)
+
+    def _applied(self, ident: bytes, stream: str, a: Applied) -> None:
+        """A consumer's cursor was applied: what is buffered that it settled (a report, a
+        resume) or that is of another epoch (a resume) must not be served; and if its epoch
+        ended while it was away, it hears so (it missed that EPOCH_END)."""
+        coord = a.coordinator
+        if a.resumed or a.settled is not None:
+            self.buffer.discard(stream, lambda h: h.batch is not None
+                                and not coord.servable(h.batch.key))
+        if a.resumed:
             coord.holding(self._held_keys(stream))
-        else:
-            for epoch in coord.merge(cursor):
-                self.epoch_end(stream, epoch)
-            # What a consumer reports taken and is still buffered (produced again after a
-            # restart, before the report came) must not be served twice.
-            settled = {key for key in cursor.keys()}
-            self.buffer.discard(stream, lambda h: h.batch is not None and h.batch.key in settled)
+        for epoch in a.ended:
+            self.epoch_end(stream, epoch)
+        if coord.complete(a.epoch) and a.epoch not in a.ended:
+            self._control(ident, m.EpochEnd(broker=self.instance, epoch=a.epoch))
 
     def _held_keys(self, stream: str) -> set[tuple[int, int, int]]:
-        keys = {h.batch.key for h in self.buffer.items(stream) if h.batch is not None}
+        items = list(self.buffer.items(stream))
         for c in self.consumers:
             if c.stream == stream:
-                keys |= {h.batch.key for h in c.inflight if h.batch is not None}
-        return keys
+                items += c.inflight
+        for o in self.orphans.values():
+            if o.stream == stream:
+                items += o.items
+        return {h.batch.key for h in items if h.batch is not None}
 
     def epoch_end(self, stream: str, epoch: int) -> None:
         """Tell every consumer of the stream, behind what is queued for it."""
@@ -302,11 +346,20 @@ class ConsumerSide:
             # A probe: sending to a connection that is gone fails at once (ROUTER_MANDATORY).
             if self._control(ident, m.Heartbeat(broker=self.instance)) == zmq.EHOSTUNREACH:
                 self._release(self.orphans.pop(ident))
+                self.exact.forget(ident, gone=True)
 
     def _release(self, o: Orphan) -> None:
         """An orphan's memory is free; an exact stream's batches in it are served again."""
-        for item in reversed(o.items):
-            self.buffer.requeue(o.stream, item)
+        items, o.items = o.items, []
+        self._requeue(o.stream, items)
+
+    def _requeue(self, stream: str, items: list[Held]) -> None:
+        """Exact batches back to the front of the buffer, but those settled meanwhile (a
+        consumer took them and reported so, or a resume said they were taken): never twice."""
+        coord = self.exact.get(stream)
+        for item in reversed(items):
+            if coord is None or item.batch is None or coord.servable(item.batch.key):
+                self.buffer.requeue(stream, item)
 
     def drop(self, ident: bytes, reason: str) -> None:
         c = self.consumers.remove(ident)
@@ -319,6 +372,7 @@ class ConsumerSide:
                 del self._rr[c.stream]
         self._info.info("consumer %s dropped (%s)", c.name, reason)
         self.metrics.dropped_peers.labels("consumer", reason).inc()
+        self.exact.forget(ident, gone=reason in ("bye", "unreachable"))
         unacked = c.delivered - c.taken
         if reason not in ("bye", "registered_again"):
             self.metrics.unconfirmed.labels("consumer").inc(max(0, unacked))

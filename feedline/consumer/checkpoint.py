@@ -9,10 +9,11 @@
     ckpt.save(ckpt_dir + "/ckpt")
 
 Restarted from that checkpoint, the job goes on from the next batch after what the model saw:
-nothing repeated, nothing skipped. With several training processes, give every process the
-merged cursor of all of them (:meth:`feedline.cursor.Cursor.merge`, e.g. gathered at save
-time); a broker applies one resume once. Other frameworks: ``remote.state().to_dict()`` /
-``RemoteDataZMQ(..., resume=that_dict)``.
+nothing repeated, nothing skipped, however many times it restarts from it. With several
+training processes, give every process the merged cursor of all of them
+(:meth:`feedline.cursor.Cursor.merge`, e.g. gathered at save time): the ranks of a job share
+one resume. A cursor of another pipeline is refused. Other frameworks:
+``remote.state().to_dict()`` / ``RemoteDataZMQ(..., resume=that_dict)``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import zmq
 from feedline import messages as m
 from feedline import wire
 from feedline.consumer.io import Delivery, EpochMark, Marker, Shared
-from feedline.errors import ProducerError
+from feedline.errors import FeedlineError, ProducerError
 from feedline.link import LinkConfig
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
@@ -86,6 +86,10 @@ class _LocalSink:
     def epoch_end(self, stream: str, epoch: int) -> None:
         self.shared.queue.put_nowait(EpochMark(epoch))
 
+    def refused(self, detail: str) -> None:
+        """Our own resume= was refused (another pipeline's cursor): the iterator raises it."""
+        self.shared.queue.put_nowait(Marker(FeedlineError(f"resume= refused: {detail}")))
+
     def _control(self, msg: m.Message) -> None:
         s = self.shared
         if isinstance(msg, m.Eos):
@@ -115,6 +119,10 @@ class DirectIO:
         self.ingress = self.server.producers
         self.endpoint = self.server.ingress.endpoint
         shared.collect_keys = True  # exact streams settle here as the model takes batches
+        if shared.resume is not None:  # set when the stream's first producer registers
+            sink = self._sink
+            self.ingress.exact.refuse = lambda _ident, reason, detail: sink.refused(detail)
+            self.ingress.exact.cursor(b"", shared.stream, shared.resume.encode(), time.monotonic())
         self._next_tick = 0.0
         self._next_plan = 0.0
         self._arrived = 0.0  # when a batch last arrived

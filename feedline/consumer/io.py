@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,11 +25,12 @@ from feedline import messages as m
 from feedline import wire
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.metrics import ConsumerMetrics
-from feedline.cursor import Cursor
-from feedline.errors import ProducerError
+from feedline.cursor import MAX_CURSOR_BYTES, Cursor
+from feedline.errors import FeedlineError, ProducerError
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
+from feedline.serving.coordinator import RECORDS_PER_COMMIT
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,10 @@ class EpochMark:
 
 
 _MAX_PRODUCERS = 4096  # per-producer statistics kept, at most
+# Refusals of a registration that no retry changes (the cursor it carries, the stream): the
+# iterator raises them, one line, instead of waiting for batches that will not come.
+FATAL = frozenset({"cursor_mismatch", "bad_cursor", "position_lost", "not_exact",
+                   "too_many_streams", "too_many_pending", "journal_corrupt", "journal_stale"})
 
 
 class Shared:
@@ -95,10 +101,14 @@ class Shared:
         self.waker: Waker | None = None
         self.loop: ClientLoop | None = None
         # Exact delivery: what this process took of the current epoch (its cursor), the
-        # checkpoint it resumes from (sent with its first HELLO), and, in direct mode, the
-        # batches taken since the I/O thread last settled them.
+        # last of it (reported when it registers again: what a restarted broker's journal may
+        # lack: its last commit's worth and this window), the checkpoint it resumes from
+        # (sent with its first HELLO), and, in direct mode, the batches taken since the I/O
+        # thread last settled them.
         self.cursor = Cursor(stream)
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECORDS_PER_COMMIT + window + 64)
         self.resume: Cursor | None = None
+        self.fatal: tuple[str, str] | None = None  # a refusal raised to the iterator
         self.collect_keys = False
         self.taken_keys: list[tuple[int, int, int]] = []
         # Direct mode: batches are granted and arriving, so the I/O thread runs again soon
@@ -112,7 +122,7 @@ class Shared:
         the cursor goes on (what was taken stays taken)."""
         out = Shared(self.consumer_id, self.session, self.window, self.max_bytes,
                      self.stream, self.on_error, self.registry, self.metrics)
-        out.cursor, out.resume = self.cursor, self.resume
+        out.cursor, out.resume, out.recent = self.cursor, self.resume, self.recent
         out.waited = self.waited
         return out
 
@@ -128,16 +138,30 @@ class Shared:
             if item.registration == self.registration:
                 self.taken += 1
             if b.unit >= 0 and b.epoch == self.cursor.epoch and \
-                    b.index in self.cursor.taken.get(b.unit, ()):
+                    self.cursor.has(b.unit, b.index):
                 # Exact: we took this one before (served again after a broker restart, before
                 # our report reached it): acknowledged, not given to the model twice.
                 if self.waker is not None:
                     self.waker.wake()
                 return False
             if b.unit >= 0:
-                if b.epoch != self.cursor.epoch:
-                    self.cursor = Cursor(self.stream, b.epoch)
+                c = self.cursor
+                if c.pipeline and b.pipeline != c.pipeline and c.bits:
+                    raise FeedlineError(
+                        f"stream {self.stream!r} now serves another pipeline (fingerprint "
+                        f"{b.pipeline:x}) than the one this process took batches of "
+                        f"({c.pipeline:x}): its producers were replaced; start the job "
+                        "again (with a new RemoteDataZMQ)")
+                if b.epoch != self.cursor.epoch or not self.cursor.pipeline:
+                    if b.epoch != self.cursor.epoch:
+                        self.cursor = Cursor(self.stream, b.epoch)
+                        self.recent.clear()
+                    self.cursor.pipeline = b.pipeline
                 self.cursor.add(b.unit, b.index)
+                self.recent.append((b.unit, b.index))
+                # The resume was applied (a batch came after it): later registrations report
+                # what we take instead.
+                self.resume = None
                 if self.collect_keys:
                     self.taken_keys.append(b.key)
         if self.waker is not None and not self.expecting:
@@ -158,6 +182,19 @@ class Shared:
         return st
 
 
+def report(cursor: Cursor, recent: list[tuple[int, int]]) -> bytes:
+    """The cursor of the batches taken last (``recent``, oldest first), as much of it as a
+    registration carries (the oldest go first: a broker's journal has those)."""
+    while True:
+        part = Cursor(cursor.stream, cursor.epoch, pipeline=cursor.pipeline)
+        for u, i in recent:
+            part.add(u, i)
+        data = part.encode()
+        if len(data) <= MAX_CURSOR_BYTES or len(recent) <= 1:
+            return data
+        recent = recent[len(recent) // 4:]
+
+
 class ConsumerIO:
     """The consumer's role in the client loop (runs in the I/O thread only)."""
 
@@ -174,12 +211,12 @@ class ConsumerIO:
     def _hello(self, registration: int) -> m.ConsumerHello:
         s = self.shared
         with s.lock:
-            # Exact delivery: the checkpoint to resume from (once), else what we took of this
-            # epoch, so that a restarted broker knows it too.
+            # Exact delivery: the checkpoint to resume from (until a broker took it), else
+            # what we took last of this epoch, so that a restarted broker knows it too.
             if s.resume is not None:
                 cursor = s.resume.encode()
-            elif s.cursor.taken:
-                cursor = s.cursor.encode()
+            elif s.recent:
+                cursor = report(s.cursor, list(s.recent))
             else:
                 cursor = b""
         return m.ConsumerHello(consumer=s.consumer_id, session=s.session, window=s.window,
@@ -209,8 +246,6 @@ class ConsumerIO:
         s = self.shared
         if isinstance(msg, m.Welcome):
             s.answered, s.refusal = True, None
-            with s.lock:
-                s.resume = None  # applied: later registrations report what we took
         elif isinstance(msg, m.EpochEnd):
             self._put(EpochMark(msg.epoch), counts=False)
         elif isinstance(msg, m.Deliver):
@@ -229,6 +264,11 @@ class ConsumerIO:
                 s.refusal = msg
             self._reject_log.warning("the broker refused a message of ours: %s %s",
                                      msg.reason, msg.detail)
+            if msg.reason in FATAL and s.fatal != (msg.reason, msg.detail):
+                s.fatal = (msg.reason, msg.detail)
+                self._put(Marker(FeedlineError(
+                    f"the broker at {link.addr} refused this consumer ({msg.reason}): "
+                    f"{msg.detail}")), counts=False)
         else:
             self._count_reject("unexpected_kind")
 

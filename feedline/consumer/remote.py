@@ -37,7 +37,7 @@ from feedline import endpoints
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
-from feedline.cursor import Cursor
+from feedline.cursor import MAX_CURSOR_BYTES, Cursor
 from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.messages import DEFAULT_STREAM, check_stream
@@ -141,9 +141,16 @@ class RemoteDataZMQ:
             if cursor.stream != stream:
                 raise ConfigError(f"resume: a cursor of stream {cursor.stream!r}, not {stream!r}")
             cursor.resume = True
+            size = len(cursor.encode())
+            if size > MAX_CURSOR_BYTES:
+                raise ConfigError(
+                    f"resume: this cursor takes {size} bytes, more than the "
+                    f"{MAX_CURSOR_BYTES} a registration carries: it holds batches scattered "
+                    "over the epoch, as one rank's cursor does; resume every rank from the "
+                    "merged cursor of all of them (Cursor.merge), which holds runs")
             self._shared.resume = cursor
-            self._shared.cursor = Cursor(stream, cursor.epoch,
-                                         {u: set(v) for u, v in cursor.taken.items()})
+            self._shared.cursor = cursor.copy()
+            self._shared.cursor.resume = False
         # Direct mode serves producers as a broker does, with the broker's metrics.
         self.serving_metrics = BrokerMetrics(self._shared.registry) if bind else None
         self._io: ClientLoop | None = None
@@ -164,11 +171,15 @@ class RemoteDataZMQ:
 
     def epoch(self) -> Iterator[Any]:
         """Exact delivery: the batches of one epoch, then stop. The epoch is the one of the
-        first batch this yields; it ends when the broker says every batch of it was taken
-        (with several consumers on the stream, the union of what they take is the epoch,
-        exactly once). For a validation loop: ``for images, labels in remote.epoch(): ...``.
+        first batch this yields (after ``resume=``, the cursor's, until a batch came); it ends
+        when the broker says every batch of it was taken (with several consumers on the
+        stream, the union of what they take is the epoch, exactly once). For a validation
+        loop: ``for images, labels in remote.epoch(): ...``.
         """
-        yield from self._deliveries(self._start(), epoch=-1)
+        shared = self._start()
+        with shared.lock:
+            resumed = shared.resume
+        yield from self._deliveries(shared, epoch=-1 if resumed is None else resumed.epoch)
 
     def state(self) -> Cursor:
         """Exact delivery: what this process has taken of the current epoch (a cursor to
@@ -176,8 +187,7 @@ class RemoteDataZMQ:
         frameworks, :func:`feedline.consumer.checkpoint.trackable` for ``tf.train.Checkpoint``)."""
         s = self._shared
         with s.lock:
-            c = s.cursor
-            return Cursor(c.stream, c.epoch, {u: set(v) for u, v in c.taken.items()})
+            return s.cursor.copy()
 
     def _deliveries(self, shared: Shared, epoch: int | None) -> Iterator[Any]:
         """Yield batches; ``epoch`` None: forever; -1: the epoch of the first batch, until
@@ -292,8 +302,7 @@ class RemoteDataZMQ:
 
 def _as_cursor(resume: Cursor | dict | bytes) -> Cursor:
     if isinstance(resume, Cursor):
-        return Cursor(resume.stream, resume.epoch, {u: set(v) for u, v in resume.taken.items()},
-                      resume.token)
+        return resume.copy()
     if isinstance(resume, (bytes, bytearray)):
         return Cursor.decode(bytes(resume))
     return Cursor.from_dict(resume)

@@ -27,6 +27,7 @@ from feedline import messages as m
 from feedline import wire
 from feedline.client import ClientLoop, Waker
 from feedline.errors import BatchTooLarge as BatchTooLarge
+from feedline.errors import FeedlineError
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.producer.metrics import ProducerMetrics
@@ -35,6 +36,10 @@ from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)
 _CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
+# Registration refusals of an exact producer that no retry changes (the stream's mode or
+# pipeline, the broker's state directory, its stream limit): raised, not retried.
+EXACT_FATAL = frozenset({"delivery_mismatch", "no_state_dir", "journal_corrupt",
+                         "journal_stale", "too_many_streams", "too_many_units"})
 
 
 @dataclass(frozen=True)
@@ -44,11 +49,16 @@ class BatchItem:
     unit: int = -1  # exact delivery: its place in its work unit
     index: int = 0
     last: bool = False
+    pipeline: int = 0
 
 
 @dataclass(frozen=True)
 class UnitAsk:
-    """Exact delivery: ask the broker for a work unit (the answer comes in Outbox.units)."""
+    """Exact delivery: ask the broker for a work unit (the answer comes in Outbox.units);
+    ``first``: this producer was never given one."""
+
+    first: bool = False
+    ask: int = 0  # its number: the answer names it
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class ExactSpec:
     unit_size: int
     epochs: int = 0
     delivery: str = m.EXACT
+    fingerprint: int = 0  # of the pipeline (feedline.producer.exact.ExactPipeline.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,7 @@ class ProducerIO:
                 last_broker=(ch.link.broker_id or 0) if ch else 0,
                 delivery=x.delivery if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
                 unit_size=x.unit_size if x else 0, epochs=x.epochs if x else 0,
+                pipeline=x.fingerprint if x else 0,
                 fleet=self.out.fleet[0], fleet_max=self.out.fleet[1])
 
         def registered(_registration: int) -> None:
@@ -258,6 +270,12 @@ class ProducerIO:
 
     def _refused(self, ch: Channel, msg: m.Refused) -> None:
         self.out.metrics.refused.labels(msg.reason).inc()
+        if self.out.exact is not None and msg.reason in EXACT_FATAL and not ch.link.welcomed \
+                and ch is self.channels[0]:
+            # An exact stream's registration refused for a reason no retry changes: the
+            # owner raises it (one line) instead of waiting for a broker that said no.
+            self.out.error = FeedlineError(f"the broker at {ch.link.addr} refused this exact "
+                                           f"producer ({msg.reason}): {msg.detail}")
         if msg.reason == "batch_too_large":
             ch.welcome = m.Welcome(broker=msg.broker, max_batch_bytes=msg.limit,
                                    registration=ch.link.registration)
@@ -350,7 +368,8 @@ class ProducerIO:
                                        % len(self.channels)))
         frames = item.prepared.frames(producer=self._packed_id, session=self.out.session,
                                       seq=ch.seq, epoch=item.epoch, unit=item.unit,
-                                      index=item.index, last=item.last)
+                                      index=item.index, last=item.last,
+                                      pipeline=item.pipeline)
         if not ch.link.send_frames(frames, copy=False):
             return False  # not connected or pipe full: keep it, the link recovers
         ch.seq += 1
@@ -370,7 +389,8 @@ class ProducerIO:
         if not ch.link.welcomed:
             return False
         reg = ch.link.registration
-        msg: m.Message = (m.UnitRequest(registration=reg) if isinstance(item, UnitAsk) else
+        msg: m.Message = (m.UnitRequest(registration=reg, first=item.first, ask=item.ask)
+                          if isinstance(item, UnitAsk) else
                           m.UnitDone(epoch=item.epoch, unit=item.unit, batches=item.batches,
                                      registration=reg, empty=list(item.empty)))
         return ch.link.send_msg(msg)

@@ -26,6 +26,8 @@ sent, and its index is reported with the unit's end so that the epoch still comp
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -79,8 +81,23 @@ class ExactPipeline:
     @property
     def spec(self) -> ExactSpec:
         if isinstance(self.source, UnitSource):  # the coordinator counts units: one each
-            return ExactSpec(self.source.units(), 1, self.epochs)
-        return ExactSpec(self.source.samples(), self.unit_size, self.epochs)
+            return ExactSpec(self.source.units(), 1, self.epochs, fingerprint=self.fingerprint)
+        return ExactSpec(self.source.samples(), self.unit_size, self.epochs,
+                         fingerprint=self.fingerprint)
+
+    @property
+    def fingerprint(self) -> int:
+        """What decides the sample order and the units, as one number (1 .. 2**63 - 1): the
+        seed, the unit and batch sizes, shuffling, and the dataset (its source's kind, length
+        and units, and its ``identity()`` where the source has one). Every producer of a
+        stream must have the same; a cursor saved under another is refused on resume."""
+        identity = getattr(self.source, "identity", None)
+        units = self.source.units() if isinstance(self.source, UnitSource) else None
+        what = [self.seed, self.unit_size, self.batch_size, self.shuffle,
+                self.source.samples(), units, type(self.source).__name__,
+                identity() if callable(identity) else None]
+        digest = hashlib.blake2b(json.dumps(what).encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "big") >> 1) or 1
 
     def unit_samples(self, epoch: int, unit: int) -> list[int]:
         """The unit's sample indices in their order for ``epoch``."""
@@ -155,6 +172,7 @@ class ExactPipeline:
         """Produce the units the broker hands out until every epoch is served; returns the
         batches sent."""
         sent = 0
+        fingerprint = self.fingerprint
         while True:
             got = sender.next_unit(stop)
             if got is None:
@@ -166,7 +184,7 @@ class ExactPipeline:
                     empty.append(j)
                     continue
                 sender.send(batch, epoch=got.epoch, stop=stop, unit=got.unit, index=j,
-                            last=j == total - 1)
+                            last=j == total - 1, pipeline=fingerprint)
                 sent += 1
             sender.unit_done(got.epoch, got.unit, total, tuple(empty))
 

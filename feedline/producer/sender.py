@@ -108,6 +108,8 @@ class Sender:
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
         self.credit_wait_seconds = 0.0
         self._seq = 0  # batches handed over, plus skips: the next sequence number (one broker)
+        self._units_given = 0  # exact delivery: work units the broker gave us
+        self._ask = 0  # ... and the number of our last request for one
         self._closed = False
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
                                  exact=exact, fleet=fleet)
@@ -140,7 +142,7 @@ class Sender:
 
     # -------------------------------------------------------------------------- send
     def send(self, datapoint: Any, epoch: int = 0, stop: threading.Event | None = None, *,
-             unit: int = -1, index: int = 0, last: bool = False) -> int:
+             unit: int = -1, index: int = 0, last: bool = False, pipeline: int = 0) -> int:
         """Send one datapoint when credit allows; returns its array bytes.
 
         Raises :class:`feedline.wire.EncodeError` (naming the limit) for a datapoint no
@@ -152,42 +154,58 @@ class Sender:
         prepared = wire.prepare_batch(datapoint, self.limits, len(self.producer_id))
         if prepared.wire_bytes > self._out.largest:
             self._out.largest = prepared.wire_bytes
-        self._hand_over(BatchItem(prepared, epoch, unit, index, last), stop)
+        self._hand_over(BatchItem(prepared, epoch, unit, index, last, pipeline), stop)
         self._seq += 1
         return prepared.nbytes
 
     # --------------------------------------------------------------- exact delivery
     def next_unit(self, stop: threading.Event | None = None) -> m.Unit | None:
         """Exact delivery: the next work unit the broker hands us (blocks while the epoch's
-        last units are in progress elsewhere); None once every epoch is served."""
+        last units are in progress elsewhere); None once every epoch is served.
+
+        Each request has a number its answer echoes, so that an answer to an earlier one (a
+        request sent again) is never taken for this one's. After ``busy`` the broker sends a
+        unit as soon as there is one (the next epoch starts); asking again with backoff
+        covers that message being lost."""
         delay = 0.05
         while True:
-            self._hand_over(UnitAsk(), stop)
-            asked = time.monotonic()
-            while True:
-                self._raise_pending()
-                if stop is not None and stop.is_set():
-                    raise Stopped("stopped while waiting for a unit")
-                try:
-                    got = self._out.units.get(timeout=_POLL)
-                    break
-                except queue.Empty:
-                    if time.monotonic() - asked > _UNIT_RETRY:
-                        # No answer: it was lost with a connection or a broker. Asking
-                        # again is safe: the broker gives an owner the unit it holds.
-                        self._hand_over(UnitAsk(), stop)
-                        asked = time.monotonic()
+            self._ask += 1
+            ask, first = self._ask, not self._units_given
+            self._hand_over(UnitAsk(first, ask), stop)
+            got = self._answer(ask, first, stop, _UNIT_RETRY)
+            if isinstance(got, m.UnitWait) and got.reason == "busy":
+                # Wait for the unit the broker sends when there is one, or ask again.
+                got = self._answer(ask, first, stop, delay, resend=False)
+                # At most a quarter of a second: a message lost costs no more than that.
+                delay = min(0.25, delay * 2)
             if isinstance(got, m.Unit):
+                self._units_given += 1
                 return got
-            if got.reason == "finished":
+            if isinstance(got, m.UnitWait) and got.reason == "finished":
                 return None
-            if stop is not None and stop.wait(delay):  # busy: ask again, with backoff
+
+    def _answer(self, ask: int, first: bool, stop: threading.Event | None, wait: float,
+                resend: bool = True) -> m.Unit | m.UnitWait | None:
+        """The broker's answer to request ``ask`` (answers to others are dropped); without
+        one within ``wait`` s, the request is sent again (``resend``: it was lost with a
+        connection or a broker; asking again is safe: the broker gives an owner the unit it
+        holds) or None."""
+        asked = time.monotonic()
+        while True:
+            self._raise_pending()
+            if stop is not None and stop.is_set():
                 raise Stopped("stopped while waiting for a unit")
-            if stop is None:
-                time.sleep(delay)
-            # At most a quarter of a second: the next epoch starts when the last unit of this
-            # one is taken, and a producer asleep for a second past that is a second lost.
-            delay = min(0.25, delay * 2)
+            try:
+                got = self._out.units.get(timeout=min(_POLL, wait))
+            except queue.Empty:
+                if time.monotonic() - asked > wait:
+                    if not resend:
+                        return None
+                    self._hand_over(UnitAsk(first, ask), stop)
+                    asked = time.monotonic()
+                continue
+            if got.ask in (ask, 0):  # 0: a broker that does not number its answers
+                return got
 
     def unit_done(self, epoch: int, unit: int, batches: int, empty: tuple[int, ...] = ()) -> None:
         """Exact delivery: every batch of the unit was handed over (UNIT_DONE goes after);

@@ -9,196 +9,176 @@ already here are dropped); records a unit's batch count when its producer says i
 (a unit whose batches did not all arrive goes back to be produced again from the first one
 missing); and moves to the next epoch when every unit is settled.
 
-Its state survives a broker restart through a journal (:class:`Journal`): the plan, the
-epoch, each unit done, and the settled batches (written every ``commit_every`` seconds and at
-each unit's end, fsync'd). What the last fraction of a second lost is given back by the
-consumers: each reports what it took when it registers again (:meth:`merge`). A job restarted
-from its checkpoint rolls the epoch back to its cursor (:meth:`resume`).
+Runs: a plan of ``epochs`` epochs is served, then the stream is *finished* (its producers are
+told so and exit). A producer that was never given a unit and asks on a finished stream starts
+the next run, from the next epoch number: a second job gets whole epochs again.
+
+Its state survives a broker restart through a journal (:mod:`feedline.serving.journal`): the
+plan, the epoch, each unit done, and the settled batches (written every tick, at each unit's
+end and whenever :data:`RECORDS_PER_COMMIT` settled batches wait, fsync'd). What the last
+moments lost is given back by the consumers: each reports the batches it took last when it
+registers again (:meth:`Coordinator.merge`). A job restarted from its checkpoint sets the epoch
+to exactly its cursor (:meth:`Coordinator.resume`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from feedline.cursor import Cursor
+from feedline.cursor import Cursor, from_runs, runs
+from feedline.serving.journal import Journal, Record
+from feedline.serving.plan import Assignment, ExactPlan, Key, UnitProgress
+
+__all__ = ["RECORDS_PER_COMMIT", "Assignment", "Coordinator", "ExactPlan", "Key",
+           "UnitProgress"]
 
 log = logging.getLogger(__name__)
-Key = tuple[int, int, int]  # (epoch, unit, index)
-
-
-@dataclass(frozen=True)
-class ExactPlan:
-    dataset_size: int
-    unit_size: int
-    epochs: int = 0  # 0: forever
-
-    @property
-    def units(self) -> int:
-        return -(-self.dataset_size // self.unit_size)
-
-
-@dataclass
-class UnitProgress:
-    owner: bytes | None = None
-    accepted: set[int] = field(default_factory=set)  # here (buffered, in flight) or settled
-    settled: set[int] = field(default_factory=set)
-    total: int | None = None  # batches, once its producer said it is done
-
-    def complete(self) -> bool:
-        return self.total is not None and len(self.settled) >= self.total
-
-    def first_missing(self) -> int:
-        i = 0
-        while i in self.accepted:
-            i += 1
-        return i
-
-
-@dataclass(frozen=True)
-class Assignment:
-    epoch: int
-    unit: int
-    start: int
-
-
-class Journal:
-    """An fsync'd JSON-lines file of the coordinator's progress; compacted at each epoch."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._pending: list[dict] = []
-
-    def read(self) -> list[dict]:
-        try:
-            lines = self.path.read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        out = []
-        for ln in lines:
-            try:
-                out.append(json.loads(ln))
-            except ValueError:
-                break  # a torn last line: what was fsync'd before it stands
-        return out
-
-    def add(self, record: dict) -> None:
-        self._pending.append(record)
-
-    def commit(self) -> None:
-        if not self._pending:
-            return
-        with open(self.path, "a") as f:
-            for r in self._pending:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self._pending.clear()
-
-    def rewrite(self, records: list[dict]) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            for r in records:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        self._pending.clear()
+# Settled batches the journal may lack, at most (then it is written at once): with a
+# consumer's window, what a consumer reports when it registers again (feedline.consumer.io).
+RECORDS_PER_COMMIT = 1024
+_RETRY = 5.0  # seconds between attempts to write a failed journal again
 
 
 class Coordinator:
-    """One exact stream's epochs and units."""
+    """One exact stream's epochs and units. ``records``: its journal's, already read and of
+    this plan (a restart); ``grace``: after a restart, seconds during which nothing is handed
+    out (the consumers report what they took first)."""
 
     def __init__(self, stream: str, plan: ExactPlan, journal: Journal | None = None,
-                 grace: float = 0.0, now: float = 0.0) -> None:
+                 records: list[Record] | None = None, grace: float = 0.0,
+                 now: float = 0.0) -> None:
         self.stream, self.plan, self.journal = stream, plan, journal
+        self.epoch = 0
+        self.end = plan.epochs  # the run ends before this epoch; 0: never
+        self.finished = False
+        self.units: dict[int, UnitProgress] = {}
+        self.done: dict[int, int] = {}  # units done this epoch -> their batch count
+        self._next = 0  # units below this were assigned at least once this epoch
+        self._unsaved: dict[int, int] = {}  # unit -> settled bits not yet journaled
+        self._unsaved_n = 0  # batches in it
+        self._retry_at = 0.0
+        self.duplicates = 0
+        # Counts what may have made a unit available (an epoch or a run begun, a unit given
+        # back or to be made again): producers told "busy" are tried again when it moves.
+        self.progress = 0
         # After a restart, what consumers took in the journal's last moments is known only
         # when they register again: until then nothing is delivered and no unit is handed
         # out again (it might be one they have).
         self.recovering_until = 0.0
-        self.epoch = 0
-        self.finished = False
-        self.units: dict[int, UnitProgress] = {}
-        self.done: set[int] = set()
-        self._next = 0  # units below this were assigned at least once this epoch
-        self._tokens: set[int] = set()  # resume cursors applied
-        self.duplicates = 0
-        if journal is not None:
-            records = journal.read()
+        if records:
             self._replay(records)
-            journal.rewrite(self._snapshot())
-            if len(records) > 2:
+            if not self.finished:
                 self.recovering_until = now + grace
+        if journal is not None:
+            journal.rewrite(self._snapshot(), state_change=not records)
 
     # -- journal --------------------------------------------------------------------------
-    def _snapshot(self) -> list[dict]:
-        recs: list[dict] = [{"plan": [self.plan.dataset_size, self.plan.unit_size,
-                                      self.plan.epochs]}, {"epoch": self.epoch}]
+    def _snapshot(self) -> list[Record]:
+        recs: list[Record] = [self.plan.record(), {"epoch": self.epoch}, {"end": self.end}]
         if self.finished:
             recs.append({"finished": True})
+        for u, total in sorted(self.done.items()):
+            recs.append({"done": [u, total]})
         for u, p in sorted(self.units.items()):
-            if u in self.done:
-                recs.append({"done": [u, p.total]})
-            elif p.settled:
-                recs.append({"settled": [u, sorted(p.settled)]})
-            if p.total is not None and u not in self.done:
+            if p.settled:
+                recs.append({"settled": [u, runs(p.settled)]})
+            if p.total is not None:
                 recs.append({"total": [u, p.total]})
         return recs
 
-    def _replay(self, records: list[dict]) -> None:
+    def _replay(self, records: list[Record]) -> None:
         for r in records:
-            if "plan" in r:
-                plan = ExactPlan(*r["plan"])
-                if plan.dataset_size != self.plan.dataset_size or \
-                        plan.unit_size != self.plan.unit_size:
-                    log.warning("stream %s: the journal's plan %s differs from the producers' "
-                                "%s: starting afresh", self.stream, plan, self.plan)
-                    return
-            elif "epoch" in r:
-                self.epoch, self.units, self.done = int(r["epoch"]), {}, set()
+            if "epoch" in r:
+                self.epoch, self.units, self.done = int(r["epoch"]), {}, {}
+            elif "end" in r:
+                self.end = int(r["end"])
             elif "finished" in r:
                 self.finished = True
             elif "done" in r:
                 u, total = r["done"]
-                p = self._unit(u)
-                p.total, p.settled = total, set(range(total))
-                p.accepted = set(p.settled)
-                self.done.add(u)
+                self.done[int(u)] = int(total)
+                self.units.pop(int(u), None)
             elif "settled" in r:
                 u, idx = r["settled"]
-                p = self._unit(u)
-                p.settled.update(idx)
-                p.accepted.update(idx)
+                if int(u) in self.done:
+                    continue
+                p = self._unit(int(u))
+                b = _mask(idx)
+                p.settled |= b
+                p.accepted |= b
             elif "total" in r:
                 u, total = r["total"]
-                self._unit(u).total = total
-        # Units begun but not done go back to be produced; those never begun wait their turn.
-        self._next = 0
-        log.info("stream %s: resumed epoch %d from the journal, %d of %d units done",
-                 self.stream, self.epoch, len(self.done), self.plan.units)
+                if int(u) not in self.done:
+                    self._unit(int(u)).total = int(total)
+        # A unit whose "done" record was lost (cut short) but whose batches are all settled
+        # is done: nothing else would ever mark it.
+        for u in [u for u, p in self.units.items() if p.complete()]:
+            self._check(u, write=False)
+        log.info("stream %s: resumed epoch %d from the journal, %d of %d units done%s",
+                 self.stream, self.epoch, len(self.done), self.plan.units,
+                 "; every epoch of its run served" if self.finished else "")
 
-    def commit(self) -> None:
+    def commit(self, now: float = 0.0) -> None:
+        """Journal what was settled (every tick); a failed journal is written whole again
+        every few seconds."""
+        j = self.journal
+        if j is None:
+            return
+        if j.error is not None:
+            self._unsaved.clear()
+            self._unsaved_n = 0
+            if now >= self._retry_at:
+                self._retry_at = now + _RETRY
+                j.rewrite(self._snapshot())
+            return
+        self._flush()
+
+    def _flush(self, last: Record | None = None) -> None:
+        """One fsync'd write: what waits, the settled batches, then ``last`` (a unit done
+        comes after its batches: cut short, it is left out and they stand)."""
+        j = self.journal
+        if j is None:
+            return
+        for u, b in self._unsaved.items():
+            j.add({"settled": [u, runs(b)]})
+        self._unsaved.clear()
+        self._unsaved_n = 0
+        if last is not None:
+            j.add(last)
+        j.commit()
+
+    def _save(self, record: Record) -> None:
         if self.journal is not None:
-            self.journal.commit()
+            self.journal.add(record)
 
-    # -- units --------------------------------------------------------------------------
+    def _rewrite(self) -> None:
+        self._unsaved.clear()
+        self._unsaved_n = 0
+        if self.journal is not None:
+            self.journal.rewrite(self._snapshot())
+
+    # -- units ----------------------------------------------------------------------------
     def _unit(self, u: int) -> UnitProgress:
         p = self.units.get(u)
         if p is None:
             p = self.units[u] = UnitProgress()
         return p
 
+    def complete(self, epoch: int) -> bool:
+        """Every batch of ``epoch`` was taken."""
+        return epoch < self.epoch or (epoch == self.epoch and self.finished)
+
     def recovering(self, now: float) -> bool:
         return now < self.recovering_until
 
-    def request(self, owner: bytes, now: float = 0.0) -> Assignment | str:
+    def request(self, owner: bytes, now: float = 0.0, first: bool = False) -> Assignment | str:
         """A unit for ``owner``, or why not: ``busy`` (the epoch's remaining units are being
-        produced, or the broker is recovering; ask again) or ``finished``."""
+        produced, or the broker is recovering; ask again) or ``finished``. ``first``: the
+        producer was never given a unit; on a finished stream it starts the next run."""
         if self.finished:
-            return "finished"
+            if not first:
+                return "finished"
+            self._new_run()
         for u, p in self.units.items():
             if p.owner == owner and u not in self.done:
                 # It asks again: our answer was lost (a reconnect, a broker restart). The
@@ -208,22 +188,35 @@ class Coordinator:
             return "busy"
         for u in sorted(self.units):  # units given back first (their owner is gone)
             p = self.units[u]
-            if u not in self.done and p.owner is None and u < self._next and \
-                    (p.total is None or len(p.accepted) < p.total):
+            if u not in self.done and p.owner is None and u < self._next and not p.produced():
                 p.owner = owner
                 return Assignment(self.epoch, u, p.first_missing())
         while self._next < self.plan.units:
             u = self._next
             self._next += 1
+            if u in self.done:
+                continue
             p = self._unit(u)
-            if u in self.done or (p.total is not None and len(p.accepted) >= p.total):
+            if p.produced() or p.owner is not None:
                 continue
             p.owner = owner
             return Assignment(self.epoch, u, p.first_missing())
         return "busy"
 
+    def _new_run(self) -> None:
+        self.progress += 1
+        self.epoch += 1
+        self.end = self.epoch + self.plan.epochs if self.plan.epochs else 0
+        self.finished = False
+        self.units, self.done, self._next = {}, {}, 0
+        self._rewrite()
+        log.info("stream %s: a new run of %s from epoch %d (a producer started after the "
+                 "last run was served)", self.stream,
+                 f"{self.plan.epochs} epoch(s)" if self.plan.epochs else "epochs", self.epoch)
+
     def release(self, owner: bytes) -> None:
         """``owner`` is gone: its units go back to be produced from their first missing batch."""
+        self.progress += 1
         for p in self.units.values():
             if p.owner == owner:
                 p.owner = None
@@ -232,161 +225,161 @@ class Coordinator:
         """A batch arrived: True if it is new (keep it), False if it is a duplicate of one
         here or settled, or of another epoch (drop it)."""
         epoch, u, i = key
-        if epoch != self.epoch or self.finished or not 0 <= u < self.plan.units or u in self.done:
+        if epoch != self.epoch or self.finished or not 0 <= u < self.plan.units \
+                or u in self.done:
             self.duplicates += 1
             return False
         p = self._unit(u)
-        if i in p.accepted or (p.total is not None and i >= p.total):
+        if p.accepted >> i & 1 or (p.total is not None and i >= p.total):
             self.duplicates += 1
             return False
-        p.accepted.add(i)
+        p.accepted |= 1 << i
         return True
+
+    def servable(self, key: Key) -> bool:
+        """This batch may be served: of the epoch being served and not settled."""
+        epoch, u, i = key
+        if epoch != self.epoch or self.finished or u in self.done:
+            return False
+        p = self.units.get(u)
+        return p is None or not p.settled >> i & 1
 
     def lost(self, key: Key) -> None:
         """A batch that was accepted is gone without being settled (never delivered)."""
         epoch, u, i = key
         p = self.units.get(u)
-        if epoch == self.epoch and p is not None and i not in p.settled:
-            p.accepted.discard(i)
+        if epoch == self.epoch and p is not None and not p.settled >> i & 1:
+            p.accepted &= ~(1 << i)
+            self.progress += 1
 
     def unit_done(self, owner: bytes, epoch: int, u: int, total: int,
                   empty: list[int] | None = None) -> list[int]:
         """Its producer sent all of unit ``u``: ``total`` batches, but for ``empty`` (batches
         every sample of which was skipped: nothing to take). Returns epochs completed."""
-        if epoch != self.epoch or u in self.done or not 0 <= u < self.plan.units:
+        if epoch != self.epoch or self.finished or u in self.done \
+                or not 0 <= u < self.plan.units:
             return []
         p = self._unit(u)
         for i in empty or []:
             if 0 <= i < total:
-                p.settled.add(i)
-                p.accepted.add(i)
+                p.settled |= 1 << i
+                p.accepted |= 1 << i
+                self._unsaved[u] = self._unsaved.get(u, 0) | 1 << i
         if p.total is not None and p.total != total:
             log.warning("stream %s: unit %d had %d batches, now %d: is every producer running "
                         "the same pipeline?", self.stream, u, p.total, total)
         p.total = total if p.total is None else min(p.total, total)
         if p.owner == owner:
             p.owner = None
-        if self.journal is not None:
-            self.journal.add({"total": [u, p.total]})
+        self.progress += 1
+        self._save({"total": [u, p.total]})
         return self._check(u)
 
     def settle(self, key: Key) -> list[int]:
         """A consumer took this batch. Returns the epochs this completed (for EPOCH_END)."""
         epoch, u, i = key
-        if epoch != self.epoch:
+        if epoch != self.epoch or self.finished or u in self.done or not 0 <= u < self.plan.units:
             return []
         p = self._unit(u)
-        if i in p.settled:
+        bit = 1 << i
+        if p.settled & bit:
             return []
-        p.settled.add(i)
-        p.accepted.add(i)
-        if self.journal is not None:
-            self.journal.add({"settled": [u, [i]]})
+        p.settled |= bit
+        p.accepted |= bit
+        self._unsaved[u] = self._unsaved.get(u, 0) | bit
+        self._unsaved_n += 1
+        if self._unsaved_n >= RECORDS_PER_COMMIT:
+            self.commit()
         return self._check(u)
 
-    def _check(self, u: int) -> list[int]:
+    def _check(self, u: int, write: bool = True) -> list[int]:
         p = self.units[u]
         if u in self.done or not p.complete():
             return []
-        self.done.add(u)
-        if self.journal is not None:
-            self.journal.add({"done": [u, p.total]})
-            self.journal.commit()
+        assert p.total is not None
+        self.done[u] = p.total
+        del self.units[u]
         if len(self.done) < self.plan.units:
+            if write:
+                self._flush({"done": [u, p.total]})
             return []
+        self._unsaved.pop(u, None)
         ended = self.epoch
-        if self.plan.epochs and ended + 1 >= self.plan.epochs:
+        self.progress += 1
+        if self.end and ended + 1 >= self.end:
             self.finished = True
         else:
             self.epoch += 1
-            self.units, self.done, self._next = {}, set(), 0
-        if self.journal is not None:
-            self.journal.rewrite(self._snapshot())
+            self.units, self.done, self._next = {}, {}, 0
+        if write:
+            self._rewrite()
         log.info("stream %s: epoch %d complete%s", self.stream, ended,
-                 "; every epoch served" if self.finished else "")
+                 "; every epoch of its run served" if self.finished else "")
         return [ended]
 
-    # -- what consumers report --------------------------------------------------------------
-    def merge(self, cursor: Cursor) -> list[int]:
-        """A consumer's report of what it took (after a broker restart): settle it all."""
+    # -- what consumers say -----------------------------------------------------------------
+    def merge(self, cursor: Cursor) -> tuple[list[int], bool]:
+        """A consumer's report of what it took last (it registers again): settle it.
+        Returns (epochs completed, lost): ``lost`` when the report shows that this
+        coordinator lost the stream's position: it is of a later epoch, or, without a journal,
+        it names batches this coordinator never served (the broker restarted)."""
+        if cursor.epoch < self.epoch or (cursor.epoch == self.epoch and self.finished):
+            return [], False  # that epoch is complete
+        if cursor.epoch > self.epoch:
+            return [], True
+        keys = list(cursor.keys())
+        if self.journal is None and not all(self._accepted(k) for k in keys):
+            return [], True
         ended: list[int] = []
-        if cursor.epoch != self.epoch:
-            return ended
-        for key in cursor.keys():
+        for key in keys:
             ended += self.settle(key)
-        return ended
+        self.commit()  # at once: the consumer that reported it may not live to report again
+        return ended, False
 
-    def resume(self, cursor: Cursor) -> bool:
-        """Roll back to a job's checkpoint: exactly ``cursor`` of its epoch is taken, the rest
-        is produced again. Applied once per cursor (token). True if the epoch changed."""
-        if cursor.token in self._tokens:
-            return False
-        self._tokens.add(cursor.token)
+    def _accepted(self, key: Key) -> bool:
+        _, u, i = key
+        p = self.units.get(u)
+        return u in self.done or (p is not None and bool(p.accepted >> i & 1))
+
+    def resume(self, cursor: Cursor) -> tuple[bool, list[int]]:
+        """Set the epoch's state to exactly ``cursor`` (a job restarted from its checkpoint):
+        what it holds is taken, everything else of its epoch is served (again). Returns
+        (the epoch changed, epochs completed)."""
         changed = cursor.epoch != self.epoch
+        self.progress += 1
+        totals = {} if changed else {**self.done, **{u: p.total for u, p in self.units.items()
+                                                     if p.total is not None}}
+        owners = {} if changed else {u: p.owner for u, p in self.units.items() if p.owner}
         self.epoch, self.finished = cursor.epoch, False
-        old = self.units
-        self.units, self.done, self._next = {}, set(), 0
-        for u, idx in cursor.taken.items():
-            if 0 <= u < self.plan.units:
+        if self.plan.epochs and self.end <= self.epoch:
+            self.end = self.epoch + 1
+        self.units, self.done, self._next = {}, {}, 0
+        self._unsaved.clear()
+        for u, b in cursor.bits.items():
+            if 0 <= u < self.plan.units and b:
                 p = self._unit(u)
-                p.settled, p.accepted = set(idx), set(idx)
-                if not changed and u in old:
-                    p.total = old[u].total
-        for u, q in old.items():  # totals are facts of the pipeline: keep them
-            if not changed and q.total is not None:
-                self._unit(u).total = q.total
+                p.settled = p.accepted = b
+        for u, total in totals.items():
+            self._unit(u).total = total
+        for u, owner in owners.items():
+            self._unit(u).owner = owner
+        ended: list[int] = []
         for u in list(self.units):
-            self._check(u)
-        if self.journal is not None:
-            self.journal.rewrite(self._snapshot())
-        return changed
+            if u in self.units:
+                ended += self._check(u, write=False)
+        self._rewrite()
+        return changed, ended
 
     def holding(self, keys: set[Key]) -> None:
         """After a resume: the batches still here (buffered, in flight) count as accepted."""
         for epoch, u, i in keys:
-            if epoch == self.epoch and 0 <= u < self.plan.units:
-                self._unit(u).accepted.add(i)
+            if epoch == self.epoch and 0 <= u < self.plan.units and u not in self.done:
+                self._unit(u).accepted |= 1 << i
 
 
-class ExactStreams:
-    """The coordinators of a broker's exact streams, created by their first producer."""
-
-    def __init__(self, state_dir: Path | None = None) -> None:
-        self.state_dir = state_dir
-        self.streams: dict[str, Coordinator] = {}
-        self._pending: dict[str, list[Cursor]] = {}  # cursors that came before any producer
-
-    def get(self, stream: str) -> Coordinator | None:
-        return self.streams.get(stream)
-
-    def join(self, stream: str, plan: ExactPlan, now: float = 0.0,
-             grace: float = 0.0) -> Coordinator | str:
-        """The stream's coordinator for a producer with ``plan``, or why it is refused."""
-        c = self.streams.get(stream)
-        if c is None:
-            journal = None
-            if self.state_dir is not None:
-                self.state_dir.mkdir(parents=True, exist_ok=True)
-                journal = Journal(self.state_dir / f"{stream}.exact.jsonl")
-            c = self.streams[stream] = Coordinator(stream, plan, journal, grace, now)
-            for cursor in self._pending.pop(stream, []):
-                (c.resume if cursor.resume else c.merge)(cursor)
-            return c
-        if (c.plan.dataset_size, c.plan.unit_size) != (plan.dataset_size, plan.unit_size):
-            return (f"stream {stream!r} is exact over {c.plan.dataset_size} samples in units of "
-                    f"{c.plan.unit_size}; this producer says {plan.dataset_size} in units of "
-                    f"{plan.unit_size}")
-        return c
-
-    def report(self, stream: str, cursor: Cursor) -> Coordinator | None:
-        """A consumer's cursor: applied now, or when the stream's first producer comes."""
-        c = self.streams.get(stream)
-        if c is None:
-            if len(self._pending) < 64:
-                self._pending.setdefault(stream, []).append(cursor)
-            return None
-        return c
-
-    def commit(self) -> None:
-        for c in self.streams.values():
-            c.commit()
+def _mask(idx: list) -> int:
+    """A journal's settled indices: ``[[start, length], ...]`` runs, or (older journals) a list
+    of indices."""
+    if idx and not isinstance(idx[0], list):
+        return from_runs([i, 1] for i in idx)
+    return from_runs(idx)

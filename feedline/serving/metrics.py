@@ -100,6 +100,15 @@ class BrokerMetrics:
             "feedline_broker_exact_units",
             "Exact streams: work units of the epoch, done and in all.", ["stream", "state"],
             registry=r)
+        self.exact_durable = Gauge(
+            "feedline_broker_exact_durable",
+            "Exact streams: 1 while the journal in --state-dir holds the stream's progress, 0 "
+            "when writing it fails (disk full: the broker says why) or there is none.",
+            ["stream"], registry=r)
+        self.exact_streams = Gauge(
+            "feedline_broker_exact_streams",
+            "Exact streams whose state the broker holds (at most --max-streams; an unused "
+            "one's state is reclaimed).", registry=r)
         self.consumer_credit = Gauge(
             "feedline_broker_consumer_credit_batches",
             "Batches consumers are ready to take now (demand not met by the buffer).",
@@ -145,7 +154,7 @@ class BrokerMetrics:
         self.fleet_label = BoundedLabel(64)
 
     def _forget_stream(self, label: str) -> None:
-        for metric in (self.stream_batches, self.stream_buffer, self.exact_epoch, self.evicted,
+        for metric in (self.stream_batches, self.stream_buffer, self.evicted,
                        self.demand, self.capacity, self.supply, self.consumer_wait,
                        self.producers_wanted):
             try:
@@ -155,6 +164,15 @@ class BrokerMetrics:
         for role in ("producer", "consumer"):
             try:
                 self.stream_peers.remove(label, role)
+            except KeyError:
+                pass
+        self.forget_exact(label)
+
+    def forget_exact(self, label: str) -> None:
+        """An exact stream's state was reclaimed: its exact series go."""
+        for metric in (self.exact_epoch, self.exact_durable):
+            try:
+                metric.remove(label)
             except KeyError:
                 pass
         for state in ("done", "total"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -83,6 +84,29 @@ class PeerTable(Generic[P]):
         """Our loop did not run for a while: that silence was ours, not the peers'."""
         for p in self._peers.values():
             p.last_seen = max(p.last_seen, now)
+
+
+HELLO_RATE = 10  # new registrations per second from one connection, at most
+
+
+class HelloRate:
+    """New registrations per second from one connection, at most ``rate``: an honest peer
+    registers again after a restart or a reconnect, not ten times a second, and a flood would
+    cost a registration each (tables, replies, what its HELLO carries). Remembers at most
+    ``capacity`` connections (the oldest are forgotten)."""
+
+    def __init__(self, rate: int, capacity: int) -> None:
+        self.rate, self.capacity = rate, capacity
+        self._seen: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
+
+    def too_often(self, ident: bytes, now: float) -> bool:
+        start, n = self._seen.pop(ident, (now, 0))
+        if now - start >= 1.0:
+            start, n = now, 0
+        self._seen[ident] = (start, n + 1)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+        return n + 1 > self.rate
 
 
 def connection(fd: int) -> tuple[int, int]:

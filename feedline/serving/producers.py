@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,15 +31,16 @@ from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
 from feedline.serving.budget import Budget
 from feedline.serving.claims import ClaimStreams
-from feedline.serving.coordinator import ExactPlan, ExactStreams
+from feedline.serving.coordinator import ExactPlan
 from feedline.serving.credit import CreditPlanner
+from feedline.serving.exact_streams import ExactStreams
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
-from feedline.serving.peers import Peer, PeerTable, connection
+from feedline.serving.peers import HELLO_RATE, HelloRate, Peer, PeerTable, connection
+from feedline.serving.units import Units
 
 log = logging.getLogger(__name__)
-_HELLO_RATE = 10  # new registrations per second from one connection, at most
 
 Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
 
@@ -77,7 +77,6 @@ class IngressConfig:
     credit_lease: float
     capacity: int  # registered producers, at most
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
-    recovery_grace: float = 0.0  # exact streams after a restart: wait for consumers' reports
 
 
 @dataclass
@@ -85,6 +84,7 @@ class Producer(Peer):
     label: str = ""
     pending_gap: int = 0  # lost before a re-registration: reported with its next batch
     fleet: tuple[str, int] = ("", 0)  # the supervisor that started it, and its --max
+    exact: bool = False  # it serves an exact stream
 
 
 class ProducerSide:
@@ -103,7 +103,8 @@ class ProducerSide:
         self.planner = CreditPlanner(cfg.budget, cfg.producer_window, cfg.credit_lease)
         self.gaps = GapTracker(4 * cfg.capacity)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
-        self._hellos: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
+        self._hellos = HelloRate(HELLO_RATE, 4 * cfg.capacity)
+        self.units = Units(self.exact, self._control, instance, sink.epoch_end)
         self._warn = RateLimitedLog(log, interval=10.0, burst=5)
         # Something happened that a plan may answer with credit (a control message, a refused
         # or duplicate batch, a producer's first batch, a departure). An accepted batch of a
@@ -189,21 +190,9 @@ class ProducerSide:
             if reply is not None:
                 self._control(p.ident, reply)
             return
-        if c is None or msg.registration != p.registration:
-            if c is None:
-                raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
-            return
-        if isinstance(msg, m.UnitDone):
-            for epoch in c.unit_done(p.ident, msg.epoch, msg.unit, msg.batches, msg.empty):
-                self.sink.epoch_end(p.stream, epoch)
-            return
-        got = c.request(p.ident, time.monotonic())
-        if isinstance(got, str):
-            self._control(p.ident, m.UnitWait(broker=self.instance, reason=got,
-                                              registration=p.registration))
-        else:
-            self._control(p.ident, m.Unit(broker=self.instance, epoch=got.epoch, unit=got.unit,
-                                          start=got.start, registration=p.registration))
+        if c is None:
+            raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
+        self.units.message(p, c, msg)
 
     def _hello(self, ident: bytes, msg: m.ProducerHello, fd: int, now: float) -> None:
         old = self.producers.get(ident)
@@ -212,7 +201,7 @@ class ProducerSide:
             self._welcome(old)  # a repeated HELLO of a registration we know: a no-op
             self._grant(old, now)
             return
-        if self._registering_too_often(ident, now):
+        if self._hellos.too_often(ident, now):
             # An honest peer registers again after a restart or a reconnect, not ten times a
             # second: a flood would cost the broker a registration each (tables, metric
             # series). The HELLO is refused and counted; what is registered stays.
@@ -233,8 +222,10 @@ class ProducerSide:
         fd, ino = connection(fd)
         p = Producer(ident=ident, name=msg.producer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
-                     fd=fd, fd_ino=ino, label=label, fleet=(msg.fleet, msg.fleet_max))
+                     fd=fd, fd_ino=ino, label=label, exact=msg.delivery == m.EXACT,
+                     fleet=(msg.fleet, msg.fleet_max))
         self.producers.add(p)
+        self.exact.attach(p.stream, p.exact)
         self.metrics.init_producer(label)
         lost = self.gaps.hello(msg.session, msg.next_seq)
         if lost:
@@ -247,37 +238,24 @@ class ProducerSide:
                         msg.stream, len(self.producers))
         self._welcome(p)
 
-    def _registering_too_often(self, ident: bytes, now: float) -> bool:
-        """More than ``_HELLO_RATE`` new registrations in a second from one connection."""
-        start, n = self._hellos.pop(ident, (now, 0))
-        if now - start >= 1.0:
-            start, n = now, 0
-        self._hellos[ident] = (start, n + 1)
-        while len(self._hellos) > 4 * self.cfg.capacity:
-            self._hellos.popitem(last=False)
-        return n + 1 > _HELLO_RATE
-
     def _check_delivery(self, ident: bytes, msg: m.ProducerHello) -> None:
-        """A stream is exact or not, for every producer of it, with one plan."""
-        exact = self.exact.get(msg.stream)
-        why = ""
-        if msg.delivery == m.EXACT:
-            if msg.dataset_size < 1 or msg.unit_size < 1:
-                why = "exact delivery needs the dataset's size and a unit size"
-            else:
-                got = self.exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size,
-                                                            msg.epochs),
-                                      now=time.monotonic(), grace=self.cfg.recovery_grace)
-                why = got if isinstance(got, str) else ""
-        elif exact is not None:
-            why = f"stream {msg.stream!r} is exact: every producer of it must be"
-        elif msg.dataset_size > 0:  # a training producer that claims its shards
-            claims = self.claims.join(msg.stream, msg.dataset_size, msg.epochs, ident)
-            why = claims if isinstance(claims, str) else ""
-        if why:
-            self._control(ident, m.Refused(broker=self.instance, reason="delivery_mismatch",
-                                           detail=why))
-            raise Refusal("delivery_mismatch", f"producer {msg.producer}: {why}")
+        """A stream is exact or not, for every producer of it, with one pipeline; the
+        broker has room for its state. :class:`Refusal` (told to the producer) if not."""
+        try:
+            if msg.delivery == m.EXACT:
+                self.exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size,
+                                                      msg.epochs, msg.pipeline),
+                                time.monotonic())
+                return
+            self.exact.training_may_join(msg.stream)
+            if msg.dataset_size > 0:  # a training producer that claims its shards
+                claims = self.claims.join(msg.stream, msg.dataset_size, msg.epochs, ident)
+                if isinstance(claims, str):
+                    raise Refusal("delivery_mismatch", claims)
+        except Refusal as e:
+            self._control(ident, m.Refused(broker=self.instance, reason=e.reason,
+                                           detail=e.detail[: self.limits.max_text_len]))
+            raise Refusal(e.reason, f"producer {msg.producer}: {e.detail}") from None
 
     def _welcome(self, p: Producer) -> None:
         self._control(p.ident, m.Welcome(broker=self.instance, registration=p.registration,
@@ -305,9 +283,10 @@ class ProducerSide:
             raise
         exact = self.exact.get(p.stream)
         if exact is not None:
-            if batch.unit < 0:
-                self._refuse(p, Refusal("not_exact", "a batch without its unit"), batch.seq)
-                raise Refusal("not_exact", f"producer {p.name}")
+            if batch.unit < 0 or batch.pipeline != exact.plan.fingerprint:
+                why = "a batch without its unit" if batch.unit < 0 else "of another pipeline"
+                self._refuse(p, Refusal("not_exact", why), batch.seq)
+                raise Refusal("not_exact", f"producer {p.name}: {why}")
             if not exact.accept(batch.key):
                 # Already here or settled (a re-run unit), or of another epoch: dropped; it
                 # was charged to its credit, which the next plan gives back.
@@ -343,6 +322,8 @@ class ProducerSide:
 
     # -- credit and liveness ------------------------------------------------------------
     def plan(self, now: float) -> None:
+        if self.units.waiting():
+            self.units.push(now, self.producers.get)
         held_b, held_y = self.sink.held()
         streams = {p.stream for p in self.producers}
         plan = self.planner.plan(now, held_b, held_y, self.sink.held_by_stream(),
@@ -382,6 +363,8 @@ class ProducerSide:
             return
         self.dirty = True
         credit = self.planner.leave(ident)
+        self.units.forget([ident])
+        self.exact.detach(p.stream, p.exact)
         c = self.exact.get(p.stream)
         if c is not None:
             c.release(ident)  # its unit goes to another producer

@@ -36,8 +36,8 @@ from feedline.codec import Limits
 from feedline.errors import ConfigError
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
-from feedline.serving.coordinator import ExactStreams
 from feedline.serving.endpoint import Endpoint, Refusals, Side
+from feedline.serving.exact_streams import ExactConfig, ExactStreams
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.producers import IngressConfig, ProducerSide, Sink
 from feedline.serving.tensorpack import TensorpackIngress
@@ -102,7 +102,8 @@ class ServingConfig:
     tensorpack: str | None = None
     tensorpack_stream: str = "default"
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
-    recovery_grace: float = 0.0  # exact streams after a restart: wait for consumers' reports
+    # Exact streams: the state directory, the stream limit, the recovery wait, reclaiming.
+    exact: ExactConfig = field(default_factory=ExactConfig)
     insecure: bool = False  # allow exposed addresses without keys (check_exposure)
     how: Remedy = BROKER
 
@@ -113,9 +114,11 @@ class Server:
     releases everything it started."""
 
     def __init__(self, ctx: zmq.Context, cfg: ServingConfig, sink: Sink,
-                 metrics: BrokerMetrics, instance: int, log: logging.Logger,
-                 exact: ExactStreams | None = None) -> None:
+                 metrics: BrokerMetrics, instance: int, log: logging.Logger) -> None:
         self.ctx, self.cfg, self.metrics, self.log = ctx, cfg, metrics, log
+        self.sink = sink
+        self.exact = ExactStreams(cfg.exact)
+        self.exact.live = self.live_streams
         self.instance = instance
         self.refusals = Refusals(metrics, log)
         self._endpoints: list[Endpoint] = []
@@ -145,8 +148,8 @@ class Server:
         self.producers = ProducerSide(
             self.ingress.send, sink, metrics, cfg.limits,
             IngressConfig(cfg.budget, cfg.producer_window, cfg.credit_lease, cfg.max_peers,
-                          stream=cfg.stream, recovery_grace=cfg.recovery_grace),
-            instance, self.refusals.cut_off, exact)
+                          stream=cfg.stream),
+            instance, self.refusals.cut_off, self.exact)
         self.attach(self.ingress, self.producers)
         self.tensorpack = (TensorpackIngress(tp_ep, sink, metrics, cfg.limits,
                                              self.producers.planner,
@@ -223,7 +226,10 @@ class Server:
             side.liveness(now, self.cfg.heartbeat_interval, float("inf"))
 
     def tick(self, now: float) -> None:
-        """Liveness of every peer, the producer side's gauges, exact streams' journal."""
+        """Liveness of every peer, the producer side's gauges, exact streams' journals, and
+        the state of exact streams nobody used for a while reclaimed (a stream is in use while
+        a registered peer names it or the sink holds any of it: buffered, in flight, or in
+        flight to a consumer that is gone)."""
         cfg, m = self.cfg, self.metrics
         for _, side in self._sides:
             side.liveness(now, cfg.heartbeat_interval, cfg.heartbeat_timeout)
@@ -231,7 +237,12 @@ class Server:
         m.credit_outstanding.set(out_b)
         m.reserved_bytes.set(out_y)
         m.peers.labels("producer").set(len(self.producers.peers))
-        self.producers.exact.commit()
+        self.exact.commit(now)
+        self.exact.reclaim(now, self.live_streams() | set(self.sink.held_by_stream()))
+
+    def live_streams(self) -> set[str]:
+        """Streams a registered peer (producer, consumer) of any side names."""
+        return {p.stream for _, side in self._sides for p in side.peers}
 
     def _stalled(self, now: float) -> None:
         for _, side in self._sides:

@@ -1,0 +1,188 @@
+"""An exact stream's journal: its progress in a file, fsync'd, read back after a restart.
+
+One record per line, ``CRC32 (8 hex digits) + " " + compact JSON``: a record is believed only
+if its checksum holds. Reading back (:meth:`Journal.read`):
+
+- a last line that is cut short or fails its checksum is a write the broker died in the middle
+  of: it is left out with a warning (what the consumers report when they register again
+  covers it), and what was fsync'd before it stands;
+- any other line that fails is a corrupt journal: :class:`JournalCorrupt`, one line naming
+  the file and what to do, and the stream is refused until someone decides.
+
+Writing (:meth:`Journal.commit`, :meth:`Journal.rewrite`) never raises. A write that fails
+(the disk is full, the directory went away) leaves :attr:`Journal.error` saying why and renames
+the file to ``NAME.stale``: what is on disk no longer holds the stream's progress, and a broker
+that starts with only a stale journal refuses the stream (one line saying what to do) instead
+of serving again what was already taken. The owner writes the whole state again later
+(:meth:`Journal.rewrite`); once that works the journal is whole again and the stale file goes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+from feedline.errors import FeedlineError
+
+log = logging.getLogger(__name__)
+Record = dict[str, Any]
+
+
+class JournalCorrupt(FeedlineError):
+    """A journal line that is not the last fails its checksum or does not parse."""
+
+
+class JournalStale(FeedlineError):
+    """Only a stale journal is there: writes to it failed, it lacks the latest progress."""
+
+
+def _line(record: Record) -> bytes:
+    body = json.dumps(record, separators=(",", ":")).encode()
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def _parse(line: bytes) -> Record | None:
+    """The record of one line, or None if it fails its checksum or does not parse."""
+    try:
+        if line.startswith(b"{"):  # written before records had checksums
+            rec = json.loads(line)
+        else:
+            crc, body = line.split(b" ", 1)
+            if len(crc) != 8 or int(crc, 16) != zlib.crc32(body):
+                return None
+            rec = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and len(rec) == 1 else None
+
+
+class Journal:
+    """The file ``path`` (``NAME.exact.jsonl`` in the broker's ``--state-dir``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.stale_path = path.with_name(path.name + ".stale")
+        self.error: str | None = None  # why the last write failed; None: the file is whole
+        self._pending: list[Record] = []
+
+    def exists(self) -> bool:
+        return self.path.exists() or self.stale_path.exists()
+
+    def read(self, stream: str) -> list[Record]:
+        """The records, in order (none if there is no file); raises :class:`JournalCorrupt`
+        or :class:`JournalStale` with a one-line message naming the file and what to do."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            if self.stale_path.exists():
+                raise JournalStale(
+                    f"stream {stream!r}: its journal {self.stale_path} stopped being written "
+                    "(a write failed: see the broker's log) and lacks its latest progress: "
+                    f"delete it to serve the stream from epoch 0, or rename it to "
+                    f"{self.path.name} to go on from it (batches taken after it stopped are "
+                    "served again)") from None
+            return []
+        except OSError as e:
+            raise JournalCorrupt(f"stream {stream!r}: cannot read its journal {self.path}: "
+                                 f"{e.strerror}") from None
+        lines = data.split(b"\n")
+        tail = lines.pop()  # after the last newline: b"" unless the last write was cut short
+        keep = len(data) - len(tail)  # bytes up to the end of the last whole line
+        out: list[Record] = []
+        for n, line in enumerate(lines, start=1):
+            rec = _parse(line)
+            if rec is not None:
+                out.append(rec)
+            elif n == len(lines) and not tail:
+                tail, keep = line, keep - len(line) - 1  # the last line: cut short, as below
+            else:
+                raise JournalCorrupt(
+                    f"stream {stream!r}: its journal {self.path} is corrupt at line {n}: "
+                    "delete the file to serve the stream from epoch 0 (or put back a copy), "
+                    "then start the broker again")
+        if tail:
+            log.warning("stream %s: the last record of %s was cut short (the broker stopped "
+                        "while writing it): left out; what consumers report covers it",
+                        stream, self.path)
+            try:  # so that the next record starts a line of its own
+                os.truncate(self.path, keep)
+            except OSError:
+                pass
+        return out
+
+    def add(self, record: Record) -> None:
+        self._pending.append(record)
+
+    def commit(self) -> bool:
+        """Append what was added, fsync'd. False if that failed (:attr:`error`)."""
+        if not self._pending or self.error is not None:
+            self._pending.clear()  # a failed journal is written whole again, not appended
+            return self.error is None
+        try:
+            with open(self.path, "ab") as f:
+                f.write(b"".join(_line(r) for r in self._pending))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            self._fail(e)
+            return False
+        finally:
+            self._pending.clear()
+        return True
+
+    def rewrite(self, records: list[Record], *, state_change: bool = True) -> bool:
+        """Replace the file with ``records`` (write a temporary file, fsync, rename). False if
+        that failed. ``state_change`` False: the records say what the file says already (a
+        compaction), so a failure leaves a file that is still whole."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(b"".join(_line(r) for r in records))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            _remove(tmp)
+            if state_change or self.error is not None:
+                self._fail(e)
+            else:
+                log.warning("could not compact the journal %s (%s): it stays as it is",
+                            self.path, e.strerror)
+            self._pending.clear()
+            return False
+        self._pending.clear()
+        if self.error is not None:
+            log.warning("the journal %s is written again: the stream's progress survives a "
+                        "restart again", self.path)
+            self.error = None
+        _remove(self.stale_path)
+        return True
+
+    def remove(self) -> None:
+        """Delete the journal (a stream reclaimed with no progress to keep)."""
+        _remove(self.path)
+        _remove(self.stale_path)
+
+    def _fail(self, e: OSError) -> None:
+        first = self.error is None
+        self.error = f"cannot write {self.path}: {e.strerror or e}"
+        if not first:
+            return
+        try:
+            if self.path.exists():
+                os.replace(self.path, self.stale_path)
+            else:  # never written: the mark alone (an empty file needs no data block)
+                self.stale_path.touch()
+        except OSError:
+            pass  # that failed too: a restart reads a journal behind the truth, or none
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
