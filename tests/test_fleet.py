@@ -104,12 +104,12 @@ class Watch:
         return (b.waited - a.waited) / (b.t - a.t)  # type: ignore[operator]
 
 
-def start_broker(daemons, tmp_path: Path) -> tuple[str, str, str, Daemon]:
+def start_broker(daemons, tmp_path: Path, *extra: str) -> tuple[str, str, str, Daemon]:
     port, metrics = free_port(), free_port()
     ingress, egress = f"tcp://127.0.0.1:{port}", f"ipc://{tmp_path}/egress.sock"
     d = daemons("feedline.broker", "--ingress", ingress, "--egress", egress, "--metrics-port",
                 metrics, "--sizing-window", "4", "--heartbeat-interval", "0.2",
-                "--heartbeat-timeout", "1.5", name="broker")
+                "--heartbeat-timeout", "1.5", *extra, name="broker")
     wait_for(lambda: tcp_ready(port) or not d.alive(), 20, what="broker port")
     assert d.alive(), d.log_text()
     return ingress, egress, f"http://127.0.0.1:{metrics}/metrics", d
@@ -172,7 +172,8 @@ def test_exact_delivery_across_scale_up_and_down_loses_nothing(daemons, tmp_path
                         rate=100.0, stream="val")
     cfg = tmp_path / "exact.yaml"
     cfg.write_text(yaml.safe_dump(pipe))
-    ingress, egress, metrics, _ = start_broker(daemons, tmp_path)
+    ingress, egress, metrics, _ = start_broker(daemons, tmp_path, "--state-dir",
+                                                  str(tmp_path / "state"))
     fleet = start_fleet(daemons, cfg, ingress, metrics, "A", 1, 6)
     ledger = tmp_path / "ledger.txt"
     daemons("tests.exact_ledger_consumer", "--broker", egress, "--ledger", ledger,
