@@ -14,7 +14,8 @@ message        dir    meaning
 ============== ====== ====================================================================
 ProducerHello  P->B   register: id, session, next sequence number, largest batch it
                       expects to send (0: unknown), stream, previous broker instance,
-                      registration number (a repeated HELLO of one registration is a no-op)
+                      registration number (a repeated HELLO of one registration is a no-op),
+                      and the supervisor that started it (``feedline fleet``), if any
 ConsumerHello  C->B   register: id, session, window (batches), byte budget, stream,
                       registration number
 Welcome        B->P,C registration accepted (echoes its number); the largest batch the
@@ -24,7 +25,8 @@ Grant          B->P   credit, absolute since the HELLO: may have sent ``batches`
 Want           P->B   "my next batch is ``size`` bytes and my credit does not cover it"
 Revoke         B->P   "stop using the credit you hold; tell me what you sent"
 Returned       P->B   answer to Revoke: totals sent; the rest of the grant is given back
-Taken          C->B   batches taken by the model since the HELLO (absolute)
+Taken          C->B   batches taken by the model since the HELLO (absolute), and the time
+                      the model waited for data (absolute: the demand estimate's input)
 Deliver        B->C   envelope in front of a forwarded batch: sequence gap seen upstream
 Eos, Error     P->B->C end of a producer's dataflow; a pipeline failure with traceback
 UnitRequest    P->B   exact delivery: "give me a work unit" (``first``: this producer was
@@ -110,6 +112,7 @@ def _text(limit: Callable[[Limits], int], min_len: int = 0,
 
 count = _int(0, _U63)  # sessions, sequence numbers, totals, byte counts
 ident = _text(lambda lim: lim.max_id_len, 1)
+fleet_id = _text(lambda lim: lim.max_id_len)  # empty: not started by a supervisor
 stream = _text(lambda lim: lim.max_stream_len, 1, _STREAM)
 text = _text(lambda lim: lim.max_text_len)
 traceback_text = _text(lambda lim: lim.max_traceback_len)
@@ -194,6 +197,10 @@ class ProducerHello:
     dataset_size: int = field(default=0, metadata=wire_key("dz", count))
     unit_size: int = field(default=0, metadata=wire_key("uz", count))
     epochs: int = field(default=0, metadata=wire_key("ep", count))
+    # Started by a supervisor (`feedline fleet`): its id and the most producers it runs (0:
+    # no limit), so that the broker can give each supervisor its share of the stream's number.
+    fleet: str = field(default="", metadata=wire_key("f", fleet_id))
+    fleet_max: int = field(default=0, metadata=wire_key("fm", count))
     # The pipeline's fingerprint (what decides the sample order and the units): the cursors
     # of the stream carry it, and a resume from another pipeline's cursor is refused.
     pipeline: int = field(default=0, metadata=wire_key("fp", count))
@@ -257,6 +264,9 @@ class Returned:
 class Taken:
     taken: int = field(metadata=wire_key("t", count))
     registration: int = field(default=0, metadata=wire_key("r", count))
+    # Microseconds the consumer's loop has waited for data since it started: with the count
+    # taken, the broker tells what it would take if it never waited (its demand).
+    waited: int = field(default=0, metadata=wire_key("w", count))
 
 
 @message(Kind.DELIVER)

@@ -85,7 +85,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Child:
-    """A child process running ``argv``, its output going to ``log_path`` (or nowhere).
+    """A child process running ``argv``, its output going to ``log_path`` (or nowhere, or with
+    ``inherit`` where ours goes).
 
     On Linux the child gets SIGTERM when this process dies (``PR_SET_PDEATHSIG``), so a
     parent killed by ``kill -9`` or an abort leaves no orphans. The kernel ties that to the
@@ -94,16 +95,18 @@ class Child:
     """
 
     def __init__(self, argv: Sequence[str], log_path: Path | None = None,
-                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: Path | None = None,
+                 inherit: bool = False) -> None:
         self.argv = list(argv)
         self.log_path = log_path
         preexec: Any = None
         if threading.current_thread() is threading.main_thread():
             preexec = _pdeathsig(signal.SIGTERM)
-        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        out: Any = open(log_path, "ab") if log_path else (  # noqa: SIM115
+            None if inherit else subprocess.DEVNULL)
         self.proc = subprocess.Popen(
-            self.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-            preexec_fn=preexec, cwd=cwd,
+            self.argv, stdout=out, stderr=None if out is None else subprocess.STDOUT,
+            env={**os.environ, **(env or {})}, preexec_fn=preexec, cwd=cwd,
         )
         if log_path:
             out.close()  # type: ignore[union-attr]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from feedline.consumer import RemoteDataZMQ
+from feedline.consumer.drain import parse_schedule, step_at
 from feedline.cursor import Cursor
 from feedline.link import LinkConfig
 from tests.exact_ledger import STREAM, digest, format_entry
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--stream", default=STREAM)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--step", type=float, default=0.0, help="seconds per batch (a model step)")
+    ap.add_argument("--schedule", type=parse_schedule, default=None,
+                    help="a step that changes: SECONDS:STEP,... as feedline drain --schedule")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--heartbeat-timeout", type=float, default=5.0)
     ap.add_argument("--save", default=None, help="write the cursor here (SIGUSR1, --save-after)")
@@ -47,6 +50,8 @@ def main() -> None:
     ap.add_argument("--crash-after", type=int, default=0, help="batches, then SIGKILL")
     ap.add_argument("--resume", default=None, help="cursor file(s) to resume from, merged")
     a = ap.parse_args()
+    schedule = a.schedule or [(1.0, a.step)]
+    t0 = time.monotonic()
     stop, save = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGUSR1, lambda *_: save.set())
@@ -83,8 +88,9 @@ def main() -> None:
                     checkpoint(src, Path(a.save), out)
                 if taken == a.crash_after:
                     os.kill(os.getpid(), signal.SIGKILL)  # what it took since: gone with it
-                if a.step:
-                    time.sleep(a.step)
+                step = step_at(schedule, time.monotonic() - t0)
+                if step:
+                    time.sleep(step)
             if stop.is_set():
                 break
             out.write(f"#end {time.time():.6f} {','.join(map(str, sorted(epochs)))}\n")

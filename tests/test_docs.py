@@ -238,7 +238,7 @@ def test_pipelines_yaml_builds_and_lmdb_commands_run(session: Session):
             str(shards / "shard-*.tar"),
         "https://data.example.com/imagenet-val/manifest.json": str(shards / "manifest.json")})
     todo = runnable("pipelines.md")
-    assert [b.lang or "sh" for b in todo] == ["yaml", "yaml", "yaml", "sh", "sh"], todo
+    assert [b.lang or "sh" for b in todo] == ["yaml", "yaml", "yaml", "yaml", "sh", "sh"], todo
     for b in todo:
         if b.lang == "yaml":
             cfg = yaml.safe_load(session.text(b.code))

@@ -144,6 +144,52 @@ def stream_panels() -> list[dict[str, Any]]:
     ]
 
 
+def sizing_panels() -> list[dict[str, Any]]:
+    """Per stream, the broker's sizing: producers wanted against connected, what the trainers
+    would take against what the producers can give, the reason, and supervisors' shares."""
+    reason = panel(
+        25, "stat", "Sizing reason by stream",
+        "Why the broker wants the producers it wants: input-bound (the trainers wait for data: "
+        "more producers), model-bound (batches wait for the trainers: fewer would do), "
+        "balanced, idle (no trainer reads the stream).",
+        (0, 76, 6, 8),
+        [(f"max by (stream, verdict) (feedline_broker_stream_bottleneck{{{S}}} == 1)",
+          "{{stream}}: {{verdict}}")])
+    reason["options"]["textMode"] = "name"
+    reason["options"]["colorMode"] = "none"
+    return [
+        panel(23, "timeseries", "Producers wanted by stream",
+              "feedline_broker_stream_producers_wanted (what feedline fleet, an HPA or KEDA "
+              "follows; it rises after a fifth of --sizing-window of evidence and falls after "
+              "all of it) against the producers connected.",
+              (0, 68, 12, 8),
+              [(f"max by (stream) (feedline_broker_stream_producers_wanted{{{S}}})",
+                "{{stream}} wanted"),
+               (f'sum by (stream) (feedline_broker_stream_peers{{{S},role="producer"}})',
+                "{{stream}} connected")], decimals=0),
+        panel(24, "timeseries", "Demand and supply by stream (batches/s)",
+              "Demand: what the stream's trainers would take if they never waited for data. "
+              "Supply: what its connected producers can deliver (one producer's rate when "
+              "credit does not hold it back, times their number). Supply below demand: "
+              "input-bound.",
+              (12, 68, 12, 8),
+              [(f"max by (stream) (feedline_broker_stream_demand_batches_per_second{{{S}}})",
+                "{{stream}} demand"),
+               (f"max by (stream) (feedline_broker_stream_supply_batches_per_second{{{S}}})",
+                "{{stream}} supply")]),
+        reason,
+        panel(26, "timeseries", "Supervisors' shares",
+              "Producers each supervisor (feedline fleet --id) runs, against its share of the "
+              "stream's number (equal shares in the order of the ids, within each one's "
+              "--max).",
+              (6, 76, 18, 8),
+              [(f"max by (stream, fleet) (feedline_broker_fleet_producers_wanted{{{S}}})",
+                "{{stream}} {{fleet}} share"),
+               (f"max by (stream, fleet) (feedline_broker_fleet_producers{{{S}}})",
+                "{{stream}} {{fleet}} running")], decimals=0),
+    ]
+
+
 def dashboard() -> dict[str, Any]:
     ok_bad = thresholds((None, "green"), (1, "red"))
     panels = [
@@ -272,6 +318,7 @@ def dashboard() -> dict[str, Any]:
                 "{{stage}} {{instance}}")],
               decimals=0),
         *stream_panels(),
+        *sizing_panels(),
     ]
     return {
         "uid": "feedline",

@@ -66,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "peer, or exact streams in use); registrations of more are refused")
     p.add_argument("--producer-window", type=int, default=d.producer_window,
                    help="most credit one producer holds (its batches in flight)")
+    p.add_argument("--sizing-window", type=float, default=d.sizing_window, metavar="SECONDS",
+                   help="what feedline_broker_stream_producers_wanted averages over: it rises "
+                   "after a fifth of this, falls after all of it (docs/operations.md)")
     add_liveness_flags(p, "seconds of silence after which a peer is dropped")
     p.add_argument("--max-message-bytes", type=parse_size,
                    default=wire.DEFAULT_LIMITS.max_message_bytes,
@@ -93,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         credit_lease=args.credit_lease,
         max_peers=args.max_peers,
         state_dir=args.state_dir,
+        sizing_window=args.sizing_window,
         exact_ephemeral=args.exact_ephemeral,
         max_streams=args.max_streams,
         heartbeat_interval=args.heartbeat_interval,

@@ -34,6 +34,7 @@ class BrokerConfig:
     metrics_addr: str = "0.0.0.0"
     curve: ServerKeys | None = None  # None: plain TCP
     state_dir: str | None = None  # exact streams' journals (their progress survives restarts)
+    sizing_window: float = 10.0  # seconds the producers-wanted estimate averages over
     exact_ephemeral: bool = False  # without state_dir: serve exact streams from memory only
     max_streams: int = 64  # streams with state (peers naming them, exact coordinators)
     insecure: bool = False  # listen on exposed addresses without CURVE keys (--insecure)
@@ -47,6 +48,8 @@ class BrokerConfig:
             raise ConfigError("max_bytes must be >= 1")
         if self.max_peers < 1:
             raise ConfigError("max_peers must be >= 1")
+        if self.sizing_window <= 0:
+            raise ConfigError("sizing_window must be > 0")
         if self.max_streams < 1:
             raise ConfigError("max_streams must be >= 1")
         if self.heartbeat_timeout <= self.heartbeat_interval:

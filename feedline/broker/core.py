@@ -30,10 +30,12 @@ from prometheus_client import CollectorRegistry
 from feedline.broker.buffer import Buffer
 from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
+from feedline.broker.sizing import BrokerSizing
 from feedline.serving.exact_streams import ExactConfig
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.server import Server, ServingConfig
+from feedline.serving.sizing import SizingConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,7 @@ class Broker:
                                    self.budget, config.max_peers, self.instance,
                                    server.refusals.cut_off, self.exact)
         server.attach(egress, self.egress)
+        self.sizing = BrokerSizing(self.metrics, SizingConfig.for_window(config.sizing_window))
         self.ingress_endpoint = server.ingress.endpoint
         self.egress_endpoint = egress.endpoint
         self.tensorpack_endpoint = (server.tensorpack.endpoint.endpoint
@@ -166,6 +169,7 @@ class Broker:
                 if now >= next_tick:
                     server.tick(now)
                     self._update_gauges()
+                    self.sizing.tick(now, self.ingress, self.egress)
                     self._enforce_shares()
                     next_tick = now + tick
         finally:

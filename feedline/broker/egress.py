@@ -55,6 +55,7 @@ class Consumer(Peer):
     # Its DELIVER envelope for a batch without a gap: the same bytes for every batch of this
     # registration, built once (encoding one per batch cost the broker ~3 us a batch).
     envelope: bytes = b""
+    waited: float = 0.0  # seconds its loop waited for data (it says so with TAKEN)
 
     def room(self, size: int, cap: int, cap_batches: int, orphan: Orphan | None = None) -> bool:
         """Room for a batch of ``size`` within its window and byte budget, and within the
@@ -264,6 +265,7 @@ class ConsumerSide:
     def _taken(self, c: Consumer, msg: m.Taken) -> None:
         if msg.registration != c.registration:
             return  # about a registration of this connection we no longer count
+        c.waited = msg.waited / 1e6
         # Never more than was delivered: a consumer that counts a batch of an earlier
         # registration as taken is ahead of us. Refusing it would stall both sides; clamping
         # keeps its room within its window all the same.

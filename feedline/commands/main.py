@@ -12,14 +12,15 @@ from collections.abc import Sequence
 
 from feedline import keys
 from feedline.broker import cli as broker_cli
-from feedline.commands import demo, top
+from feedline.commands import demo, fleet, top
 from feedline.consumer import drain
 from feedline.flags import HelpFormatter
 from feedline.producer import cli as producer_cli
 from feedline.producer import convert_cli, info_cli, lmdb_cli
 from feedline.version import __version__
 
-COMMANDS = [broker_cli, producer_cli, demo, lmdb_cli, convert_cli, info_cli, drain, top, keys]
+COMMANDS = [broker_cli, producer_cli, fleet, demo, lmdb_cli, convert_cli, info_cli, drain, top,
+            keys]
 
 
 def version_text() -> str:

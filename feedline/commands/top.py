@@ -11,6 +11,9 @@ scrapes them all and shows, from the difference between two scrapes:
 - per producer endpoint: how much of its time it waits for credit (the trainer is slower) or
   for its own pipeline (preprocessing is slower);
 - the broker's buffer fill, peers, losses and rejects;
+- per stream, the broker's sizing: its trainers' demand, its producers' supply, the producers
+  it needs (``feedline_broker_stream_producers_wanted``) and why (the stream's verdict), and
+  each supervisor's share (``feedline fleet``);
 - each consumer's queue occupancy and the share of time the model waited for data;
 - the verdict: input-bound, model-bound or balanced (see :func:`verdict`), judged over the
   scrapes of the last ``feedline.verdict.WINDOW_SECONDS`` and held until the evidence is
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -137,6 +141,7 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120,
             f"{b.total('feedline_broker_rejected_messages_total'):.0f}   dropped peers "
             f"{b.total('feedline_broker_dropped_peers_total'):.0f}")
         lines += _streams(p, b, who)
+        lines += _sizing(b)
 
     if by_role["producer"]:
         lines.append("")
@@ -210,6 +215,44 @@ def _streams(prev: Scrape | None, b: Scrape, who: str) -> list[str]:
         out.append(f"  {name[:24]:<24} {rate:>10.1f} {buffered.get(name, 0):>9.0f} "
                    f"{producers:>10.0f} {consumers:>10.0f} {ep:>12} {units:>12} "
                    f"{'-' if dup is None else f'{dup:.0f}':>11}")
+    return out
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None or math.isnan(x) else format(x, fmt)
+
+
+def _sizing(b: Scrape) -> list[str]:
+    """Per stream: what its trainers would take, what its producers can give, how many
+    producers that takes and why; then each supervisor's share (none: a broker older than
+    sizing, or a direct-mode trainer)."""
+    wanted = b.by_label("feedline_broker_stream_producers_wanted", "stream")
+    if not wanted:
+        return []
+    out = ["", "SIZING (how many producers each stream needs: feedline_broker_stream_"
+           "producers_wanted)",
+           f"  {'stream':<24} {'demand/s':>9} {'supply/s':>9} {'each/s':>7} {'producers':>10} "
+           f"{'wanted':>7} {'waiting':>8}  reason"]
+    verdicts = b.series("feedline_broker_stream_bottleneck")
+    for name in sorted(wanted):
+        reason = next((dict(lab)["verdict"] for lab, v in verdicts.items()
+                       if v == 1 and dict(lab).get("stream") == name), "measuring")
+        wait = b.get("feedline_broker_stream_consumer_wait_ratio", stream=name)
+        producers = b.get("feedline_broker_stream_peers", stream=name, role="producer") or 0
+        out.append(
+            f"  {name[:24]:<24} "
+            f"{_num(b.get('feedline_broker_stream_demand_batches_per_second', stream=name)):>9} "
+            f"{_num(b.get('feedline_broker_stream_supply_batches_per_second', stream=name)):>9} "
+            f"{_num(b.get('feedline_broker_stream_producer_capacity_batches_per_second', stream=name)):>7} "  # noqa: E501
+            f"{producers:>10.0f} {wanted[name]:>7.0f} "
+            f"{'-' if wait is None or math.isnan(wait) else f'{100 * wait:.0f}%':>8}  {reason}")
+        fleets = b.series("feedline_broker_fleet_producers_wanted")
+        mine = sorted((dict(lab)["fleet"], v) for lab, v in fleets.items()
+                      if dict(lab).get("stream") == name)
+        if mine:
+            out.append("    supervisors (running/share): " + ", ".join(
+                f"{f} {b.get('feedline_broker_fleet_producers', stream=name, fleet=f) or 0:.0f}"
+                f"/{v:.0f}" for f, v in mine))
     return out
 
 

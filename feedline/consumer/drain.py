@@ -1,7 +1,9 @@
 """``feedline drain``: a stand-in training loop that takes batches from a broker.
 
 It iterates :class:`consumer.RemoteDataZMQ` as a training job would, optionally sleeping
-``--step-seconds`` per batch to play a model of that speed, and serves the consumer metrics
+``--step-seconds`` per batch to play a model of that speed (or, with ``--schedule``, a model
+whose speed changes over time: the load a self-sizing fleet follows), and serves the consumer
+metrics
 (``--metrics-port``). Use it to smoke-test a deployment, to size producers before the real
 job exists, or as the ``trainer`` service of the compose demo. It needs no TensorFlow.
 
@@ -55,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the stream to receive (producers declare theirs)")
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="simulated model step per batch (0: as fast as batches come)")
+    p.add_argument("--schedule", type=parse_schedule, default=None, metavar="S:STEP,...",
+                   help="a model whose step changes: SECONDS:STEP_SECONDS phases in turn, "
+                   "e.g. 60:0.025,60:0.08 (then the last step goes on); instead of "
+                   "--step-seconds")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds to run, then exit (default: until SIGTERM)")
     p.add_argument("--id", default=None, help="consumer id (default: hostname-pid)")
@@ -74,6 +80,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def parse_schedule(text: str) -> list[tuple[float, float]]:
+    """'60:0.025,60:0.08' -> [(60.0, 0.025), (60.0, 0.08)] (seconds, step seconds)."""
+    phases = []
+    for part in text.split(","):
+        try:
+            seconds, step = (float(x) for x in part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not SECONDS:STEP (e.g. 60:0.025)") from None
+        if seconds <= 0 or step < 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: seconds must be > 0 and step >= 0")
+        phases.append((seconds, step))
+    return phases
+
+
+def step_at(schedule: list[tuple[float, float]], elapsed: float) -> float:
+    """The step of the phase ``elapsed`` seconds into the schedule (the last one after)."""
+    for seconds, step in schedule:
+        if elapsed < seconds:
+            return step
+        elapsed -= seconds
+    return schedule[-1][1]
+
+
 def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
@@ -84,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if args.step_seconds < 0:
         raise SystemExit("feedline drain: --step-seconds must be >= 0")
+    if args.schedule and args.step_seconds:
+        raise SystemExit("feedline drain: --schedule or --step-seconds, not both")
+    schedule = args.schedule or [(1.0, args.step_seconds)]
     try:
         addr, curve = _where(args)
         registry = CollectorRegistry()
@@ -104,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
                 for batch in source:
                     count += 1
                     nbytes += batch.nbytes
-                    if args.step_seconds:
-                        stop.wait(args.step_seconds)
+                    step = step_at(schedule, time.monotonic() - t0)
+                    if step:
+                        stop.wait(step)
                     now = time.monotonic()
                     if now - last >= args.log_interval:
                         log.info("%d batches, %.1f batches/s, %.1f MB/s", count,

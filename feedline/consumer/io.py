@@ -94,6 +94,9 @@ class Shared:
         self.lock = threading.Lock()
         self.registration = 0  # the current one (set by the I/O thread)
         self.taken = 0  # batches of the current registration the model took
+        # Seconds the iterating thread waited for data, ever (written by it alone; the I/O
+        # thread reads it for TAKEN, where a value a moment old is as good).
+        self.waited = 0.0
         self.queued_bytes = 0  # wire bytes of the deliveries waiting in the queue
         self.stats: dict[str, ProducerStats] = {}
         self.closed = False
@@ -125,6 +128,7 @@ class Shared:
         out = Shared(self.consumer_id, self.session, self.window, self.max_bytes,
                      self.stream, self.on_error, self.registry, self.metrics)
         out.cursor, out.resume, out.recent = self.cursor, self.resume, self.recent
+        out.waited = self.waited
         return out
 
     def took(self, item: Delivery) -> bool:
@@ -340,7 +344,8 @@ class ConsumerIO:
             taken = s.taken
             total = taken + self._refused
             if total != self._reported and self.link.send_msg(
-                    m.Taken(taken=total, registration=self.link.registration)):
+                    m.Taken(taken=total, registration=self.link.registration,
+                            waited=int(s.waited * 1e6))):
                 self._reported = total
             s.expecting = (self._arrived - self._reported < s.window
                            and time.monotonic() - self._arrived_at < _STREAMING)

@@ -276,7 +276,9 @@ class RemoteDataZMQ:
             wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             try:
                 item = shared.queue.get(timeout=max(wait, 0.0))
-                self.metrics.wait.observe(time.monotonic() - t0)
+                waited = time.monotonic() - t0
+                self.metrics.wait.observe(waited)
+                shared.waited += waited  # reported with TAKEN: the broker's demand estimate
                 return item
             except queue.Empty:
                 pass

@@ -135,6 +135,7 @@ class Outbox:
     waker: Waker | None = None
     loop: ClientLoop | None = None
     exact: ExactSpec | None = None
+    fleet: tuple[str, int] = ("", 0)  # the supervisor that started us, and its --max
     units: queue.Queue[m.Unit | m.UnitWait] = field(default_factory=lambda: queue.Queue(8))
 
     def nudge(self) -> None:
@@ -232,7 +233,8 @@ class ProducerIO:
                 last_broker=(ch.link.broker_id or 0) if ch else 0,
                 delivery=x.delivery if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
                 unit_size=x.unit_size if x else 0, epochs=x.epochs if x else 0,
-                pipeline=x.fingerprint if x else 0)
+                pipeline=x.fingerprint if x else 0,
+                fleet=self.out.fleet[0], fleet_max=self.out.fleet[1])
 
         def registered(_registration: int) -> None:
             if holder:

@@ -8,6 +8,7 @@ import os
 import socket
 
 from feedline import endpoints
+from feedline.codec import DEFAULT_LIMITS
 from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
@@ -26,12 +27,19 @@ from feedline.producer.dataflow.base import stages as all_stages
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.exact import ExactPipeline, build_exact, is_exact, send_exact
 from feedline.producer.metrics import ShardMetrics, StageMetrics
-from feedline.producer.pipeline import ConfigError, build_pipeline, load_config, pipeline_stages
+from feedline.producer.pipeline import (
+    ConfigError,
+    build_pipeline,
+    load_config,
+    parallel_summary,
+    pipeline_stages,
+)
 from feedline.producer.sender import send_dataflow
 from feedline.version import __version__
 
 log = logging.getLogger(__name__)
 DEFAULT_BROKER = "tcp://127.0.0.1:7878"
+MAX_ID = DEFAULT_LIMITS.max_id_len
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +67,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=None,
                    help="passes over the dataset, then exit (default: forever, or the "
                    "config's 'epochs')")
+    p.add_argument("--fleet", default=None, metavar="ID",
+                   help="the supervisor that started this producer (set by `feedline fleet`): "
+                   "the broker gives each supervisor its share of the stream's producers "
+                   "(default: none)")
+    p.add_argument("--fleet-max", type=int, default=0, metavar="N",
+                   help="that supervisor's --max (set by `feedline fleet`; 0: no limit)")
     add_liveness_flags(p, "seconds of broker silence before reconnecting")
     add_metrics_flags(p, 0)
     p.add_argument("--log-interval", type=float, default=30.0,
@@ -114,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
             endpoints.check_port(args.metrics_port, args.metrics_addr)
     except endpoints.AddressError as e:
         raise SystemExit(f"feedline producer: {e}") from None
+    args.fleet = args.fleet or ""
+    if len(args.fleet) > MAX_ID or args.fleet_max < 0:
+        raise SystemExit(f"feedline producer: --fleet must be at most {MAX_ID} characters "
+                         "and --fleet-max >= 0")
     try:
         cfg = with_data(load_config(args.config), args.data)
         if args.stream is not None:
@@ -157,7 +175,7 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
                       heartbeat_timeout=args.heartbeat_timeout)
     try:
         sent = send_exact(pipe, args.broker, producer_id=producer_id, link=link, curve=curve,
-                          stop=stop, registry=registry)
+                          stop=stop, registry=registry, fleet=(args.fleet, args.fleet_max))
     except FeedlineError as e:
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
     log.info("sent %d batches", sent)
@@ -184,10 +202,12 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
     producer_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
     # The start-up line: what this process is and where it sends (off with --log-level
     # WARNING).
+    parallel = parallel_summary(df)
     log.info("feedline %s producer %s: broker %s, pipeline %s, decoder %s, stream %s, "
-             "%s", __version__, producer_id, ", ".join(args.broker), args.config,
+             "%s%s", __version__, producer_id, ", ".join(args.broker), args.config,
              decoder_info(), cfg.get("stream", "default"),
-             "epochs forever" if epochs is None else f"{epochs} epoch(s)")
+             "epochs forever" if epochs is None else f"{epochs} epoch(s)",
+             f", workers {parallel}" if parallel else "")
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)
     try:
@@ -195,7 +215,8 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
                               link=link, curve=curve, stop=stop, registry=registry,
                               stream=cfg.get("stream", "default"),
                               log_interval=args.log_interval,
-                              skipped=lambda: sum(s.skipped for s in stages))
+                              skipped=lambda: sum(s.skipped for s in stages),
+                              fleet=(args.fleet, args.fleet_max))
     except FeedlineError as e:
         # What the operator must change (a batch larger than the broker's --max-bytes, a
         # datapoint over the protocol's limits): one line, not a traceback.

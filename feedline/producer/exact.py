@@ -40,6 +40,7 @@ import numpy as np
 from feedline.messages import DEFAULT_STREAM
 from feedline.producer.channel import ExactSpec
 from feedline.producer.dataflow import BatchData
+from feedline.producer.dataflow.autotune import cpu_budget
 from feedline.producer.dataflow.base import Indexable, UnitSource
 from feedline.producer.dataflow.map_data import ComponentFunc, apply, reseed
 from feedline.producer.dataflow.worker import WorkerInfo, set_worker
@@ -207,9 +208,13 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
     unit_size = x.integer("unit_size", None, lo=1, allow_none=True)
     shuffle = x.flag("shuffle", True)
     x.done()
-    par = Args(cfg.get("parallel") or {}, "parallel")
-    workers = par.integer("workers", 1, lo=1)
-    if par.text("mode", "none", choices=("none", "thread", "process", "runner")) == "runner":
+    par = Args({"workers": "auto"} if cfg.get("parallel") == "auto" else
+               cfg.get("parallel") or {}, "parallel")
+    # auto: a thread per CPU this process may use (units run threads of a fixed count).
+    workers = cpu_budget().workers if par.get("workers") == "auto" else \
+        par.integer("workers", 1, lo=1)
+    if par.text("mode", "none", choices=("none", "thread", "process", "runner",
+                                         "auto")) == "runner":
         raise ConfigError("parallel.mode: runner runs whole pipelines in workers; with "
                           "delivery: exact use thread or process (map steps in threads)")
     par.get("strict")
@@ -255,13 +260,14 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
 
 def send_exact(pipe: ExactPipeline, addr: str | list[str], *, producer_id: str | None = None,
                link: Any = None, curve: Any = None, stop: threading.Event | None = None,
-               registry: Any = None, stream: str | None = None) -> int:
+               registry: Any = None, stream: str | None = None,
+               fleet: tuple[str, int] = ("", 0)) -> int:
     """Serve ``pipe``'s units to the broker at ``addr`` until every epoch is served (or
     forever, ``epochs: null``, until ``stop``); returns the batches sent."""
     from feedline.errors import Stopped
 
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream or pipe.stream, exact=pipe.spec) as sender:
+                stream=stream or pipe.stream, exact=pipe.spec, fleet=fleet) as sender:
         try:
             sent = pipe.run(sender, stop)
             sender.end(pipe.epochs)

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from feedline.metrics import OwnedCounter, OwnedHistogram
@@ -87,11 +87,19 @@ class StageMetrics(Collector):
             "feedline_producer_skipped_datapoints",
             "Datapoints a stage dropped under the skip error policy (corrupt images, ...).",
             labels=["stage"])
+        workers = GaugeMetricFamily(
+            "feedline_producer_stage_workers",
+            "Threads or processes a parallel map stage runs now (parallel: auto tunes it).",
+            labels=["stage", "mode"])
         for s in stages:
             out.add_metric([s.name], s.count)
             if s.skips:
                 skipped.add_metric([s.name], s.skipped)
-        return [out, skipped]
+            for m in s.skips:
+                active, mode = getattr(m, "active", None), getattr(m, "mode", "")
+                if isinstance(active, int) and mode:
+                    workers.add_metric([s.name, mode], active)
+        return [out, skipped, workers]
 
 
 class ShardCounts(Protocol):

@@ -52,8 +52,11 @@ from feedline.producer.dataflow import (
     MultiProcessRunner,
     MultiThreadMapData,
 )
+from feedline.producer.dataflow.auto_map_data import AutoMapData
+from feedline.producer.dataflow.autotune import AutoWorkers, ModeTuner, cpu_budget, plural
 from feedline.producer.dataflow.base import Counted, Shardable, as_dataflow, stages
 from feedline.producer.dataflow.map_data import ComponentFunc, reseed
+from feedline.producer.dataflow.parallel_map import ParallelMapBase
 from feedline.producer.dataflow.shard import check_shard
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.pipeline_spec import (
@@ -76,6 +79,7 @@ TOP_LEVEL = ("source", "factory", "args", "steps", "shard", "seed", "parallel", 
 # Read only by the built-in form: next to `factory:` they would be silently ignored.
 BUILT_IN_ONLY = ("source", "steps", "shard", "seed", "parallel", "on_error")
 MODES = ("none", "thread", "process", "runner")
+PRESETS = ("imagenet_train", "imagenet_val", "decode", "augment")  # the image steps
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -135,31 +139,93 @@ def pipeline_stages(df: DataFlow) -> list[CountData]:
 
 
 def _parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    a = Args(cfg.get("parallel"), "parallel")
-    p = {"mode": a.text("mode", "none", choices=MODES), "workers": a.integer("workers", 1, lo=1),
-         "strict": a.flag("strict", False), "buffer_size": a.integer("buffer_size", 64, lo=1)}
+    """``parallel`` of a pipeline map: a mode and a worker count, either of which may be
+    ``auto`` (``parallel: auto`` is both). Without ``parallel``, a pipeline with image steps
+    (the presets) is ``auto``, any other runs in the producer process."""
+    raw = cfg.get("parallel")
+    if raw is None and "parallel" not in cfg and _has_presets(cfg):
+        raw = "auto"
+    if raw == "auto":
+        raw = {"mode": "auto"}
+    a = Args(raw, "parallel")
+    mode = a.text("mode", "none", choices=(*MODES, "auto"))
+    workers = a.get("workers", "auto" if mode == "auto" else 1)
+    if workers != "auto":
+        workers = a.integer("workers", 1, lo=1)
+    elif mode == "none":
+        mode = "auto"
+    p = {"mode": mode, "workers": workers, "strict": a.flag("strict", False),
+         "buffer_size": a.integer("buffer_size", 64, lo=1)}
     a.done()
-    if p["buffer_size"] < p["workers"]:
-        raise ConfigError(f"parallel.buffer_size: must be >= parallel.workers ({p['workers']})")
+    if workers == "auto" and mode == "runner":
+        raise ConfigError("parallel.workers: auto tunes the map steps' threads or processes; "
+                          "with mode: runner give a number")
+    if workers == "auto" and p["strict"]:
+        raise ConfigError("parallel.workers: auto changes which worker gets a datapoint as it "
+                          "measures; strict (reproducible) output needs a number of workers")
+    if workers != "auto" and p["buffer_size"] < workers:
+        raise ConfigError(f"parallel.buffer_size: must be >= parallel.workers ({workers})")
     return p
+
+
+def _has_presets(cfg: Mapping[str, Any]) -> bool:
+    steps = cfg.get("steps")
+    return isinstance(steps, list) and any(
+        isinstance(s, Mapping) and len(s) == 1 and next(iter(s)) in PRESETS for s in steps)
 
 
 def _wrap_map(ds: DataFlow, funcs: list, par: dict[str, Any], on_error: str,
               steps: list[tuple[int, str]]) -> DataFlow:
     """One stage running ``funcs`` (map ``steps``, fused), counted under their label."""
     func = funcs[0] if len(funcs) == 1 else Chain(funcs)
-    m: DataFlow
-    if par["mode"] == "thread":
-        m = MultiThreadMapData(ds, par["workers"], func, par["buffer_size"], par["strict"],
-                               on_error)
-    elif par["mode"] == "process":
-        m = MultiProcessMapData(ds, par["workers"], func, par["buffer_size"], par["strict"],
-                                on_error)
-    else:
-        m = MapData(ds, func, on_error)
     (first, _), (last, _) = steps[0], steps[-1]
     index = str(first) if first == last else f"{first}-{last}"
-    return CountData(m, f"{index}:{'+'.join(kind for _, kind in steps)}", skips=[m])
+    label = f"{index}:{'+'.join(kind for _, kind in steps)}"
+    mode, workers, buffer = par["mode"], par["workers"], par["buffer_size"]
+    auto = None
+    if workers == "auto":
+        budget = cpu_budget()
+        # A thread more than CPUs hides I/O; a process more would only compete with ours.
+        his = {"thread": budget.workers + 1, "process": budget.workers}
+        modes = ("thread", "process") if mode == "auto" else (mode,)
+        buffer = max(buffer, 8 * sum(his[m] for m in modes))
+        auto = AutoWorkers(ModeTuner(modes, his, start=budget.workers), buffer,
+                           note=f"auto: {' or '.join(plural(m) for m in modes)}, "
+                           f"{budget.cores:g} CPUs by {budget.source}")
+        if mode == "auto":
+            both = AutoMapData(ds, func, his["thread"], his["process"], auto, buffer, on_error)
+            both.name = label
+            return CountData(both, label, skips=[both])
+        workers = his[mode]
+    elif mode == "auto":
+        # A number of workers, and no mode: the image steps release the GIL where their time
+        # goes (libjpeg, OpenCV); Python in a map step holds it.
+        mode = "thread" if all(kind in PRESETS for _, kind in steps) else "process"
+    m: DataFlow
+    if mode == "thread":
+        m = MultiThreadMapData(ds, workers, func, buffer, par["strict"], on_error,
+                               autotune=auto)
+    elif mode == "process":
+        m = MultiProcessMapData(ds, workers, func, buffer, par["strict"], on_error,
+                                autotune=auto)
+    else:
+        m = MapData(ds, func, on_error)
+    if isinstance(m, ParallelMapBase):
+        m.name = label
+    return CountData(m, label, skips=[m])
+
+
+def parallel_summary(df: DataFlow) -> str:
+    """The map stages' workers, in words (the producer's start-up line): ``0:imagenet_train
+    2 threads (auto 1-3, 2 CPUs by affinity)``; "" for a pipeline without parallel map."""
+    out = []
+    for s in pipeline_stages(df):
+        for m in s.skips:
+            if isinstance(m, ParallelMapBase):
+                kind = plural(m.mode) if m.active != 1 else m.mode
+                note = f" ({m.auto.note})" if m.auto is not None else ""
+                out.append(f"{s.name} {m.active} {kind}{note}")
+    return ", ".join(out)
 
 
 def _runner(ds: DataFlow, par: dict[str, Any]) -> DataFlow:

@@ -172,9 +172,10 @@ def _fake(a: Args, seed: int) -> DataFlow:
     size = a.integer("size", 1000, lo=0)
     random = a.flag("random", True)
     seed = a.integer("seed", seed)
+    delay = a.number("delay", 0.0, lo=0)
     a.done()
     return guarded(a.where, lambda: FakeData(shapes, size=size, random=random, dtype=dtypes,
-                                             seed=seed))
+                                             seed=seed, delay=delay))
 
 
 def _image_folder(a: Args, seed: int) -> DataFlow:

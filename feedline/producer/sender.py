@@ -93,6 +93,7 @@ class Sender:
         curve: ClientKeys | None = None,
         stream: str = m.DEFAULT_STREAM,
         exact: ExactSpec | None = None,
+        fleet: tuple[str, int] = ("", 0),
     ) -> None:
         cfg = link or LinkConfig()
         self.limits = cfg.limits
@@ -112,7 +113,7 @@ class Sender:
         self._ask = 0  # ... and the number of our last request for one
         self._closed = False
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
-                                 exact=exact)
+                                 exact=exact, fleet=fleet)
         out.waker = Waker()
         targets = self.targets
         out.loop = ClientLoop("feedline-producer-io",
@@ -327,6 +328,7 @@ def send_dataflow(
     skipped: Callable[[], int] | None = None,
     curve: ClientKeys | None = None,
     stream: str = m.DEFAULT_STREAM,
+    fleet: tuple[str, int] = ("", 0),
 ) -> SendStats:
     """Send every datapoint of ``df`` to the broker at ``addr`` (or to several), ``epochs``
     times.
@@ -336,7 +338,8 @@ def send_dataflow(
     :func:`~feedline.producer.dataflow.base.as_dataflow` of it: a list or a generator works too).
     Logs a rate line every ``log_interval`` seconds (with ``skipped()``, the datapoints the
     pipeline skipped so far, when given). A pipeline exception is sent to the consumers (with
-    its traceback) and re-raised. Returns when done, or when ``stop`` is set.
+    its traceback) and re-raised. Returns when done, or when ``stop`` is set. ``fleet``:
+    the id and ``--max`` of the supervisor that started this producer (``feedline fleet``).
     """
     df = as_dataflow(df)
     df.reset_state()
@@ -344,7 +347,7 @@ def send_dataflow(
     shards = claiming_source(df)  # a sharded source reads the shards the broker hands out
     spec = None if shards is None else claim_spec(shards, epochs)
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream, exact=spec) as sender:
+                stream=stream, exact=spec, fleet=fleet) as sender:
         if shards is not None:
             shards.attach(SenderClaims(sender, stop))
         rate = _RateLog(sender, log_interval, skipped)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from feedline.metrics import BoundedLabel
+from feedline.serving.sizing import VERDICTS
 
 
 class BrokerMetrics:
@@ -112,9 +113,50 @@ class BrokerMetrics:
             "feedline_broker_consumer_credit_batches",
             "Batches consumers are ready to take now (demand not met by the buffer).",
             registry=r)
+        # Sizing (feedline.serving.sizing): per stream, what the trainers need and how many
+        # producers that takes; per supervisor (`feedline fleet`), its share.
+        self.demand = Gauge(
+            "feedline_broker_stream_demand_batches_per_second",
+            "Batches/s the stream's consumers would take if they never waited for data "
+            "(NaN until known).", ["stream"], registry=r)
+        self.capacity = Gauge(
+            "feedline_broker_stream_producer_capacity_batches_per_second",
+            "Batches/s one producer of the stream delivers when credit does not hold it back "
+            "(learnt; NaN until measured).", ["stream"], registry=r)
+        self.supply = Gauge(
+            "feedline_broker_stream_supply_batches_per_second",
+            "Batches/s the connected producers can deliver: capacity x producers.",
+            ["stream"], registry=r)
+        self.consumer_wait = Gauge(
+            "feedline_broker_stream_consumer_wait_ratio",
+            "Share of time the stream's consumers waited for data over the sizing window.",
+            ["stream"], registry=r)
+        self.producers_wanted = Gauge(
+            "feedline_broker_stream_producers_wanted",
+            "Producers the stream needs (with hysteresis): what autoscalers follow.",
+            ["stream"], registry=r)
+        self.bottleneck = Gauge(
+            "feedline_broker_stream_bottleneck",
+            "1 for the stream's verdict: input-bound, balanced, model-bound or idle.",
+            ["stream", "verdict"], registry=r)
+        self.fleet_producers = Gauge(
+            "feedline_broker_fleet_producers",
+            "Producers connected that a supervisor (`feedline fleet --id`) started.",
+            ["stream", "fleet"], registry=r)
+        self.fleet_wanted = Gauge(
+            "feedline_broker_fleet_producers_wanted",
+            "A supervisor's share of the stream's producers wanted.", ["stream", "fleet"],
+            registry=r)
+        self.fleet_max = Gauge(
+            "feedline_broker_fleet_producers_max",
+            "A supervisor's --max (0: none), as its producers declared it.",
+            ["stream", "fleet"], registry=r)
+        self.fleet_label = BoundedLabel(64)
 
     def _forget_stream(self, label: str) -> None:
-        for metric in (self.stream_batches, self.stream_buffer, self.evicted):
+        for metric in (self.stream_batches, self.stream_buffer, self.evicted,
+                       self.demand, self.capacity, self.supply, self.consumer_wait,
+                       self.producers_wanted):
             try:
                 metric.remove(label)
             except KeyError:
@@ -136,6 +178,11 @@ class BrokerMetrics:
         for state in ("done", "total"):
             try:
                 self.exact_units.remove(label, state)
+            except KeyError:
+                pass
+        for verdict in VERDICTS:
+            try:
+                self.bottleneck.remove(label, verdict)
             except KeyError:
                 pass
 

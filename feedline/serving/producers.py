@@ -83,6 +83,7 @@ class IngressConfig:
 class Producer(Peer):
     label: str = ""
     pending_gap: int = 0  # lost before a re-registration: reported with its next batch
+    fleet: tuple[str, int] = ("", 0)  # the supervisor that started it, and its --max
     exact: bool = False  # it serves an exact stream
     # Its series of received batches and bytes, looked up once: ``labels()`` per batch cost
     # ~3 us (the label is held while it is registered, so the series stays).
@@ -224,7 +225,8 @@ class ProducerSide:
         fd, ino = connection(fd)
         p = Producer(ident=ident, name=msg.producer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
-                     fd=fd, fd_ino=ino, label=label, exact=msg.delivery == m.EXACT)
+                     fd=fd, fd_ino=ino, label=label, exact=msg.delivery == m.EXACT,
+                     fleet=(msg.fleet, msg.fleet_max))
         self.producers.add(p)
         self.exact.attach(p.stream, p.exact)
         self.metrics.init_producer(label)

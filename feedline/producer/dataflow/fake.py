@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -17,6 +18,10 @@ class FakeData(DataFlow):
     cost: measures everything but the pipeline). With ``random=True`` values are drawn
     uniformly from ``domain`` by a generator seeded with ``seed`` at ``reset_state``.
     Yielded arrays are never modified afterwards, so they can be sent zero-copy.
+
+    ``delay`` seconds are slept before each datapoint (in ``__iter__`` and ``sample``): a
+    source with a fixed rate per reader whatever the CPU, like a slow disk or a remote store
+    (load tests of a fleet: its supply then grows with the number of producers, not cores).
     """
 
     def __init__(
@@ -27,9 +32,13 @@ class FakeData(DataFlow):
         dtype: str | Sequence[str] = "float32",
         domain: tuple[float, float] = (0, 1),
         seed: int = 0,
+        delay: float = 0.0,
     ) -> None:
         if size < 0:
             raise ConfigError("size must be >= 0")
+        if not delay >= 0:
+            raise ConfigError("delay must be >= 0")
+        self.delay = float(delay)
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         dtypes = [dtype] * len(self.shapes) if isinstance(dtype, str) else list(dtype)
         if len(dtypes) != len(self.shapes):
@@ -60,6 +69,8 @@ class FakeData(DataFlow):
 
     def sample(self, i: int) -> list[np.ndarray]:
         """Datapoint ``i``: a pure function of (seed, i), for exact delivery."""
+        if self.delay:
+            time.sleep(self.delay)
         if not self.random:
             if self._const is None:
                 self._const = self._make(np.random.default_rng(self.seed))
@@ -77,7 +88,11 @@ class FakeData(DataFlow):
             if self._const is None:
                 self._const = self._make(np.random.default_rng(self.seed))
             for _ in range(self.size):
+                if self.delay:
+                    time.sleep(self.delay)
                 yield list(self._const)
             return
         for _ in range(self.size):
+            if self.delay:
+                time.sleep(self.delay)
             yield self._make(self._rng)

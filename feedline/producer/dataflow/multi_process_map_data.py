@@ -12,6 +12,7 @@ import zmq
 
 from feedline.errors import ConfigError
 from feedline.producer.dataflow import ipc
+from feedline.producer.dataflow.autotune import AutoWorkers
 from feedline.producer.dataflow.base import DataFlow
 from feedline.producer.dataflow.errors import WorkerError
 from feedline.producer.dataflow.map_data import apply, reseed
@@ -62,6 +63,7 @@ def _worker(k: int, n: int, func: Callable[[Any], Any], on_error: str, in_ep: st
 
 
 class MultiProcessMapData(ParallelMapBase):
+
     """``MapData(ds, func)`` with ``num_proc`` forked processes.
 
     The input is read in this process; datapoints and results travel over ZeroMQ ``ipc://``
@@ -76,10 +78,12 @@ class MultiProcessMapData(ParallelMapBase):
     (or ``with``) stops them, and they exit by themselves if this process dies.
     """
 
+    mode = "process"
+
     def __init__(self, ds: DataFlow, num_proc: int, func: Callable[[Any], Any],
                  buffer_size: int = 64, strict: bool = False, on_error: str = "raise",
-                 chunk: int = 8) -> None:
-        super().__init__(ds, num_proc, buffer_size, strict, on_error)
+                 chunk: int = 8, autotune: AutoWorkers | None = None) -> None:
+        super().__init__(ds, num_proc, buffer_size, strict, on_error, autotune)
         if not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(f"chunk must be an int >= 1, got {chunk!r}")
         self.func = func

@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from feedline.producer.dataflow.autotune import AutoWorkers
 from feedline.producer.dataflow.base import DataFlow
 from feedline.producer.dataflow.map_data import apply, reseed
 from feedline.producer.dataflow.parallel_map import ERR, OK, SKIP, ParallelMapBase
@@ -24,9 +25,12 @@ class MultiThreadMapData(ParallelMapBase):
     ``with``) to stop the threads.
     """
 
+    mode = "thread"
+
     def __init__(self, ds: DataFlow, num_thread: int, func: Callable[[Any], Any],
-                 buffer_size: int = 64, strict: bool = False, on_error: str = "raise") -> None:
-        super().__init__(ds, num_thread, buffer_size, strict, on_error)
+                 buffer_size: int = 64, strict: bool = False, on_error: str = "raise",
+                 autotune: AutoWorkers | None = None) -> None:
+        super().__init__(ds, num_thread, buffer_size, strict, on_error, autotune)
         self.func = func
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -52,6 +56,11 @@ class MultiThreadMapData(ParallelMapBase):
         inq = self._in[k if self.strict else 0]
         epoch = None
         while not self._stop.is_set():
+            # Parked by the tuner (parallel: auto); thread 0 never is: with the datapoints
+            # going to processes it finishes those that were queued for threads.
+            if k >= max(1, self.active):
+                self._stop.wait(0.05)
+                continue
             try:
                 gen, ep, i, dp = inq.get(timeout=0.2)
             except queue.Empty:

@@ -9,17 +9,26 @@ so every queue between the stage and its workers is bounded.
   saw what is fixed, so with a fixed seed the output is reproducible: use it for validation.
 - ``strict=False`` (unordered, the default): a datapoint goes to the least busy worker and
   results come out as they finish: the fastest mode, for training.
+
+Unordered stages can tune their worker count (``parallel: auto``): with ``autotune``
+(:class:`~feedline.producer.dataflow.autotune.AutoWorkers`) all ``num_workers`` workers start,
+and datapoints go to the first :attr:`active` of them, a number the tuner sets from measured
+periods (the others idle: a thread waits, a process blocks on its socket).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from feedline.errors import ConfigError
+from feedline.producer.dataflow.autotune import AutoWorkers
 from feedline.producer.dataflow.base import DataFlow, ProxyDataFlow
 from feedline.producer.dataflow.errors import WorkerError, check_policy
 
+log = logging.getLogger(__name__)
 # Result kinds sent back by workers: (kind, generation, index, worker, payload).
 OK, SKIP, ERR = "ok", "skip", "err"
 DRAIN_SECONDS = 30.0
@@ -28,8 +37,10 @@ DRAIN_SECONDS = 30.0
 class ParallelMapBase(ProxyDataFlow):
     """Subclasses start workers and implement ``_start``, ``_send``, ``_recv``, ``close``."""
 
+    mode = ""  # "thread" or "process": what a worker is (the metrics' label)
+
     def __init__(self, ds: DataFlow, num_workers: int, buffer_size: int, strict: bool,
-                 on_error: str) -> None:
+                 on_error: str, autotune: AutoWorkers | None = None) -> None:
         super().__init__(ds)
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ConfigError(f"num_workers must be an int >= 1, got {num_workers!r}")
@@ -37,6 +48,14 @@ class ParallelMapBase(ProxyDataFlow):
             raise ConfigError(f"buffer_size must be an int >= num_workers ({num_workers}), "
                              f"got {buffer_size!r}")
         self.num_workers, self.buffer_size, self.strict = num_workers, buffer_size, strict
+        if autotune is not None and strict:
+            raise ConfigError("autotune changes the workers a datapoint goes to: not with "
+                             "strict (ordered, reproducible) output")
+        self.auto = autotune
+        # Datapoints go to workers first .. first + active - 1 (all of them unless tuned).
+        self.first = 0
+        self.active = min(num_workers, autotune.setting[1]) if autotune else num_workers
+        self.name = ""  # the stage's label, for the tuner's log lines
         self.on_error = check_policy(on_error)
         self.skipped = 0
         self._epoch = 0
@@ -77,11 +96,24 @@ class ParallelMapBase(ProxyDataFlow):
 
     def _wait(self) -> tuple:
         self._flush()
+        t0 = time.monotonic()
         while True:
             res = self._recv(0.2)
             if res is not None:
-                return res
+                break
             self._check_alive()
+        if self.auto is not None:
+            now = time.monotonic()
+            self.auto.waited(now - t0)
+            self._apply(*self.auto.result(now))
+            for change in self.auto.changes:
+                log.info("%s: %s", self.name or type(self).__name__, change)
+            self.auto.changes.clear()
+        return res
+
+    def _apply(self, mode: str, workers: int) -> None:
+        """Use ``workers`` workers from now on (a stage of one mode ignores ``mode``)."""
+        self.active = max(1, min(self.num_workers, workers))
 
     def __iter__(self) -> Iterator[Any]:
         if not self._started:
@@ -108,7 +140,8 @@ class ParallelMapBase(ProxyDataFlow):
                     if self.strict:
                         w = idx % n
                     else:
-                        w = min(range(n), key=inflight.__getitem__)
+                        w = min(range(self.first, self.first + self.active),
+                                key=inflight.__getitem__)
                     if inflight[w] >= cap:
                         break
                     try:

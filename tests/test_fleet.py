@@ -1,0 +1,220 @@
+"""``feedline fleet`` against a real broker, real producer processes and a real trainer process
+(``feedline drain --schedule``: a model whose step goes fast, slow, fast).
+
+The producers run a paced pipeline (``fake: {delay}``: 10 batches/s each, whatever the CPU),
+so supply grows with their number on a 2-core machine too. The broker's sizing window is 4 s
+(``--sizing-window 4``: the number rises after 0.8 s of evidence, falls after 4 s). What is
+stated, and checked:
+
+- each way, the fleet runs the producers the demand needs within FOLLOW_UP (up) or
+  FOLLOW_DOWN (down) seconds of the demand's change (producers start in ~2 s on this
+  machine; the estimate averages over the window);
+- once it has, the trainer waits for data less than WAIT_BOUND of its time, to the phase's
+  end;
+- training: scaling down loses nothing (the broker counts no loss and no unconfirmed credit:
+  every stopped producer said BYE); exact delivery across scale-up and scale-down: every
+  sample of every epoch taken once (0 lost, 0 duplicated, bytes as a clean run's);
+- two supervisors share one stream's number: each runs its share (3 and 2 of 5), and the
+  counts then stay put (no fight).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from feedline.procs import Daemon, free_port, wait_for
+from feedline.scrape import scrape
+from tests.conftest import tcp_ready
+
+PER_PRODUCER = 10.0  # batches/s: 0.01 s a datapoint, 10 a batch
+FAST, SLOW = 0.025, 0.08  # model steps: 40 and 12.5 batches/s
+NEED_FAST = math.ceil(1 / FAST * 1.1 / PER_PRODUCER)  # 5, with the default 10% headroom
+NEED_SLOW = math.ceil(1 / SLOW * 1.1 / PER_PRODUCER)  # 2
+FOLLOW_UP = 20.0
+FOLLOW_DOWN = 20.0
+WAIT_BOUND = 0.10
+PACED = {"source": {"fake": {"shapes": [[256]], "dtypes": ["float32"], "random": False,
+                             "size": 10**9, "delay": 0.01}},
+         "steps": [{"batch": {"batch_size": 10}}]}
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Sample:
+    t: float
+    producers: float
+    wanted: float | None
+    taken: float | None = None  # the trainer's batches received (cumulative)
+    waited: float | None = None  # the trainer's wait seconds (cumulative)
+
+
+@dataclass
+class Watch:
+    """Scrapes the broker (and the trainer) every 0.5 s in a thread."""
+
+    broker: str
+    trainer: str | None = None
+    stream: str = "default"
+    samples: list[Sample] = field(default_factory=list)
+    fleets: list[dict[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self.t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            b = scrape(self.broker, 1.0)
+            if b.error:
+                continue
+            s = Sample(b.time - self.t0,
+                       b.get("feedline_broker_stream_peers", stream=self.stream,
+                             role="producer") or 0,
+                       b.get("feedline_broker_stream_producers_wanted", stream=self.stream))
+            if self.trainer:
+                c = scrape(self.trainer, 1.0)
+                s.taken = c.get("feedline_consumer_received_batches_total")
+                s.waited = c.get("feedline_consumer_wait_seconds_sum")
+            self.samples.append(s)
+            self.fleets.append({dict(lab)["fleet"]: v for lab, v in
+                                b.series("feedline_broker_fleet_producers").items()})
+            self.last = b
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def first(self, since: float, until: float, ok) -> Sample | None:
+        return next((s for s in self.samples if since <= s.t <= until and ok(s)), None)
+
+    def wait_share(self, start: float, end: float) -> float:
+        a = next(s for s in self.samples if s.t >= start and s.waited is not None)
+        b = [s for s in self.samples if s.t <= end and s.waited is not None][-1]
+        assert b.t - a.t > 3, "too short a stretch to judge"
+        return (b.waited - a.waited) / (b.t - a.t)  # type: ignore[operator]
+
+
+def start_broker(daemons, tmp_path: Path, *extra: str) -> tuple[str, str, str, Daemon]:
+    port, metrics = free_port(), free_port()
+    ingress, egress = f"tcp://127.0.0.1:{port}", f"ipc://{tmp_path}/egress.sock"
+    d = daemons("feedline.broker", "--ingress", ingress, "--egress", egress, "--metrics-port",
+                metrics, "--sizing-window", "4", "--heartbeat-interval", "0.2",
+                "--heartbeat-timeout", "1.5", *extra, name="broker")
+    wait_for(lambda: tcp_ready(port) or not d.alive(), 20, what="broker port")
+    assert d.alive(), d.log_text()
+    return ingress, egress, f"http://127.0.0.1:{metrics}/metrics", d
+
+
+def start_fleet(daemons, cfg: Path, ingress: str, metrics: str, fleet: str, lo: int, hi: int,
+                *extra: str) -> Daemon:
+    return daemons("feedline.commands", "fleet", "--config", cfg, "--broker", ingress,
+                   "--broker-metrics", metrics, "--min", lo, "--max", hi, "--id", fleet,
+                   "--interval", "0.5", "--stop-timeout", "10", *extra, "--",
+                   "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
+                   "--log-level", "WARNING", name=f"fleet-{fleet}")
+
+
+def test_fleet_follows_fast_slow_fast_demand(daemons, tmp_path: Path) -> None:
+    cfg = tmp_path / "paced.yaml"
+    cfg.write_text(yaml.safe_dump(PACED))
+    ingress, egress, metrics, _ = start_broker(daemons, tmp_path)
+    fleet = start_fleet(daemons, cfg, ingress, metrics, "A", 1, 6)
+    trainer_port = free_port()
+    phase = 35.0
+    daemons("feedline.commands", "drain", "--broker", egress, "--window", "8",
+            "--schedule", f"{phase}:{FAST},{phase}:{SLOW},{phase}:{FAST}",
+            "--metrics-port", trainer_port, "--log-interval", "5", name="trainer")
+    watch = Watch(metrics, f"http://127.0.0.1:{trainer_port}/metrics")
+    try:
+        wait_for(lambda: watch.samples and watch.samples[-1].taken, 30, what="first batches")
+        t0 = next(s.t for s in watch.samples if s.taken) - 1  # the schedule's start (about)
+        time.sleep(max(0.0, t0 + 3 * phase - (time.monotonic() - watch.t0)))
+    finally:
+        watch.close()
+    report = [(round(s.t - t0, 1), s.producers, s.wanted) for s in watch.samples]
+    for i, (need, bound, up) in enumerate([(NEED_FAST, FOLLOW_UP, True),
+                                           (NEED_SLOW, FOLLOW_DOWN, False),
+                                           (NEED_FAST, FOLLOW_UP, True)]):
+        start, end = t0 + i * phase, t0 + (i + 1) * phase
+        got = watch.first(start, start + bound,
+                          (lambda s, n=need: s.producers >= n) if up else
+                          (lambda s, n=need: s.producers <= n))
+        assert got is not None, f"phase {i}: not {need} producers within {bound}s: {report}"
+        share = watch.wait_share(got.t, end - 1)
+        assert share < WAIT_BOUND, (f"phase {i}: the trainer waited {share:.0%} after the "
+                                    f"fleet followed at {got.t - start:.1f}s: {report}")
+    # Scaling down lost nothing: each producer stopped said BYE (no unconfirmed credit).
+    b = watch.last
+    assert b.total("feedline_broker_dropped_peers_total", role="producer", reason="bye") >= 2
+    assert b.total("feedline_broker_lost_batches_total") == 0
+    assert b.get("feedline_broker_unconfirmed_batches_total", role="producer") == 0
+    assert fleet.alive()
+    fleet.stop()
+    text = fleet.log_text()
+    assert "stopping A-" in text and "broker wants" in text, text[-3000:]
+
+
+def test_exact_delivery_across_scale_up_and_down_loses_nothing(daemons, tmp_path: Path) -> None:
+    from tests.exact_ledger import audit, clean_run, exact_config, read_exact_ledger
+
+    # 800 batches in 2 epochs; units of 5 batches (0.5 s each): stops land mid-unit.
+    pipe = exact_config(4000, unit_size=50, batch_size=10, epochs=2, nbytes=256,
+                        rate=100.0, stream="val")
+    cfg = tmp_path / "exact.yaml"
+    cfg.write_text(yaml.safe_dump(pipe))
+    ingress, egress, metrics, _ = start_broker(daemons, tmp_path, "--state-dir",
+                                                  str(tmp_path / "state"))
+    fleet = start_fleet(daemons, cfg, ingress, metrics, "A", 1, 6)
+    ledger = tmp_path / "ledger.txt"
+    daemons("tests.exact_ledger_consumer", "--broker", egress, "--ledger", ledger,
+            "--stream", "val", "--window", "8", "--schedule", f"14:{FAST},16:{SLOW},60:{FAST}",
+            "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5", name="trainer")
+    watch = Watch(metrics, stream="val")
+    try:
+        wait_for(lambda: not fleet.alive(), 150, interval=0.5,
+                 what="the fleet to finish both epochs")
+    finally:
+        watch.close()
+    assert fleet.proc.returncode == 0, fleet.log_text()[-3000:]
+    log = fleet.log_text()
+    assert "started A-" in log and "stopping A-" in log, log[-3000:]
+    peak = max(s.producers for s in watch.samples)
+    assert peak >= 4, [s.producers for s in watch.samples]
+    led = read_exact_ledger(ledger)
+    assert [sorted(e) for _, e in led.ends] == [[0], [1]], led.ends
+    a = audit({"trainer": led.entries}, clean_run(pipe))
+    assert a.summary() == {"lost": 0, "duplicated": 0, "foreign": 0, "mismatched": 0}
+    assert a.clean() and a.taken == 2 * 4000
+
+
+def test_two_supervisors_share_the_number_without_fighting(daemons, tmp_path: Path) -> None:
+    cfg = tmp_path / "paced.yaml"
+    cfg.write_text(yaml.safe_dump(PACED))
+    ingress, egress, metrics, _ = start_broker(daemons, tmp_path)
+    start_fleet(daemons, cfg, ingress, metrics, "a-host", 1, 4)
+    start_fleet(daemons, cfg, ingress, metrics, "b-host", 1, 4)
+    daemons("feedline.commands", "drain", "--broker", egress, "--window", "8",
+            "--step-seconds", str(FAST), name="trainer")
+    watch = Watch(metrics)
+    try:
+        want = {"a-host": 3.0, "b-host": 2.0}  # 5 in sorted order: the first takes the rest
+        wait_for(lambda: watch.fleets and watch.fleets[-1] == want, 40, interval=0.5,
+                 what=f"shares {want}")
+        settled = len(watch.fleets)
+        time.sleep(12)
+    finally:
+        watch.close()
+    after = watch.fleets[settled:]
+    assert len(after) >= 15 and all(f == want for f in after), after
+    assert all(s.wanted == NEED_FAST for s in watch.samples[settled:]), watch.samples[settled:]
+
