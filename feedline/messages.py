@@ -54,13 +54,34 @@ registered again is about a registration neither side counts any more, and is ig
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits, packb
-from feedline.errors import ConfigError, FeedlineError
+from feedline.errors import ConfigError
+from feedline.fields import (
+    EXACT,
+    STREAM_NAME,
+    TRAINING,
+    U63,
+    BadField,
+    Check,
+    blob,
+    count,
+    delivery_mode,
+    flag,
+    fleet_id,
+    ident,
+    index_list,
+    integer,
+    reason,
+    stream,
+    text,
+    traceback_text,
+    window,
+    wire_key,
+)
 from feedline.wire import PROTOCOL_VERSION, Kind, header_map
 
 __all__ = [
@@ -69,87 +90,6 @@ __all__ = [
     "Revoke", "Taken", "Unit", "UnitDone", "UnitRequest", "UnitWait", "Want", "Welcome",
     "broker_of", "check_stream", "decode", "encode",
 ]
-
-_U63 = (1 << 63) - 1
-_STREAM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_REASON = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-class _Bad(FeedlineError):
-    """A field's value does not fit; the decoder turns it into a DecodeError."""
-
-
-Check = Callable[[Any, Limits], Any]
-
-
-def _int(lo: int, hi: int | Callable[[Limits], int]) -> Check:
-    if callable(hi):
-        top = hi
-
-        def check_limit(v: Any, lim: Limits) -> int:
-            if type(v) is not int or not lo <= v <= top(lim):  # a bool is no count
-                raise _Bad
-            return v
-        return check_limit
-
-    def check(v: Any, lim: Limits) -> int:
-        if type(v) is not int or not lo <= v <= hi:  # type(): a bool is no count
-            raise _Bad
-        return v
-    return check
-
-
-def _text(limit: Callable[[Limits], int], min_len: int = 0,
-          pattern: re.Pattern[str] | None = None) -> Check:
-    def check(v: Any, lim: Limits) -> str:
-        if not isinstance(v, str) or not min_len <= len(v) <= limit(lim):
-            raise _Bad
-        if pattern is not None and not pattern.match(v):
-            raise _Bad
-        return v
-    return check
-
-
-count = _int(0, _U63)  # sessions, sequence numbers, totals, byte counts
-ident = _text(lambda lim: lim.max_id_len, 1)
-fleet_id = _text(lambda lim: lim.max_id_len)  # empty: not started by a supervisor
-stream = _text(lambda lim: lim.max_stream_len, 1, _STREAM)
-text = _text(lambda lim: lim.max_text_len)
-traceback_text = _text(lambda lim: lim.max_traceback_len)
-reason = _text(lambda lim: 64, 1, _REASON)
-window = _int(1, lambda lim: lim.max_window)
-TRAINING, EXACT = "training", "exact"
-
-
-def delivery_mode(v: Any, lim: Limits) -> str:
-    if v not in (TRAINING, EXACT):
-        raise _Bad
-    return str(v)
-
-
-def flag(v: Any, lim: Limits) -> bool:
-    if not isinstance(v, bool):
-        raise _Bad
-    return v
-
-
-def index_list(v: Any, lim: Limits) -> list[int]:
-    if not isinstance(v, list) or len(v) > lim.max_container_len or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _U63 for i in v):
-        raise _Bad
-    return v
-
-
-def blob(v: Any, lim: Limits) -> bytes:
-    if not isinstance(v, bytes) or len(v) > lim.max_header_bytes:
-        raise _Bad
-    return v
-
-
-def wire_key(key: str, check: Check) -> dict[str, Any]:
-    """Field metadata: the field's key in the message map and the check of received values."""
-    return {"key": key, "check": check}
-
 
 M = TypeVar("M")
 _CLASSES: dict[Kind, type] = {}
@@ -174,7 +114,7 @@ def check_stream(name: str, limits: Limits = DEFAULT_LIMITS) -> str:
     naming the stream and the rule (a producer or a consumer with such a name would only ever
     see its HELLO refused, which looks like a broker that does not answer)."""
     if not isinstance(name, str) or not 1 <= len(name) <= limits.max_stream_len \
-            or not _STREAM.fullmatch(name):
+            or not STREAM_NAME.fullmatch(name):
         raise ConfigError(f"stream {name!r} is not a stream name: 1 to {limits.max_stream_len} "
                          "ASCII letters, digits, '.', '_' or '-', starting with a letter or a "
                          "digit (e.g. 'val-0', not 'val/0'); rename it")
@@ -212,7 +152,7 @@ class ConsumerHello:
     consumer: str = field(metadata=wire_key("p", ident))
     session: int = field(metadata=wire_key("q", count))
     window: int = field(metadata=wire_key("w", window))
-    max_bytes: int = field(metadata=wire_key("y", _int(1, _U63)))
+    max_bytes: int = field(metadata=wire_key("y", integer(1, U63)))
     stream: str = field(default=DEFAULT_STREAM, metadata=wire_key("st", stream))
     registration: int = field(default=0, metadata=wire_key("r", count))
     cursor: bytes = field(default=b"", metadata=wire_key("cr", blob))  # exact: resume here
@@ -298,7 +238,7 @@ class Error:
 class Refused:
     broker: int = field(metadata=wire_key("b", count))
     reason: str = field(metadata=wire_key("r", reason))
-    seq: int = field(default=-1, metadata=wire_key("s", _int(-1, _U63)))
+    seq: int = field(default=-1, metadata=wire_key("s", integer(-1, U63)))
     limit: int = field(default=0, metadata=wire_key("l", count))
     detail: str = field(default="", metadata=wire_key("d", text))
 
@@ -434,7 +374,7 @@ def from_map(header: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> Message
             continue
         try:
             values[name] = check(v, limits)
-        except _Bad:
+        except BadField:
             raise DecodeError(f"bad_{kind.name.lower()}", f"field {key!r}") from None
     # Every field is in ``values``, checked: set them as the frozen class's __init__ would,
     # without its object.__setattr__ per field (a control message per batch arrives).

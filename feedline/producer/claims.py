@@ -16,9 +16,9 @@ from typing import Any
 
 from feedline import messages as m
 from feedline.errors import ConfigError
-from feedline.producer.channel import ExactSpec
 from feedline.producer.dataflow.base import DataFlow, stages
 from feedline.producer.dataflow.sharded import ShardedSource
+from feedline.producer.outbox import ExactSpec
 
 
 def claiming_source(df: DataFlow) -> ShardedSource | None:

@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 
 from feedline.messages import DEFAULT_STREAM
-from feedline.producer.channel import ExactSpec
 from feedline.producer.dataflow import BatchData
 from feedline.producer.dataflow.autotune import cpu_budget
 from feedline.producer.dataflow.base import Indexable, UnitSource
 from feedline.producer.dataflow.map_data import ComponentFunc, apply, reseed
 from feedline.producer.dataflow.worker import WorkerInfo, set_worker
+from feedline.producer.outbox import ExactSpec
 from feedline.producer.pipeline_spec import (
     MAP_STEPS,
     SOURCES,

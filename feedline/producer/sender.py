@@ -31,21 +31,21 @@ from feedline import wire
 from feedline.client import ClientLoop, Waker
 from feedline.errors import ConfigError, DataError, FeedlineError, Stopped
 from feedline.link import LinkConfig
-from feedline.producer.channel import (
+from feedline.producer.channel import ProducerIO
+from feedline.producer.claims import SenderClaims, claim_spec, claiming_source
+from feedline.producer.dataflow.base import as_dataflow
+from feedline.producer.metrics import ProducerMetrics
+from feedline.producer.outbox import (
     BatchItem,
     ControlItem,
     ExactSpec,
     Item,
     Outbox,
-    ProducerIO,
     SkipItem,
     UnitAsk,
     UnitEnd,
     item_bytes,
 )
-from feedline.producer.claims import SenderClaims, claim_spec, claiming_source
-from feedline.producer.dataflow.base import as_dataflow
-from feedline.producer.metrics import ProducerMetrics
 from feedline.producer.targets import Targets
 from feedline.security import ClientKeys
 
