@@ -60,9 +60,24 @@ def test_registrations_that_never_send_do_not_count_as_streams():
     for i in range(110):
         cp.join(bytes([i % 256, i // 256]), declared=MiB, stream=f"s{i}")
     _running(cp, b"train", "train")
-    assert cp.shares({}, set())["train"] == Share(32, 64 * MiB)
-    cp.plan(0.0, 0, 0, {}, unread=set())
+    nobody_reads = {f"s{i}" for i in range(110)}
+    assert cp.shares({}, nobody_reads)["train"] == Share(32, 64 * MiB)
+    cp.plan(0.0, 0, 0, {}, unread=nobody_reads)
     assert cp.producers[b"train"].outstanding == 32
+
+
+def test_a_read_stream_that_has_not_sent_yet_counts():
+    """A consumer waits for stream ``val``, whose producer has not sent yet, while stream
+    ``default`` (nobody reads it) holds the whole buffer: ``default``'s share is half an
+    equal part of two streams, not the whole budget, so the broker evicts down to it and
+    ``val``'s producer gets its first credit. (Counting only produced streams, ``default``
+    kept everything and ``val`` never got a batch through.)"""
+    cp = CreditPlanner(Budget(32, 64 * MiB), window=32, lease=2.0)
+    _running(cp, b"d", "default")
+    cp.join(b"v", declared=MiB, stream="val")
+    shares = cp.shares({"default": (32, 32 * MiB)}, {"default"})
+    assert shares["default"] == Share(8, 16 * MiB)
+    assert shares["val"] == Share(16, 32 * MiB)
 
 
 def test_streams_that_are_produced_leave_a_read_stream_its_floor():

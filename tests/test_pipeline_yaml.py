@@ -295,7 +295,7 @@ def test_producer_cli_runs_the_val_example_against_a_real_broker(
     """Two producer processes of the exact-delivery example (units of 4 images here), its
     dataset given by --data: epoch 0, as the training process's epoch() yields it, is every
     image exactly once, as the model would see it."""
-    broker_proc()
+    broker_proc("--state-dir", str(tmp_path / "state"))  # exact streams need one
     cfg = yaml.safe_load((ROOT / "examples" / "imagenet_val.yaml").read_text())
     cfg["exact"] = {"unit_size": 4}
     cfg["steps"] = [{"imagenet_val": {"size": 64, "resize": 72}},

@@ -40,8 +40,10 @@ def general_shares(cp: CreditPlanner, by_stream: dict[str, tuple[int, int]],
     """The rule of ``CreditPlanner.shares`` computed without its cache."""
     produced = {p.stream for p in cp.producers.values() if p.received > 0}
     produced |= {s for s, (b, y) in by_stream.items() if b > 0 or y > 0}
-    return {s: cp.budget.per_stream(len(produced) + (s not in produced), read=s not in unread)
-            for s in {p.stream for p in cp.producers.values()} | produced}
+    registered = {p.stream for p in cp.producers.values()}
+    counted = produced | {s for s in registered if s not in unread}
+    return {s: cp.budget.per_stream(len(counted) + (s not in counted), read=s not in unread)
+            for s in registered | counted}
 
 
 class PlannerTally(RuleBasedStateMachine):

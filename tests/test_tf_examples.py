@@ -90,7 +90,7 @@ def test_validate_against_a_running_broker(broker_proc, daemons, endpoints, tmp_
     from tests.jpeg_data import make_folder
 
     make_folder(tmp_path / "val", classes=3, per_class=7)
-    broker_proc()
+    broker_proc("--state-dir", str(tmp_path / "state"))  # exact streams need one
     for i in range(2):
         daemons("feedline.producer", "--config", ROOT / "examples" / "imagenet_val.yaml", "--data",
                 tmp_path / "val", "--broker", endpoints.ingress, "--id", f"p{i}",

@@ -194,11 +194,12 @@ class Broker:
         held = self.buffer.by_stream()
         if not held:
             return
-        unread = {s for s in held if not self.egress.demand(s)}
-        if not unread:
+        known = set(held) | {p.stream for p in self.ingress.producers}
+        unread = {s for s in known if not self.egress.demand(s)}
+        if not unread & set(held):
             return
         shares = self.ingress.planner.shares(self._sink.held_by_stream(), unread)
-        for s in unread:
+        for s in unread & set(held):
             b, y = held[s]
             share = shares.get(s)
             if share is None or (b <= share.batches and y <= share.nbytes):

@@ -20,9 +20,10 @@ The rules, each a bound:
   ``new_producers`` share together (a quarter), so a flood of registrations that ask and
   never send cannot take what the producers that do send need; they start a few at a time.
 - Streams share the budget (``Budget.per_stream``): only streams that are produced (a
-  producer of it has sent a batch, or something of it is held) count, so registrations
-  that never send, on stream names of their own, shrink nobody's share; and a stream that is
-  read keeps at least the budget's ``stream_floor`` whatever the others do.
+  producer of it has sent a batch, or something of it is held) or read (a consumer waits for
+  it) count, so registrations that never send, on stream names of their own that nobody
+  reads, shrink nobody's share; and a stream that is read keeps at least the budget's
+  ``stream_floor`` whatever the others do.
 - A credit is worth ``unit`` bytes: the largest of the size the producer declared in its
   HELLO, the largest batch it sent, and what it asked for (WANT). A batch larger than
   ``max_bytes`` can never be granted: its WANT is refused (``batch_too_large``).
@@ -148,8 +149,9 @@ class CreditPlanner:
     def shares(self, by_stream: dict[str, tuple[int, int]],
                unread: set[str]) -> dict[str, Share]:
         """Each registered producer's stream's share of the budget (``Budget.per_stream``).
-        The streams that count are those produced: a producer of it has sent a batch, or
-        something of it is held (``by_stream``); a stream that is not is counted as one more
+        The streams that count are those produced (a producer of it has sent a batch, or
+        something of it is held: ``by_stream``) or read (not in ``unread``); one that is
+        neither is counted as one more
         for its own share (its producers' first credits come from the new producers' share
         anyway). ``unread``: the streams no consumer reads now."""
         produced = {p.stream for p in self.producers.values() if p.received > 0}
@@ -159,12 +161,16 @@ class CreditPlanner:
     def _shares(self, streams: set[str] | dict[str, Any], produced: set[str],
                 by_stream: dict[str, tuple[int, int]], unread: set[str]) -> dict[str, Share]:
         """:meth:`shares` given the producers' streams and those of them that have sent."""
-        produced = produced | {s for s, (b, y) in by_stream.items() if b > 0 or y > 0}
+        # A stream counts once produced, or once read: a consumer waiting for a stream that
+        # has not sent yet must not find the whole budget held by another that nobody reads
+        # (its producers could then never get a first credit).
+        counted = produced | {s for s, (b, y) in by_stream.items() if b > 0 or y > 0}
+        counted |= {s for s in streams if s not in unread}
         out = {}
-        n = len(produced)
+        n = len(counted)
         cache = self._per_stream
-        for s in produced.union(streams):
-            key = (n + (s not in produced), s not in unread)
+        for s in counted.union(streams):
+            key = (n + (s not in counted), s not in unread)
             share = cache.get(key)
             if share is None:
                 share = cache[key] = self.budget.per_stream(*key)
