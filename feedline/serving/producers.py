@@ -375,7 +375,12 @@ class ProducerSide:
             c.release(ident)  # its unit goes to another producer
         self.claims.leave(p.stream, ident)
         self.metrics.producer_label.release(p.label)
-        self._info.info("producer %s dropped (%s)", p.name, reason)
+        if reason == "timeout":  # silent past the timeout: a stopped or cut-off producer
+            self._info.warning("producer %s dropped (timeout: silent past the heartbeat "
+                               "timeout); what it had in flight is counted lost if it comes "
+                               "back", p.name)
+        else:
+            self._info.info("producer %s dropped (%s)", p.name, reason)
         self.metrics.dropped_peers.labels("producer", reason).inc()
         if reason not in ("bye", "registered_again") and credit is not None:
             # What it may have sent that will never arrive here.
