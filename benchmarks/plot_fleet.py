@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from benchmarks.plot_pipeline import pyplot  # noqa: E402
 
 COLORS = {"auto": "#2a6fb0", "max": "#c0392b", "min": "#7f8c8d"}
 
@@ -50,6 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
     schedule, per = data["schedule"], data["per_producer"]
+    plt = pyplot("plot_fleet.py")
     fig, (top, mid, low) = plt.subplots(3, 1, figsize=(10, 9), sharex=True,
                                         gridspec_kw={"height_ratios": [3, 3, 2]})
     end = sum(s for s, _ in schedule)

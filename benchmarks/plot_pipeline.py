@@ -10,6 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
+
+
+def pyplot(script: str) -> Any:
+    """matplotlib's pyplot (the Agg backend), imported only to draw: ``--help``, which
+    tests/test_docs.py runs for every documented command, needs no matplotlib. Every plot
+    script of benchmarks/ takes it from here."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(f"{script} needs matplotlib: pip install '.[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def main() -> None:
@@ -18,15 +33,7 @@ def main() -> None:
     ap.add_argument("results", type=Path)
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
-    # Imported to draw, as the other benchmarks' plots do: --help (which tests/test_docs.py
-    # runs for every documented command) needs no matplotlib.
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("plot_pipeline.py needs matplotlib: pip install '.[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("plot_pipeline.py")
     data = json.loads(args.results.read_text())
     sets = data["sets"]
     fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-import matplotlib
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from benchmarks.plot_pipeline import pyplot  # noqa: E402
 
 STYLE = {  # variant: (colour, line style); feedline's own in colour, the anchors in grey
     "direct": ("#2a6fb0", "-"),
@@ -46,6 +46,7 @@ def main() -> None:
     order = sorted(sizes, key=lambda s: sizes[s]["bytes"])
     xs = [sizes[s]["bytes"] for s in order]
     variants = [v for v in args.only or STYLE if v in sizes[order[0]]["median"]]
+    plt = pyplot("plot_transport.py")
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for v in variants:
         colour, line = STYLE.get(v, ("#9467bd", "-"))
