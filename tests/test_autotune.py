@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,9 @@ def test_pipeline_files_say_auto_and_are_refused_where_it_cannot_work(tmp_path: 
 def test_a_preset_pipeline_starts_tuned_and_says_so(tmp_path: Path) -> None:
     from tests.jpeg_data import make_folder
 
+    if cpu_budget().workers < 2:
+        pytest.skip("one CPU here: auto runs no workers (the next test)")
+
     root = tmp_path / "img"
     make_folder(root, classes=2, per_class=12)
     df = build_pipeline({"source": {"image_folder": {"root": str(root)}},
@@ -212,3 +216,37 @@ def test_a_preset_pipeline_starts_tuned_and_says_so(tmp_path: Path) -> None:
     fake = build_pipeline({"source": {"fake": {"shapes": [[2]], "size": 4}},
                            "steps": [{"batch": {"batch_size": 2}}]})
     assert parallel_summary(fake) == ""
+
+
+def test_on_one_cpu_auto_runs_the_map_steps_in_the_producers_thread(tmp_path: Path) -> None:
+    """One CPU (here: this process's affinity narrowed while the pipeline is built, as
+    ``taskset -c 0`` would): no worker can run beside the producer's thread, so auto starts
+    none, says so, and reports no workers."""
+    from tests.jpeg_data import make_folder
+
+    root = tmp_path / "img"
+    make_folder(root, classes=2, per_class=4)
+    cfg = {"source": {"image_folder": {"root": str(root)}},
+           "steps": [{"imagenet_train": {"size": 32}}, {"batch": {"batch_size": 4}}]}
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        df = build_pipeline(cfg)
+    finally:
+        os.sched_setaffinity(0, before)
+    threads = threading.active_count()
+    try:
+        df.reset_state()
+        batches = [b for _, b in zip(range(2), df, strict=False)]
+        assert len(batches) == 2 and batches[0][0].shape == (4, 32, 32, 3)
+        assert threading.active_count() == threads, "no worker thread was started"
+        summary = parallel_summary(df)
+        assert summary == "0:imagenet_train in the producer's thread (auto: 1 CPU by " \
+                          "affinity)", summary
+        registry = CollectorRegistry()
+        StageMetrics(registry, pipeline_stages(df))
+        text = generate_latest(registry).decode()
+        assert 'feedline_producer_stage_workers{mode="none",stage="0:imagenet_train"} 0.0' \
+            in text
+    finally:
+        df.close()

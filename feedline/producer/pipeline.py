@@ -52,7 +52,7 @@ from feedline.producer.dataflow import (
     MultiProcessRunner,
     MultiThreadMapData,
 )
-from feedline.producer.dataflow.auto_map_data import AutoMapData
+from feedline.producer.dataflow.auto_map_data import AutoMapData, InlineMapData
 from feedline.producer.dataflow.autotune import AutoWorkers, ModeTuner, cpu_budget, plural
 from feedline.producer.dataflow.base import Counted, Shardable, as_dataflow, stages
 from feedline.producer.dataflow.map_data import ComponentFunc, reseed
@@ -185,6 +185,11 @@ def _wrap_map(ds: DataFlow, funcs: list, par: dict[str, Any], on_error: str,
     auto = None
     if workers == "auto":
         budget = cpu_budget()
+        if mode == "auto" and budget.workers == 1:
+            # One CPU: a worker would only add its hand-over to the same CPU's work.
+            inline = InlineMapData(ds, func, f"auto: {budget.cores:g} CPU by {budget.source}",
+                                   on_error)
+            return CountData(inline, label, skips=[inline])
         # A thread more than CPUs hides I/O; a process more would only compete with ours.
         his = {"thread": budget.workers + 1, "process": budget.workers}
         modes = ("thread", "process") if mode == "auto" else (mode,)
@@ -221,7 +226,9 @@ def parallel_summary(df: DataFlow) -> str:
     out = []
     for s in pipeline_stages(df):
         for m in s.skips:
-            if isinstance(m, ParallelMapBase):
+            if isinstance(m, InlineMapData):
+                out.append(f"{s.name} in the producer's thread ({m.note})")
+            elif isinstance(m, ParallelMapBase):
                 kind = plural(m.mode) if m.active != 1 else m.mode
                 note = f" ({m.auto.note})" if m.auto is not None else ""
                 out.append(f"{s.name} {m.active} {kind}{note}")

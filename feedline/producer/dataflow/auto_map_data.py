@@ -9,6 +9,11 @@ sent to the other kind are still collected.
 
 Unordered only (results come out as they finish): a stage whose workers change cannot give
 a reproducible order; ``parallel.strict`` needs a fixed ``workers``.
+
+:class:`InlineMapData` is what ``parallel: auto`` builds on a budget of one CPU: the map
+steps are CPU work (decode, augment), and with one CPU no worker runs beside the producer's
+own thread, so a worker only adds its hand-over (measured: 0.89x of the pipeline run in the
+producer's thread, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from feedline.producer.dataflow.autotune import AutoWorkers
 from feedline.producer.dataflow.base import DataFlow
+from feedline.producer.dataflow.map_data import MapData
 from feedline.producer.dataflow.multi_process_map_data import MultiProcessMapData
 from feedline.producer.dataflow.multi_thread_map_data import MultiThreadMapData
 from feedline.producer.dataflow.parallel_map import ParallelMapBase
@@ -83,3 +89,16 @@ class AutoMapData(ParallelMapBase):
         self.procs.close()
         self._started = False
         super().close()
+
+
+class InlineMapData(MapData):
+    """``MapData`` that ``parallel: auto`` chose (one CPU): no workers, and why (``note``,
+    for the start-up line); ``mode`` and ``active`` as the parallel maps report them."""
+
+    mode = "none"
+    active = 0
+
+    def __init__(self, ds: DataFlow, func: Callable[[Any], Any], note: str,
+                 on_error: str = "raise") -> None:
+        super().__init__(ds, func, on_error)
+        self.note = note
