@@ -30,6 +30,7 @@ from feedline.flags import (
     server_keys,
     stop_on_signals,
 )
+from feedline.heap import keep_freed_memory
 from feedline.logs import setup_logging
 from feedline.serving.server import Remedy, check_exposure
 
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from feedline.metrics import serve_metrics
 
     setup_logging(args.log_level)
+    log.debug("%s", keep_freed_memory())  # batches of megabytes: feedline.heap
     if args.step_seconds < 0:
         raise SystemExit("feedline drain: --step-seconds must be >= 0")
     if args.schedule and args.step_seconds:

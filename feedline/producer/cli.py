@@ -19,6 +19,7 @@ from feedline.flags import (
     client_keys,
     stop_on_signals,
 )
+from feedline.heap import keep_freed_memory
 from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     start is one line on stderr and exit status 1; the pipeline's workers and their
     temporary directories are gone when this returns, whatever ended it."""
     setup_logging(args.log_level)
+    log.debug("%s", keep_freed_memory())  # batches of megabytes: feedline.heap
     try:
         args.broker = args.broker or [DEFAULT_BROKER]
         for addr in args.broker:
