@@ -7,15 +7,18 @@ size), but gives the heap's free top back to the kernel whenever more than twice
 at once; the next batch then faults every page in again (4 KiB each, zeroed). Exact delivery
 frees several batches together (a unit's, an epoch's end), and `benchmarks/exact.py` counted
 5x the page faults of training mode in its producers and 14x in its broker, which cost the
-fake pipeline about a tenth of its rate; with the thresholds below the faults are gone in
-both modes (docs/performance.md).
+fake pipeline about a tenth of its rate; with the thresholds below they are gone from the
+producers. The broker keeps some (what libzmq's I/O thread receives comes from that thread's
+own heap, which glibc hands back whole when it empties): one arena for every thread removed
+those too, but made the broker's training path 4-6% slower, so it is not used
+(docs/performance.md).
 
 :func:`keep_freed_memory` sets the mmap threshold to glibc's largest (32 MiB: blocks up to
 it come from the heap) and the trim threshold to :data:`TRIM_THRESHOLD` (the free top a
 process keeps, at most). It does nothing if the environment sets glibc's malloc already
 (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``: the operator's
-choice stands) or on another C library. Daemons call it at start (broker with one arena,
-producer, drain);
+choice stands) or on another C library. Daemons call it at start (broker, producer,
+drain);
 a training process that embeds ``RemoteDataZMQ`` may call it itself.
 """
 
@@ -26,18 +29,14 @@ import os
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
-M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit
 TRIM_THRESHOLD = 256 << 20  # freed heap a process keeps for its next batches, at most
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 
-def keep_freed_memory(one_arena: bool = False) -> str:
-    """Set glibc's thresholds (see the module); returns what was done, in words.
-    ``one_arena``: every thread allocates from the main heap (the broker: what libzmq's I/O
-    thread receives came from a heap of that thread's own, which the thresholds did not keep:
-    35,000 faults in 8 s there, 159 with one arena). Call it before the threads start."""
-    given = [k for k in (*_ENV, *(("MALLOC_ARENA_MAX",) if one_arena else ())) if k in os.environ]
+def keep_freed_memory() -> str:
+    """Set glibc's thresholds (see the module); returns what was done, in words."""
+    given = [k for k in _ENV if k in os.environ]
     if given:
         return f"malloc as the environment sets it ({', '.join(given)})"
     try:
@@ -45,14 +44,12 @@ def keep_freed_memory(one_arena: bool = False) -> str:
             return "malloc unchanged (not glibc)"
         libc = ctypes.CDLL(None)
         ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 \
-            and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 \
-            and (not one_arena or libc.mallopt(M_ARENA_MAX, 1) == 1)
+            and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     except (AttributeError, OSError, ValueError):
         return "malloc unchanged (not glibc)"
     if not ok:
         return "malloc unchanged (mallopt refused)"
-    return f"malloc keeps up to {TRIM_THRESHOLD >> 20} MiB freed" + \
-        (", one arena" if one_arena else "")
+    return f"malloc keeps up to {TRIM_THRESHOLD >> 20} MiB freed"
 
 
 __all__ = ["TRIM_THRESHOLD", "keep_freed_memory"]

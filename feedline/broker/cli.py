@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     """Check every address, then the keys; serve metrics, bind, run until SIGTERM/SIGINT.
     Any failure to start is one line on stderr and exit status 1, with nothing bound."""
     setup_logging(args.log_level)
-    log.debug("%s", keep_freed_memory(one_arena=True))  # batches of megabytes: feedline.heap
+    log.debug("%s", keep_freed_memory())  # batches of megabytes: feedline.heap
     try:
         check_addresses(args)
         config = config_from_args(args)
