@@ -11,7 +11,6 @@ right axis. Bottom: the share of each second the trainer waited for data. Needs 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.plot_pipeline import pyplot  # noqa: E402
+from benchmarks.plot_pipeline import plot_parser, pyplot  # noqa: E402
 
 COLORS = {"auto": "#2a6fb0", "max": "#c0392b", "min": "#7f8c8d"}
 
@@ -43,10 +42,7 @@ def per_second(samples: list[dict[str, Any]], key: str) -> tuple[list[float], li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", type=Path)
-    ap.add_argument("out", type=Path)
+    ap = plot_parser(__doc__)
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
     schedule, per = data["schedule"], data["per_producer"]

@@ -27,12 +27,18 @@ def pyplot(script: str) -> Any:
     return plt
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+def plot_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command line every plot script of benchmarks/ starts from: a results JSON file
+    and the picture to write (a script adds its own flags)."""
+    ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", type=Path)
-    ap.add_argument("out", type=Path)
-    args = ap.parse_args()
+    ap.add_argument("results", type=Path, help="the benchmark's --json file")
+    ap.add_argument("out", type=Path, help="the picture to write (.png)")
+    return ap
+
+
+def main() -> None:
+    args = plot_parser(__doc__).parse_args()
     plt = pyplot("plot_pipeline.py")
     data = json.loads(args.results.read_text())
     sets = data["sets"]

@@ -8,14 +8,13 @@ Needs matplotlib (``pip install '.[bench]'``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.plot_pipeline import pyplot  # noqa: E402
+from benchmarks.plot_pipeline import plot_parser, pyplot  # noqa: E402
 
 STYLE = {  # variant: (colour, line style); feedline's own in colour, the anchors in grey
     "direct": ("#2a6fb0", "-"),
@@ -35,10 +34,7 @@ LABEL = {"feedline": "feedline via the broker", "direct": "feedline direct mode"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", type=Path)
-    ap.add_argument("out", type=Path)
+    ap = plot_parser(__doc__)
     ap.add_argument("--only", nargs="*", default=None,
                     help="variants to draw (default: feedline's, before, and the anchors)")
     args = ap.parse_args()

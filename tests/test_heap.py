@@ -10,6 +10,10 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.skipif(not hasattr(os, "confstr")
+                                or not os.confstr("CS_GNU_LIBC_VERSION"),
+                                reason="glibc's malloc only")
+
 PATTERN = """
 import sys
 import numpy as np
@@ -39,8 +43,6 @@ def faults(mode: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     return int(out.stdout), out.stderr.strip()
 
 
-@pytest.mark.skipif(not hasattr(os, "confstr") or not os.confstr("CS_GNU_LIBC_VERSION"),
-                    reason="glibc's malloc only")
 def test_freed_batches_are_kept_for_the_next_ones() -> None:
     default, _ = faults("default")
     kept, said = faults("keep")

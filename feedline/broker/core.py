@@ -194,12 +194,13 @@ class Broker:
         held = self.buffer.by_stream()
         if not held:
             return
-        known = set(held) | {p.stream for p in self.ingress.producers}
+        known = held.keys() | {p.stream for p in self.ingress.producers}
         unread = {s for s in known if not self.egress.demand(s)}
-        if not unread & set(held):
+        over = unread & held.keys()  # unread streams with something buffered
+        if not over:
             return
         shares = self.ingress.planner.shares(self._sink.held_by_stream(), unread)
-        for s in unread & set(held):
+        for s in over:
             b, y = held[s]
             share = shares.get(s)
             if share is None or (b <= share.batches and y <= share.nbytes):
