@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import signal
 import threading
 import urllib.request
 from pathlib import Path
@@ -121,6 +122,12 @@ def test_a_cursor_of_another_pipeline_is_refused_in_one_line(broker_proc, daemon
                 pytest.raises(FeedlineError, match="another pipeline") as e:
             next(iter(src.epoch()))
         assert "\n" not in str(e.value)
+    # Their batches wait for credit nobody gives, and the end of a unit waits behind them:
+    # SIGTERM still stops them (before, that wait ignored it until the SIGKILL).
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        assert p.stop(timeout=8) == 0, p.log_text()[-2000:]
 
 
 N_LARGE, UNIT_LARGE, BATCH_LARGE = 586 * 4096, 4096, 4  # 600,064 batches an epoch

@@ -264,3 +264,36 @@ def test_a_running_producer_does_not_ask_for_every_batch():
     # The first batch asks (nothing granted yet); one more if the first grant, sized by the
     # bytes that arrived, is short of the bound a batch's credit must cover.
     assert wants <= 2, f"{wants} WANTs for {n} batches"
+
+
+def test_a_stopping_producer_does_not_wait_for_credit_nobody_gives():
+    """(The peer under test is a producer, against a broker played by the test.)
+
+    Claim: a Sender that is told to stop (SIGTERM, a fleet's scale-down) and holds batches no
+    broker has credit for gives up on them once nothing moved for half a second, instead of
+    holding the stop up for its whole flush time; at a dataflow's end (not stopping) it waits
+    the whole time, as credit for its last batches may still come.
+
+    Before: every stop waited the link's flush_ms (3 s) for credit, then the I/O thread's
+    close; eight producers stopped one after another took 25 s in this suite's teardowns."""
+    fake = FakeBroker()
+    try:
+        with Sender(fake.addr, producer_id="stopping", link=FAST) as s:
+            reg = fake.wait_for_kind(HELLO, 10)["r"]
+            fake.send(welcome(4444, reg))
+            fake.send(broker_credit(4444, 1, reg))
+            for i in range(3):  # one leaves; the I/O thread holds one; one waits behind it
+                s.send([np.full(4, i, np.int32)])
+            assert sum(1 for h in fake.recv(1.0) if h.get("k") == BATCH) == 1
+            t0 = time.monotonic()
+            assert not s.flush(1.0)  # the dataflow's end: waits the whole second
+            waited_at_end = time.monotonic() - t0
+            fake.send(broker_heartbeat(4444))
+            t0 = time.monotonic()
+            assert not s.flush(30.0, stopping=True)
+            waited_stopping = time.monotonic() - t0
+            s.stopped = True  # its close gives up the same way
+    finally:
+        fake.close()
+    assert waited_at_end >= 0.9, waited_at_end
+    assert waited_stopping < 15.0, f"a stop waited {waited_stopping:.1f}s of its 30 s"

@@ -46,5 +46,5 @@ class SenderClaims:
         got = self.sender.next_unit(self.stop)
         if got is None:
             return None
-        self.sender.unit_done(got.epoch, got.unit, 0)
+        self.sender.unit_done(got.epoch, got.unit, 0, stop=self.stop)
         return got.epoch, got.unit

@@ -186,7 +186,7 @@ class ExactPipeline:
                 sender.send(batch, epoch=got.epoch, stop=stop, unit=got.unit, index=j,
                             last=j == total - 1, pipeline=fingerprint)
                 sent += 1
-            sender.unit_done(got.epoch, got.unit, total, tuple(empty))
+            sender.unit_done(got.epoch, got.unit, total, tuple(empty), stop)
 
 
 def is_exact(cfg: Mapping[str, Any]) -> bool:
@@ -270,9 +270,10 @@ def send_exact(pipe: ExactPipeline, addr: str | list[str], *, producer_id: str |
                 stream=stream or pipe.stream, exact=pipe.spec, fleet=fleet) as sender:
         try:
             sent = pipe.run(sender, stop)
-            sender.end(pipe.epochs)
+            sender.end(pipe.epochs, stop)
             return sent
         except Stopped:
+            sender.stopped = True
             return 0
         except Exception as e:
             sender.error(e)

@@ -52,6 +52,7 @@ from feedline.security import ClientKeys
 log = logging.getLogger(__name__)
 _POLL = 0.1  # seconds between stop/error checks while waiting for credit
 _UNIT_RETRY = 1.0  # seconds without an answer before a unit request is sent again
+_NO_CREDIT_GRACE = 0.5  # a stop waits this long for credit for a batch that has none
 
 
 def default_producer_id() -> str:
@@ -112,6 +113,7 @@ class Sender:
         self._units_given = 0  # exact delivery: work units the broker gave us
         self._ask = 0  # ... and the number of our last request for one
         self._closed = False
+        self.stopped = False  # set when told to stop (not at the dataflow's end): see flush
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
                                  exact=exact, fleet=fleet)
         out.waker = Waker()
@@ -208,10 +210,13 @@ class Sender:
             if got.ask in (ask, 0):  # 0: a broker that does not number its answers
                 return got
 
-    def unit_done(self, epoch: int, unit: int, batches: int, empty: tuple[int, ...] = ()) -> None:
+    def unit_done(self, epoch: int, unit: int, batches: int, empty: tuple[int, ...] = (),
+                  stop: threading.Event | None = None) -> None:
         """Exact delivery: every batch of the unit was handed over (UNIT_DONE goes after);
-        ``empty``: indices of batches not sent because every sample of them was skipped."""
-        self._hand_over(UnitEnd(epoch, unit, batches, tuple(empty)), None)
+        ``empty``: indices of batches not sent because every sample of them was skipped.
+        Waits for room behind batches that wait for credit: ``stop`` ends that wait
+        (:class:`Stopped`)."""
+        self._hand_over(UnitEnd(epoch, unit, batches, tuple(empty)), stop)
 
     def _hand_over(self, item: Item, stop: threading.Event | None) -> None:
         out = self._out
@@ -240,10 +245,11 @@ class Sender:
         if out.loop is not None and not out.loop.alive():
             raise FeedlineError(f"producer I/O thread is not running: {out.loop.error!r}")
 
-    def end(self, epochs: int) -> None:
-        """Tell consumers this producer's dataflow ended (EOS), after its batches."""
+    def end(self, epochs: int, stop: threading.Event | None = None) -> None:
+        """Tell consumers this producer's dataflow ended (EOS), after its batches (``stop``
+        ends a wait for room: :class:`Stopped`)."""
         self._hand_over(ControlItem(m.Eos(producer=self.producer_id, seq=self._seq,
-                                          epochs=epochs)), None)
+                                          epochs=epochs)), stop)
 
     def error(self, exc: BaseException) -> None:
         """Send a pipeline failure with its traceback to the consumers."""
@@ -256,13 +262,26 @@ class Sender:
         except FeedlineError:
             log.warning("could not tell the broker about the failure: %s", text)
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until everything handed over was sent (bounded); True if it was."""
+    def flush(self, timeout: float, stopping: bool = False) -> bool:
+        """Wait until everything handed over was sent (bounded); True if it was. When
+        ``stopping`` (SIGTERM, a scale-down), gives up early once the I/O thread holds a
+        batch that no broker has credit for and nothing moved for ``_NO_CREDIT_GRACE``
+        seconds: what no trainer asked for would only hold the stop up (in exact mode its
+        unit is made again elsewhere). At a dataflow's end it waits the whole ``timeout``:
+        its last batches and EOS may still get credit."""
         out = self._out
-        target, deadline = out.handed, time.monotonic() + timeout
+        now = time.monotonic()
+        target, deadline = out.handed, now + timeout
+        done, moved = out.done, now
         while out.done < target:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
+                return False
+            if out.done != done:
+                done, moved = out.done, now
+            elif stopping and out.holding and out.credit <= 0 \
+                    and now - moved >= _NO_CREDIT_GRACE:
                 return False
             out.idle.clear()  # set again by the I/O thread once it sent all it was handed
             if out.done >= target:
@@ -281,7 +300,7 @@ class Sender:
         self.targets.stop()
         out = self._out
         if out.loop is not None and out.loop.alive():
-            self.flush(self._link_cfg.flush_ms / 1000)
+            self.flush(self._link_cfg.flush_ms / 1000, stopping=self.stopped)
             out.loop.stop(timeout=self._link_cfg.flush_ms / 1000 + 5)
 
     def __enter__(self) -> Sender:
@@ -371,9 +390,9 @@ def send_dataflow(
                     raise DataError("the dataflow yielded nothing in a whole epoch")
                 epoch += 1
                 stats.epochs = epoch
-            sender.end(epoch)
+            sender.end(epoch, stop)
         except Stopped:
-            pass
+            sender.stopped = True
         except Exception as e:
             sender.error(e)
             raise
