@@ -140,6 +140,22 @@ class Child:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
 
+def stop_all(children: Sequence[Child], timeout: float = 10.0) -> None:
+    """Stop several children at once: SIGTERM to each (in the order given), then wait for
+    them together, up to ``timeout`` in all, then SIGKILL what is left. Their shutdowns
+    (a producer lets what it holds leave for up to ``flush_ms``) overlap instead of adding."""
+    for c in children:
+        if c.alive():
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for c in children:
+        try:
+            c.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait(10)
+
+
 class Daemon(Child):
     """A child process running ``python -m <module> ARGS``."""
 

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from feedline.broker import Broker, BrokerConfig
-from feedline.procs import Daemon, free_port, wait_for
+from feedline.procs import Daemon, free_port, stop_all, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,8 +112,7 @@ def daemons(tmp_path: Path) -> Iterator:
         return d
 
     yield start
-    for d in reversed(procs):
-        d.stop(timeout=10)
+    stop_all(procs[::-1], timeout=10)
 
 
 @pytest.fixture

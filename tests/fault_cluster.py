@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from feedline.procs import Child, wait_for
+from feedline.procs import Child, stop_all, wait_for
 from tests.netns import Network
 
 
@@ -198,13 +198,11 @@ class Cluster:
         self.close()
 
     def close(self) -> None:
-        for c in self.consumers.values():
+        children = [*self.consumers.values(),
+                    *(inc.child for incs in self.producers.values() for inc in incs)]
+        for c in children:
             c.signal(signal.SIGCONT)
-            c.stop(timeout=10)
-        for incs in self.producers.values():
-            for inc in incs:
-                inc.child.signal(signal.SIGCONT)
-                inc.child.stop(timeout=10)
+        stop_all(children, timeout=15)  # their shutdowns overlap
         if self.broker is not None:
             self.broker.stop(timeout=10)
 
