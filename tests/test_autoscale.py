@@ -153,8 +153,10 @@ def test_both_autoscalers_read_the_brokers_number_live(daemons, tmp_path: Path) 
     daemons("feedline.commands", "fleet", "--config", cfg, "--broker", ingress,
             "--broker-metrics", f"127.0.0.1:{metrics}", "--min", "1", "--max", "4", "--id", "a",
             "--interval", "0.5", "--", "--log-level", "WARNING", name="fleet")
+    # 22 batches/s against 10 per producer: the broker wants ceil(22 x 1.1 / 10) = 3, with
+    # room either side (a producer 19% slower, or a trainer 17% slower, moves it).
     daemons("feedline.commands", "drain", "--broker", egress, "--window", "8",
-            "--step-seconds", "0.04", name="trainer")  # 25 batches/s: 3 producers of 10
+            "--step-seconds", "0.045", name="trainer")
     prom = Prometheus(scrape_config({"broker": [f"127.0.0.1:{metrics}"]}), tmp_path / "prom")
     try:
         url = f"http://127.0.0.1:{metrics}/metrics"
@@ -162,24 +164,28 @@ def test_both_autoscalers_read_the_brokers_number_live(daemons, tmp_path: Path) 
         def served() -> float | None:
             return scrape(url).get("feedline_broker_stream_producers_wanted", stream="default")
 
-        wait_for(lambda: served() == 3, 40, interval=0.5, what="the broker to want 3")
+        # On a loaded machine the measured rates may put the number at 2 or 4: what this test
+        # checks is that both autoscalers' queries return the broker's number, whatever it is,
+        # once the stream is input-bound (a second producer wanted).
+        wait_for(lambda: (served() or 0) >= 2, 40, interval=0.5,
+                 what="the broker to want more than one producer")
         hpa = load(AUTO / "hpa" / "hpa.yaml")
         selector = hpa["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"]
         (rule,) = adapter_rules()
         so = load(AUTO / "keda" / "scaledobject.yaml")
         keda_query = so["spec"]["triggers"][0]["metadata"]["query"]
 
-        def agree() -> bool:
+        def agree() -> float | None:
             want = served()
-            return want is not None and prom.value(adapter_query(rule, selector)) == want \
-                and prom.value(keda_query) == want
-        wait_for(agree, 20, interval=0.5, what="both queries to return the broker's number")
-        want = served()
-        assert want == 3
+            if want is not None and want >= 2 and \
+                    prom.value(adapter_query(rule, selector)) == want == prom.value(keda_query):
+                return want
+            return None
+        want = wait_for(agree, 20, interval=0.5, what="both queries to return the broker's number")
         # What each autoscaler then asks for: ceil(value / target), the target being 1.
-        assert math.ceil(want / float(hpa["spec"]["metrics"][0]["external"]["target"]
-                                      ["averageValue"])) == 3
-        assert math.ceil(want / float(so["spec"]["triggers"][0]["metadata"]["threshold"])) == 3
+        target = float(hpa["spec"]["metrics"][0]["external"]["target"]["averageValue"])
+        assert math.ceil(want / target) == want
+        assert math.ceil(want / float(so["spec"]["triggers"][0]["metadata"]["threshold"])) == want
         dash = json.loads((ROOT / "deploy/grafana/dashboards/feedline.json").read_text())
         sizing = [t["expr"] for p in dash["panels"] if p["id"] in (23, 24, 25, 26)
                   for t in p["targets"]]
