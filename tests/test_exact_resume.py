@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import signal
 import threading
 import urllib.request
 from pathlib import Path
@@ -21,7 +20,7 @@ import yaml
 from feedline.consumer import RemoteDataZMQ
 from feedline.cursor import Cursor
 from feedline.errors import FeedlineError
-from feedline.procs import free_port, wait_for
+from feedline.procs import free_port, stop_all, wait_for
 from feedline.producer.exact import build_exact
 from tests.netns import metric_sum
 from tests.test_exact_delivery import FAST, assert_exactly_once, pipeline, producer, samples
@@ -124,10 +123,9 @@ def test_a_cursor_of_another_pipeline_is_refused_in_one_line(broker_proc, daemon
         assert "\n" not in str(e.value)
     # Their batches wait for credit nobody gives, and the end of a unit waits behind them:
     # SIGTERM still stops them (before, that wait ignored it until the SIGKILL).
+    stop_all(procs, timeout=8)  # one SIGTERM each, then SIGKILL after 8 s
     for p in procs:
-        p.signal(signal.SIGTERM)
-    for p in procs:
-        assert p.stop(timeout=8) == 0, p.log_text()[-2000:]
+        assert p.proc.returncode == 0, p.log_text()[-2000:]
 
 
 N_LARGE, UNIT_LARGE, BATCH_LARGE = 586 * 4096, 4096, 4  # 600,064 batches an epoch
