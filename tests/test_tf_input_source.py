@@ -133,3 +133,42 @@ def test_importing_the_base_does_not_import_tensorflow() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def _through_queue_input(points: list[Any], **kw: Any) -> list[list[np.ndarray]]:
+    """What QueueInput's fast enqueue (the raw op) gives for ``points``."""
+    with QueueInput(iter(points), capacity=8, **kw) as q:
+        return [[t.numpy() for t in tf.nest.flatten(q.dequeue())] for _ in points]
+
+
+def _through_fifo_queue(points: list[Any], dtypes: list[Any],
+                        shapes: list[Any] | None) -> list[list[np.ndarray]]:
+    """What ``FIFOQueue.enqueue`` (its Python wrapper's conversion) gives for ``points``."""
+    q = tf.queue.FIFOQueue(8, dtypes, shapes=shapes)
+    for p in points:
+        q.enqueue(tf.nest.flatten(p))
+    return [[t.numpy() for t in tf.nest.flatten(q.dequeue())] for _ in points]
+
+
+def test_the_fast_enqueue_gives_what_the_queues_own_enqueue_gives() -> None:
+    """QueueInput enqueues with the raw op (FIFOQueue.enqueue's wrapper cost 693 us a 1 MB
+    batch against 95): arrays of the queue's dtype go as they are, anything else is converted
+    to the queue's dtype as the wrapper does; the result is the same tensors."""
+    first = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array([1, 2], np.int64)]
+    points = [first,
+              [np.arange(6, dtype=np.float64).reshape(2, 3) / 7, np.array([3, 4], np.int32)],
+              [np.arange(6).reshape(2, 3), np.array([7, 8], np.int16)]]  # converted
+    dtypes, shapes = [tf.float32, tf.int64], [(2, 3), (2,)]
+    want = _through_fifo_queue(points, dtypes, shapes)
+    got = _through_queue_input(points)
+    for w, g in zip(want, got, strict=True):
+        for a, b in zip(w, g, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+    # A datapoint the queue cannot hold is an error the training side sees, not a hang.
+    for bad in ([np.ones((3, 3), np.float32), np.array([1, 2])],  # another shape
+                [np.ones((2, 3), np.float32)]):  # another structure
+        with QueueInput(iter([first, bad]), capacity=8) as q:
+            q.dequeue()
+            with pytest.raises(Exception, match=r"(?i)shape|components"):
+                q.dequeue()
