@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from feedline.consumer.input_source import InputSource
-from feedline.errors import ConfigError, UsageError
+from feedline.errors import ConfigError, DataError, UsageError
 from feedline.producer.dataflow.base import as_dataflow
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class QueueInput(InputSource):
         dtypes = self._dtypes
         assert dtypes is not None
         if len(flat) != len(dtypes):
-            raise ValueError(f"a datapoint of {len(flat)} components for a queue of "
+            raise DataError(f"a datapoint of {len(flat)} components for a queue of "
                              f"{len(dtypes)}: every batch must have the first one's structure")
         return [c if isinstance(c, np.ndarray) and c.dtype == dt.as_numpy_dtype
                 else tf.convert_to_tensor(c, dtype=dt) for c, dt in zip(flat, dtypes,
