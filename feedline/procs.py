@@ -141,12 +141,19 @@ class Child:
 
 
 def stop_all(children: Sequence[Child], timeout: float = 10.0) -> None:
-    """Stop several children at once: SIGTERM to each (in the order given), then wait for
-    them together, up to ``timeout`` in all, then SIGKILL what is left. Their shutdowns
-    (a producer lets what it holds leave for up to ``flush_ms``) overlap instead of adding."""
+    """Stop several children at once: SIGTERM to each (in the order given), then
+    :func:`wait_all`. Their shutdowns (a producer lets what it holds leave for up to
+    ``flush_ms``) overlap instead of adding."""
     for c in children:
         if c.alive():
             c.proc.send_signal(signal.SIGTERM)
+    wait_all(children, timeout)
+
+
+def wait_all(children: Sequence[Child], timeout: float) -> None:
+    """Wait for children already told to stop, up to ``timeout`` in all, then SIGKILL what
+    is left. (Not a second SIGTERM: a daemon that is shutting down takes that as "now",
+    as a second Ctrl-C, and dies of it.)"""
     deadline = time.monotonic() + timeout
     for c in children:
         try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from feedline.procs import Child
+from feedline.procs import Child, wait_all
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,9 @@ class Pool:
         return exited
 
     def close(self, timeout: float) -> None:
-        """Stop every producer gracefully (SIGTERM, then kill past ``timeout``)."""
-        for m in [*self.running, *self.stopping]:
+        """Stop every producer gracefully (SIGTERM, then kill past ``timeout``). Those
+        stopping already got their SIGTERM: a second one would kill them mid-shutdown."""
+        for m in self.running:
             m.child.signal(signal.SIGTERM)
-        for m in [*self.running, *self.stopping]:
-            m.child.stop(timeout)
+        wait_all([m.child for m in [*self.running, *self.stopping]], timeout)
         self.running, self.stopping = [], []
