@@ -214,8 +214,7 @@ class Sender:
                   stop: threading.Event | None = None) -> None:
         """Exact delivery: every batch of the unit was handed over (UNIT_DONE goes after);
         ``empty``: indices of batches not sent because every sample of them was skipped.
-        Waits for room behind batches that wait for credit: ``stop`` ends that wait
-        (:class:`Stopped`)."""
+        ``stop`` ends a wait for room (:class:`Stopped`)."""
         self._hand_over(UnitEnd(epoch, unit, batches, tuple(empty)), stop)
 
     def _hand_over(self, item: Item, stop: threading.Event | None) -> None:
@@ -264,31 +263,26 @@ class Sender:
 
     def flush(self, timeout: float, stopping: bool = False) -> bool:
         """Wait until everything handed over was sent (bounded); True if it was. When
-        ``stopping`` (SIGTERM, a scale-down), gives up early once the I/O thread holds a
-        batch that no broker has credit for and nothing moved for ``_NO_CREDIT_GRACE``
-        seconds: what no trainer asked for would only hold the stop up (in exact mode its
-        unit is made again elsewhere). At a dataflow's end it waits the whole ``timeout``:
-        its last batches and EOS may still get credit."""
+        ``stopping`` (SIGTERM, a scale-down), give up once the I/O thread holds a batch no
+        broker has credit for and nothing moved for ``_NO_CREDIT_GRACE`` s: nothing of it
+        reached a broker (an exact unit is made again elsewhere). At a dataflow's end wait
+        the whole ``timeout``: its last batches and EOS may still get credit."""
         out = self._out
-        now = time.monotonic()
-        target, deadline = out.handed, now + timeout
-        done, moved = out.done, now
+        target, deadline = out.handed, time.monotonic() + timeout
+        done, moved = out.done, time.monotonic()
         while out.done < target:
             now = time.monotonic()
-            left = deadline - now
-            if left <= 0:
-                return False
             if out.done != done:
                 done, moved = out.done, now
-            elif stopping and out.holding and out.credit <= 0 \
-                    and now - moved >= _NO_CREDIT_GRACE:
+            if now >= deadline or (stopping and out.holding and out.credit <= 0
+                                   and now - moved >= _NO_CREDIT_GRACE):
                 return False
             out.idle.clear()  # set again by the I/O thread once it sent all it was handed
             if out.done >= target:
                 break
             if out.waker is not None:
                 out.waker.wake()
-            out.idle.wait(min(left, 0.05))
+            out.idle.wait(min(deadline - now, 0.05))
         return True
 
     def close(self) -> None:
