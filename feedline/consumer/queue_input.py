@@ -106,25 +106,24 @@ class QueueInput(InputSource):
         self._thread.start()
         return self
 
-    def _components(self, flat: list[Any]) -> list[Any]:
+    def _components(self, flat: list[Any], kinds: list[tuple[tf.DType, Any]]) -> list[Any]:
         """What the enqueue op takes: arrays of the queue's dtypes as they are (the op's own
         conversion is the one copy), anything else converted to the queue's dtype as
-        ``FIFOQueue.enqueue`` would."""
-        dtypes = self._dtypes
-        assert dtypes is not None
-        if len(flat) != len(dtypes):
+        ``FIFOQueue.enqueue`` would. ``kinds``: (dtype, numpy dtype) of each component."""
+        if len(flat) != len(kinds):
             raise DataError(f"a datapoint of {len(flat)} components for a queue of "
-                             f"{len(dtypes)}: every batch must have the first one's structure")
-        return [c if isinstance(c, np.ndarray) and c.dtype == dt.as_numpy_dtype
-                else tf.convert_to_tensor(c, dtype=dt) for c, dt in zip(flat, dtypes,
-                                                                         strict=True)]
+                            f"{len(kinds)}: every batch must have the first one's structure")
+        return [c if isinstance(c, np.ndarray) and c.dtype == nd
+                else tf.convert_to_tensor(c, dtype=dt)
+                for c, (dt, nd) in zip(flat, kinds, strict=True)]
 
     def _run(self) -> None:
-        assert self.queue is not None and self._iter is not None
+        assert self.queue is not None and self._iter is not None and self._dtypes is not None
         # The raw op, not FIFOQueue.enqueue: its Python wrapper converts and checks every
         # component on its own (693 us a 1 MB batch on the development machine, against 95
         # for the op; benchmarks/input_overhead.py). The queue's kernel checks the dtypes and
         # shapes all the same.
+        kinds = [(dt, dt.as_numpy_dtype) for dt in self._dtypes]
         enqueue, handle = tf.raw_ops.QueueEnqueueV2, self.queue.queue_ref
         try:
             pending = self._first
@@ -133,7 +132,7 @@ class QueueInput(InputSource):
                 if pending is None:
                     pending = tf.nest.flatten(next(self._iter))
                 # blocks while full; close() cancels it
-                enqueue(handle=handle, components=self._components(pending))
+                enqueue(handle=handle, components=self._components(pending, kinds))
                 self.enqueued += 1
                 pending = None
         except StopIteration:
