@@ -135,14 +135,14 @@ def test_importing_the_base_does_not_import_tensorflow() -> None:
     assert r.returncode == 0, r.stderr
 
 
-def _through_queue_input(points: list[Any], **kw: Any) -> list[list[np.ndarray]]:
+def _through_queue_input(points: list[Any]) -> list[list[np.ndarray]]:
     """What QueueInput's fast enqueue (the raw op) gives for ``points``."""
-    with QueueInput(iter(points), capacity=8, **kw) as q:
+    with QueueInput(iter(points), capacity=8) as q:
         return [[t.numpy() for t in tf.nest.flatten(q.dequeue())] for _ in points]
 
 
 def _through_fifo_queue(points: list[Any], dtypes: list[Any],
-                        shapes: list[Any] | None) -> list[list[np.ndarray]]:
+                        shapes: list[Any]) -> list[list[np.ndarray]]:
     """What ``FIFOQueue.enqueue`` (its Python wrapper's conversion) gives for ``points``."""
     q = tf.queue.FIFOQueue(8, dtypes, shapes=shapes)
     for p in points:
