@@ -166,6 +166,26 @@ def test_idle_credit_is_revoked_only_when_someone_waits_and_the_lease_ran_out():
     assert b"a" in cp.plan(3.3, 0, 0).grants
 
 
+def test_the_time_a_producer_holds_credit_is_kept_exactly():
+    """Sizing tells a producer that runs free (it holds credit: asked for batches, still
+    making them) from one the trainers hold back (it answers each grant at once) by this
+    time. It is kept at each grant and batch, not sampled: a sample taken just after a
+    grant (where the broker's loop takes it) would see every producer holding credit."""
+    cp = planner(max_batches=2, window=1)
+    for k in (b"fast", b"slow"):
+        start(cp, k, 1000)
+    t = 0.0
+    for _ in range(10):  # every 0.1 s the buffer has room for one batch of each
+        cp.plan(t, 0, 0)
+        cp.batch(b"fast", 1000, t + 0.001)  # sends as soon as it may
+        cp.batch(b"slow", 1000, t + 0.09)  # needs 90 ms to make its batch
+        t += 0.1
+    cp.plan(t, 0, 0)  # both hold credit again from t
+    fast, slow = (cp.producers[k].credit_seconds(t + 0.05) for k in (b"fast", b"slow"))
+    assert fast == pytest.approx(10 * 0.001 + 0.05)
+    assert slow == pytest.approx(10 * 0.09 + 0.05)
+
+
 def test_no_revocation_when_nobody_waits():
     cp = planner(max_batches=32, window=4, lease=0.5)
     start(cp, b"slow", 1000)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -166,6 +167,23 @@ def test_capacity_is_learnt_only_from_unthrottled_producers() -> None:
     assert sizer.capacity is not None and abs(sizer.capacity - 10.0) < 1.0
     assert wanted[-1] == proposals(1.5)[0] == 2
     assert all(b <= a for a, b in zip(wanted[:60], wanted[1:60], strict=False)), wanted  # only down
+
+
+def test_a_number_above_the_connected_producers_comes_down_while_model_bound() -> None:
+    """The capacity figure was learnt while the one producer ran flat out (10 batches/s for a
+    trainer of 10: headroom asks for 2), then the producer got faster (a warm cache) and the
+    trainer is fed: throttled, it delivers 10/s, which says nothing of what it could do, so
+    the figure stays and keeps asking for 2. The fleet never starts the second producer (it
+    is at its limit). Model-bound with one producer means one suffices: the number comes
+    down after the hold (it stayed at 2 for ever before)."""
+    cfg = SizingConfig.for_window(4.0)
+    sizer, stream = StreamSizer(cfg), Stream(capacity=10.0, n=1)
+    early = [sizer.observe(float(t), *stream.second(10.0)) for t in range(20)]
+    assert early[-1].wanted == 2 and early[-1].verdict != "model-bound"
+    stream.capacity = 40.0
+    late = [sizer.observe(float(t), *stream.second(10.0)) for t in range(20, 50)]
+    assert late[-1].verdict == "model-bound" and sizer.capacity == pytest.approx(10.0, 0.05)
+    assert late[-1].wanted == 1, [e.wanted for e in late]
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,15 +1,16 @@
 """The broker's side of sizing: it samples what its producers and consumers do, keeps one
 :class:`~feedline.serving.sizing.StreamSizer` per stream and exports the number.
 
-Called on every tick of the broker's loop (a few times a second): each call adds the time
-every producer held unused credit (what tells a producer that runs free from one the trainers
-hold back); about once a second it hands each stream's counters to its sizer and sets
+Called on every tick of the broker's loop (a few times a second): about once a second it
+hands each stream's counters to its sizer (with the time every producer held unused credit,
+which the credit planner keeps exactly: what tells a producer that runs free from one the
+trainers hold back) and sets
 ``feedline_broker_stream_producers_wanted`` and the figures behind it, and each supervisor's
 share (``feedline_broker_fleet_*``: producers started by ``feedline fleet --id X`` say so in
 their HELLO, with the supervisor's ``--max``).
 
 It reads, and never changes: the producer side's registrations (``stream``, ``fleet``) and its
-credit planner's per-producer ``outstanding``/``received``; the consumer side's registrations
+credit planner's per-producer ``received`` and ``credit_seconds``; the consumer side's registrations
 (``taken``, ``delivered``, ``window``, ``waited``).
 """
 
@@ -40,22 +41,11 @@ class BrokerSizing:
         self.sizers: dict[str, StreamSizer] = {}
         self.estimates: dict[str, Estimate] = {}
         self.shares: dict[str, dict[str, int]] = {}
-        self._credit: dict[tuple[bytes, int], float] = {}  # producer -> seconds with credit
         self._quiet: dict[str, float] = {}  # stream -> since when it has no peer
         self._fleet_series: set[tuple[str, str]] = set()
-        self._last: float | None = None
         self._next = 0.0
 
     def tick(self, now: float, ingress: Any, egress: Any) -> None:
-        dt = 0.0 if self._last is None else max(0.0, now - self._last)
-        self._last = now
-        planned = ingress.planner.producers
-        credit: dict[tuple[bytes, int], float] = {}
-        for p in ingress.producers:
-            key = (p.ident, p.registration)
-            c = planned.get(p.ident)
-            credit[key] = self._credit.get(key, 0.0) + (dt if c and c.outstanding > 0 else 0.0)
-        self._credit = credit
         if now < self._next:
             return
         self._next = now + _EVERY
@@ -68,8 +58,8 @@ class BrokerSizing:
         for p in ingress.producers:
             c = planned.get(p.ident)
             key = (p.ident, p.registration)
-            producers.setdefault(p.stream, []).append(
-                ProducerSample(key, c.received if c else 0, self._credit.get(key, 0.0)))
+            producers.setdefault(p.stream, []).append(ProducerSample(
+                key, c.received if c else 0, c.credit_seconds(now) if c else 0.0))
             n, top = fleets.setdefault(p.stream, {}).get(p.fleet[0], (0, 0))
             fleets[p.stream][p.fleet[0]] = (n + 1, max(top, p.fleet[1]))
         consumers: dict[str, list[ConsumerSample]] = {}

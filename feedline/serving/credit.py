@@ -55,11 +55,19 @@ class ProducerCredit:
     revoking_since: float | None = None
     idle: bool = False  # new, or gave its credit back: more only when it asks
     held_since: float = 0.0  # when it last started holding credit, or last used it
+    held_seconds: float = 0.0  # time it held unused batch credit, up to held_since
     stream: str = "default"
 
     @property
     def outstanding(self) -> int:
         return max(0, self.granted - self.received)
+
+    def credit_seconds(self, now: float) -> float:
+        """Seconds it held unused batch credit since its HELLO, up to ``now``: the time it
+        was asked for a batch and had not sent it (what tells a producer that runs free from
+        one the trainers hold back; sizing reads it). Credit given back on a REVOKE (unused for
+        a lease: an idle producer) is not counted."""
+        return self.held_seconds + (max(0.0, now - self.held_since) if self.outstanding else 0.0)
 
     @property
     def reserved(self) -> int:
@@ -104,6 +112,7 @@ class CreditPlanner:
         """A batch of ``nbytes`` arrived. Returns a breach (``no_credit``, ``over_credit``)
         if the producer sent beyond its grant; the caller cuts it off."""
         p = self.producers[key]
+        p.held_seconds = p.credit_seconds(now)
         p.received += 1
         p.received_bytes += nbytes
         p.largest = max(p.largest, min(nbytes, self.max_bytes))

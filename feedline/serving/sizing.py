@@ -27,7 +27,8 @@ of the last half window (a rise shows there first); proposals down at the whole 
 need that wanders inside the band never reverses the number (tests/test_sizing.py proves it
 with Hypothesis).
 
-Guards where the figures and the verdict disagree: model-bound never asks for more, and
+Guards where the figures and the verdict disagree: model-bound never asks for more
+producers than are connected (a number above them comes down after ``down_hold``), and
 input-bound never for fewer. Before any capacity was learned the verdict alone moves the
 number, once the connected producers have matched it for a window (a scale-up still starting
 is not judged): one fewer per ``down_hold`` while model-bound (a probe: fewer producers run
@@ -209,7 +210,10 @@ class StreamSizer:
             self._reached = now
         settled = self._reached is not None and now - self._reached >= self.cfg.window
         if verdict == "model-bound":
-            up = min(up, n) if settled else min(up, held)
+            # The connected producers keep the trainers fed: never more than them (nor, while
+            # the fleet has not settled, more than the number held).
+            up = min(up, n) if settled else min(up, n, held)
+            down = min(down, max(n, 1))
             if not self.capacity and settled:
                 up = down = n - 1  # nothing learned yet: probe one fewer
         elif verdict == "input-bound":
