@@ -10,6 +10,7 @@ both modes); the peers that break the rules are DEALERs speaking the protocol by
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -309,4 +310,42 @@ def test_a_stopping_producer_does_not_wait_for_credit_nobody_gives():
     finally:
         if late is not None:
             late.join()
+        fake.close()
+
+
+def test_a_stopping_producer_does_not_wait_for_a_broker_that_is_gone():
+    """(The peer under test is a producer, against a broker played by the test.)
+
+    Claim: a producer told to stop while it holds credit from a broker that is gone (the
+    trainer host died with it, as when the demo is killed -9) gives up on the batch it cannot
+    send once nothing moves, however long its flush may take (an hour here: a flush that
+    waited would end the test by its timeout). With credit, a send fails only when no broker
+    is connected (the pipe holds far more than a credit window).
+
+    Before: it waited the link's flush_ms (3 s) with credit in hand; the suite's kill -9 of
+    the demo saw its producer outlive it by more than 15 s on a loaded machine."""
+    fake = FakeBroker()
+    try:
+        # A heartbeat timeout longer than the test: the producer does not find the broker
+        # dead (and drop its credit) while it stops, as with the default 5 s.
+        with Sender(fake.addr, producer_id="orphaned",
+                    link=dataclasses.replace(FAST, heartbeat_timeout=3600.0)) as s:
+            reg = fake.wait_for_kind(HELLO, 10)["r"]
+            fake.send(welcome(4444, reg))
+            fake.send(broker_credit(4444, 1000, reg))
+            s.send([np.zeros(4, np.int32)])
+            assert sum(1 for h in fake.recv(1.0) if h.get("k") == BATCH) == 1
+            fake.close()
+            # A batch sent before the producer's side saw the connection go is queued and
+            # counts as sent; the next ones cannot be.
+            stuck = False
+            for i in range(50):
+                s.send([np.full(4, i, np.int32)])
+                if not s.flush(0.5):
+                    stuck = True
+                    break
+            assert stuck, "every batch was queued: the producer never saw the broker go"
+            assert not s.flush(3600.0, stopping=True)
+            s.stopped = True
+    finally:
         fake.close()
