@@ -26,7 +26,9 @@ one image, 1M seven, 9.6M 64, 64M 425), a byte array of the size otherwise (16K)
 int32 label per image. The consumers turn every batch into numpy arrays (views where the
 library gives views) and touch nothing else; each reports its bytes, batches and its own
 CPU-seconds (user + system, all its threads: for direct mode that is the training process
-serving its producers). Rounds alternate between the variants, size by size; the report
+serving its producers). Rounds alternate between the variants, size by size, in reverse
+order every other round: a variant's place in a round moved its figure (direct mode at
+150 KB measured 5% faster run second than first, whichever code it was); the report
 gives, per size, medians of GB/s, batches/s and consumer CPU-seconds per GB, and the ratios
 to the relay, to raw and to tensorpack.
 
@@ -312,7 +314,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="feedline-bench-") as tmp:
         for r in range(args.rounds):
             for size in sizes:
-                for name, fn in runs.items():
+                order = list(runs.items())
+                for name, fn in (order[::-1] if r % 2 else order):
                     work = Path(tmp) / f"{name}-{size.name}-{r}"
                     work.mkdir()
                     run = Run(work, size, args.seconds)
