@@ -9,7 +9,7 @@ Pure (no clock, no sockets): the broker samples its counters about once a second
   takes 20 batches/s while waiting half the time would take 40.
 - **Capacity** is what one producer delivers when credit is not what holds it back: the
   delivery rate of producers that held unused credit at least :attr:`SizingConfig.unthrottled`
-  of the window (the broker samples that a few times a second). Producers of a stream run the
+  of the window (the credit planner keeps that time exactly). Producers of a stream run the
   same pipeline, so the stream learns one figure (a moving average) and keeps it while the
   producers are throttled (model-bound, so their rate says nothing of what they could do);
   a throttled producer that delivers more than the figure raises it.
