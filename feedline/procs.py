@@ -128,12 +128,7 @@ class Child:
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, wait up to ``timeout``, then SIGKILL. Returns the exit code."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_all([self], timeout)
         return self.proc.wait(10)
 
     def log_text(self) -> str:
@@ -145,8 +140,7 @@ def stop_all(children: Sequence[Child], timeout: float = 10.0) -> None:
     :func:`wait_all`. Their shutdowns (a producer lets what it holds leave for up to
     ``flush_ms``) overlap instead of adding."""
     for c in children:
-        if c.alive():
-            c.proc.send_signal(signal.SIGTERM)
+        c.signal(signal.SIGTERM)
     wait_all(children, timeout)
 
 

@@ -23,6 +23,7 @@ from feedline.consumer import (  # noqa: E402
     StagingInput,
     as_dataset,
 )
+from feedline.errors import DataError  # noqa: E402
 from feedline.procs import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.tf
@@ -166,9 +167,10 @@ def test_the_fast_enqueue_gives_what_the_queues_own_enqueue_gives() -> None:
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(a, b)
     # A datapoint the queue cannot hold is an error the training side sees, not a hang.
-    for bad in ([np.ones((3, 3), np.float32), np.array([1, 2])],  # another shape
-                [np.ones((2, 3), np.float32)]):  # another structure
+    for bad, error in (([np.ones((3, 3), np.float32), np.array([1, 2])],  # another shape
+                        tf.errors.InvalidArgumentError),
+                       ([np.ones((2, 3), np.float32)], DataError)):  # another structure
         with QueueInput(iter([first, bad]), capacity=8) as q:
             q.dequeue()
-            with pytest.raises(Exception, match=r"(?i)shape|components"):
+            with pytest.raises(error, match=r"(?i)shape|components"):
                 q.dequeue()

@@ -10,8 +10,8 @@ share (``feedline_broker_fleet_*``: producers started by ``feedline fleet --id X
 their HELLO, with the supervisor's ``--max``).
 
 It reads, and never changes: the producer side's registrations (``stream``, ``fleet``) and its
-credit planner's per-producer ``received`` and ``credit_seconds``; the consumer side's registrations
-(``taken``, ``delivered``, ``window``, ``waited``).
+credit planner's per-producer ``received`` and ``credit_seconds``; the consumer side's
+registrations (``taken``, ``delivered``, ``window``, ``waited``).
 """
 
 from __future__ import annotations

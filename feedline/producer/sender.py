@@ -52,7 +52,7 @@ from feedline.security import ClientKeys
 log = logging.getLogger(__name__)
 _POLL = 0.1  # seconds between stop/error checks while waiting for credit
 _UNIT_RETRY = 1.0  # seconds without an answer before a unit request is sent again
-_NO_CREDIT_GRACE = 0.5  # a stop waits this long for a batch it cannot send
+_STOP_GRACE = 0.5  # a stop waits this long for a batch it cannot send
 
 
 def default_producer_id() -> str:
@@ -264,7 +264,7 @@ class Sender:
     def flush(self, timeout: float, stopping: bool = False) -> bool:
         """Wait until everything handed over was sent (bounded); True if it was. When
         ``stopping`` (SIGTERM, a scale-down), give up once the I/O thread holds a batch it
-        could not send for ``_NO_CREDIT_GRACE`` s (no broker has credit for it, or, with
+        could not send for ``_STOP_GRACE`` s (no broker has credit for it, or, with
         credit, none is connected: a send fails only then, the pipe holds far more than a
         credit window): nothing of it reached a broker (an exact unit is made again
         elsewhere). At a dataflow's end wait the whole ``timeout``: its last batches and
@@ -277,7 +277,7 @@ class Sender:
             if out.done != done:
                 done, moved = out.done, now
             if now >= deadline or (stopping and out.holding
-                                   and now - moved >= _NO_CREDIT_GRACE):
+                                   and now - moved >= _STOP_GRACE):
                 return False
             out.idle.clear()  # set again by the I/O thread once it sent all it was handed
             if out.done >= target:
