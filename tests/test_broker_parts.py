@@ -120,16 +120,29 @@ def test_a_want_tops_up_bytes_when_the_batch_credit_is_there():
 
 def test_a_refused_batch_returns_its_credit():
     """The refused batch counts as received (both sides agree on the totals); the room it
-    did not fill is planned anew, so the producer gets credit back."""
+    did not fill is planned anew: another producer can have it, and the refused producer
+    gets credit again when it asks (WANT), not before.
+
+    Before: the refused producer was given its window back unasked, and held it until
+    someone else waited for room for a whole lease."""
     cp = planner(max_batches=4, window=4)
     start(cp, b"p", 1000)
     cp.plan(0.0, 0, 0)
     assert cp.producers[b"p"].outstanding == 4
     for _ in range(4):
         assert cp.batch(b"p", 1000, 0.1) is None
+        cp.refused(b"p")
     assert cp.producers[b"p"].outstanding == 0
     cp.plan(0.2, held_batches=0, held_bytes=0)  # the broker refused them: nothing held
-    assert cp.producers[b"p"].outstanding == 4
+    assert cp.producers[b"p"].outstanding == 0, "more only when it asks"
+    start(cp, b"q", 1000)
+    cp.plan(0.3, held_batches=0, held_bytes=0)
+    assert cp.producers[b"q"].outstanding == 4, "the room went to the one that asked"
+    for _ in range(4):
+        assert cp.batch(b"q", 1000, 0.4) is None  # taken by the trainers: nothing held
+    cp.want(b"p", sent=4, sent_bytes=4000, size=1000)
+    cp.plan(0.5, held_batches=0, held_bytes=0)
+    assert cp.producers[b"p"].outstanding >= 1, "asked: granted again"
 
 
 def test_sending_beyond_the_grant_is_a_breach():

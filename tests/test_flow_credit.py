@@ -109,7 +109,11 @@ def test_a_refused_batch_returns_its_credit(host, daemons, tmp_path):
     credit again and its next, valid, batch is delivered.
 
     Before: the refused batches' credit stays outstanding while their senders heartbeat:
-    0 of the healthy producer's 20 batches in 10 s, and no new credit for the refused ones."""
+    0 of the healthy producer's 20 batches in 10 s, and no new credit for the refused ones.
+    And later (until 2026-11-24): the refused producers were given their window again
+    unasked and kept it unless someone waited for room for a whole lease; when the healthy
+    producer got its batches first, two to four of them still held 4 each at the end (the
+    gauge 12 or 20 against 8, about one run in eight under load)."""
     h = host()
     metrics = h.metrics
     ctx = zmq.Context()
@@ -265,6 +269,56 @@ def test_a_running_producer_does_not_ask_for_every_batch():
     # The first batch asks (nothing granted yet); one more if the first grant, sized by the
     # bytes that arrived, is short of the bound a batch's credit must cover.
     assert wants <= 2, f"{wants} WANTs for {n} batches"
+
+
+def test_a_producer_asks_again_after_a_refused_batch():
+    """(The peer under test is a producer, against a broker played by the test.)
+
+    Claim: after the broker refuses one of its batches, a producer asks (WANT) for the
+    credit of its next batch instead of waiting for a grant unasked: a host holds a producer
+    whose batch it refused idle (feedline/serving/credit.py, ``refused``) and grants it more
+    only when it asks. Played here by a broker that refuses the first batch and otherwise
+    grants as the planner does: to a WANT, and one unasked credit per accepted batch.
+
+    Before: with its batch credit spent and a batch sent under this registration, it took
+    the next credit to come unasked and waited: 1 of 3 batches arrived in 15 s."""
+    from feedline import messages as fm
+
+    fake = FakeBroker()
+    inst, n = 4444, 3
+    stop = threading.Event()
+    t, failure = send_in_thread(fake.addr, "refused-once",
+                                [[np.full(1000, i, np.int32)] for i in range(n)], stop)
+    batches = wants_after = received_bytes = 0
+    try:
+        reg = fake.wait_for_kind(HELLO, 10)["r"]
+        fake.send(welcome(inst, reg))
+        end = time.monotonic() + 15
+        while batches < n and time.monotonic() < end:
+            if not fake.sock.poll(200):
+                fake.send(broker_heartbeat(inst))
+                continue
+            ident, first, *arrays = fake.sock.recv_multipart()
+            h = unpack(first)
+            if h.get("k") == WANT:
+                wants_after += batches > 0
+                sent_bytes, size = want_of(h)
+                fake.send(broker_grant(inst, batches + 1, sent_bytes + size, reg))
+            elif h.get("k") == BATCH:
+                batches += 1
+                received_bytes += len(first) + sum(len(a) for a in arrays)
+                if batches == 1:
+                    fake.send(fm.encode(fm.Refused(broker=inst, reason="bad_header",
+                                                   seq=int(h["s"]), detail="played")))
+                else:
+                    fake.send(broker_grant(inst, batches + 1, received_bytes + (1 << 20), reg))
+    finally:
+        stop.set()
+        t.join(10)
+        fake.close()
+    assert not failure, failure
+    assert batches == n, f"{batches} of {n} batches arrived"
+    assert wants_after >= 1, "it never asked after the refusal"
 
 
 def test_a_stopping_producer_does_not_wait_for_credit_nobody_gives():

@@ -49,7 +49,7 @@ class RawProducer:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.connect(addr)
-        self.granted = self.sent = 0
+        self.granted = self.sent = self.sent_bytes = 0
 
     def _read(self, timeout_ms: int) -> int:
         """Read what arrived; returns the batches granted so far."""
@@ -71,9 +71,14 @@ class RawProducer:
 
     def send(self, frames: list) -> None:
         """Send within credit, as the broker requires even of a peer sending garbage (one
-        without credit is cut off: test_flow_* covers that)."""
+        without credit is cut off: test_flow_* covers that). Out of credit, it asks (WANT)
+        as an honest producer does: after a refused batch the broker grants only when asked."""
+        if self._read(0) <= self.sent:
+            self.sock.send(m.encode(m.Want(sent=self.sent, sent_bytes=self.sent_bytes,
+                                           size=1 << 20, registration=1)))
         wait_for(lambda: self._read(10) > self.sent, 20, what="credit")
         self.sent += 1
+        self.sent_bytes += sum(len(f) for f in frames)
         self.sock.send_multipart(frames)
 
     def close(self) -> None:

@@ -73,6 +73,13 @@ class PlannerTally(RuleBasedStateMachine):
         self.cp.batch(key, size, self.now)  # a breach too: it is counted all the same
 
     @precondition(lambda self: self.cp.producers)
+    @rule(data=st.data(), size=st.integers(1, 3000))
+    def refused(self, data: st.DataObject, size: int) -> None:
+        key = data.draw(st.sampled_from(sorted(self.cp.producers)))
+        self.cp.batch(key, size, self.now)
+        self.cp.refused(key)
+
+    @precondition(lambda self: self.cp.producers)
     @rule(data=st.data())
     def returned(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.cp.producers)))
@@ -95,7 +102,11 @@ class PlannerTally(RuleBasedStateMachine):
         self.now += dt
         hb = sum(b for b, _ in self.held.values())
         hy = sum(y for _, y in self.held.values())
+        idle = {k: p.granted for k, p in self.cp.producers.items() if p.idle and not p.wanting}
         self.cp.plan(self.now, hb, hy, dict(self.held), set(self.unread))
+        # A producer held idle (new, gave its credit back, or its batch was refused) gets
+        # nothing it did not ask for.
+        assert all(self.cp.producers[k].granted == g for k, g in idle.items()), idle
 
     @invariant()
     def tally_is_the_general_sums(self) -> None:

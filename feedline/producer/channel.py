@@ -194,6 +194,10 @@ class ProducerIO:
 
     def _refused(self, ch: Channel, msg: m.Refused) -> None:
         self.out.metrics.refused.labels(msg.reason).inc()
+        # A refused batch leaves us idle at the broker (more credit only when asked): ask
+        # for the next batch's credit instead of waiting for a grant nobody sends. (Any other
+        # refusal ends the registration or the producer; an extra WANT costs nothing.)
+        ch.largest_sent = 0
         if self.out.exact is not None and msg.reason in EXACT_FATAL and not ch.link.welcomed \
                 and ch is self.channels[0]:
             # An exact stream's registration refused for a reason no retry changes: the

@@ -29,6 +29,8 @@ The rules, each a bound:
   ``max_bytes`` can never be granted: its WANT is refused (``batch_too_large``).
 - At most ``window`` batches outstanding per producer; fewest-outstanding first, ties
   rotated, producers that asked first of all.
+- A producer whose batch was refused gets more credit only when it asks (WANT), as a new
+  registration does.
 - Credit unused for ``lease`` seconds while another producer waits for room is asked back
   (REVOKE); the producer answers with what it sent (RETURNED) and gets credit again only
   when it asks (WANT). One that does not answer is the broker's to cut off.
@@ -123,6 +125,14 @@ class CreditPlanner:
         if p.received_bytes > p.granted_bytes:
             return "over_credit"
         return None
+
+    def refused(self, key: bytes) -> None:
+        """The batch just counted (:meth:`batch`) was refused: its room is planned anew for
+        whoever needs it, and this producer gets more credit only when it asks (WANT), as
+        after a REVOKE. An honest encoder never sends a batch the host refuses; one that does
+        must not hold a window of credit it only spends on refusals (the producer side asks
+        again after a REFUSED: feedline/producer/channel.py)."""
+        self.producers[key].idle = True
 
     def want(self, key: bytes, sent: int, sent_bytes: int, size: int) -> str | None:
         """The producer's next batch is ``size`` bytes and its credit does not cover it.

@@ -320,7 +320,8 @@ class ProducerSide:
             raise Refusal(breach, f"producer {p.name}")
 
     def _refuse(self, p: Producer, e: Refusal, seq: int) -> None:
-        self.dirty = True  # its credit comes back with the next plan
+        self.dirty = True  # its room is planned anew with the next plan
+        self.planner.refused(p.ident)  # ... and it gets more credit when it asks
         self.metrics.refused.labels(p.label, e.reason).inc()
         self._control(p.ident, m.Refused(broker=self.instance, reason=e.reason, seq=seq,
                                          detail=str(e)[: self.limits.max_text_len]))
