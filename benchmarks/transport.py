@@ -10,6 +10,9 @@ own process, every variant the same), at each batch size of ``--sizes``:
                  (``--before DIR``): the code as it was, measured in the same run (a change
                  must not make either slower); ``--tree NAME=DIR`` adds more (``NAME``,
                  ``direct-NAME``): each step of a change, side by side
+- ``feedline-deep``, ``direct-deep``: the same with the windows a user of small batches
+                 sets: 64 batches for the consumer and per producer (the broker's budget
+                 ``--max-batches`` 128); memory stays bounded by the bytes limits as ever
 - ``relay``:     PUSH -> tcp -> ``zmq.proxy`` (PULL/PUSH, own process) -> ipc -> PULL
 - ``raw``:       PUSH -> tcp -> PULL, one hop, the cheapest framing there is
 - ``raw-threads``: the same with feedline's thread layout and nothing else: at each end the
@@ -175,23 +178,27 @@ class Run:
 Target = tuple[str, str, Path]
 
 
-def via_broker(run: Run, tree: Path) -> Target:
+DEEP = 64  # the "-deep" variants' windows (benchmarks/transport_children.py says the same)
+
+
+def via_broker(run: Run, tree: Path, deep: bool = False) -> Target:
     ingress = f"tcp://127.0.0.1:{free_port()}"
     egress = f"ipc://{run.work}/feedline.sock"
     cfg = run.fake_config()
+    windows = ["--producer-window", str(DEEP), "--max-batches", str(2 * DEEP)] if deep else []
     run.child([sys.executable, "-m", "feedline.broker", "--ingress", ingress, "--egress", egress,
-               "--metrics-port", "0", "--log-level", "WARNING"], "broker", tree)
+               "--metrics-port", "0", "--log-level", "WARNING", *windows], "broker", tree)
     run.child([sys.executable, "-m", "feedline.producer", "--config", str(cfg), "--broker",
                ingress, "--log-level", "WARNING"], "producer", tree)
     wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
-    return "feedline", egress, tree
+    return ("feedline-deep" if deep else "feedline"), egress, tree
 
 
-def direct(run: Run, tree: Path = ROOT) -> Target:
+def direct(run: Run, tree: Path = ROOT, deep: bool = False) -> Target:
     addr = f"tcp://127.0.0.1:{free_port()}"
     run.child([sys.executable, "-m", "feedline.producer", "--config", str(run.fake_config()),
                "--broker", addr, "--log-level", "WARNING"], "producer", tree)
-    return "feedline-direct", addr, tree
+    return ("feedline-direct-deep" if deep else "feedline-direct"), addr, tree
 
 
 def relay(run: Run) -> Target:
@@ -237,6 +244,8 @@ def variants(before: Path | None,
     out["direct"] = direct
     for name, tree in other.items():
         out[f"direct-{name}"] = functools.partial(direct, tree=tree)
+    out["feedline-deep"] = functools.partial(via_broker, tree=ROOT, deep=True)
+    out["direct-deep"] = functools.partial(direct, deep=True)
     out["relay"] = relay
     out["raw"] = raw
     out["raw-threads"] = raw_threads
@@ -262,14 +271,14 @@ def summary(runs: dict[str, list[Result]]) -> dict[str, Result]:
 def report(size: Size, runs: dict[str, list[Result]], med: dict[str, Result]) -> None:
     print(f"\nbatches of {size.nbytes / 1e6:.3f} MB ({size.name}: uint8 "
           f"{'x'.join(map(str, size.shape))} + {size.labels} int32)")
-    print(f"{'variant':<11} {'GB/s per round':<32} {'median':>7} {'batches/s':>10} "
+    print(f"{'variant':<13} {'GB/s per round':<32} {'median':>7} {'batches/s':>10} "
           f"{'CPU-s/GB':>9} {'vs relay':>9} {'vs raw':>7} {'vs tp':>6} {'CPU vs raw':>10}")
     for k, v in med.items():
         rounds = " / ".join(f"{r['gbps']:.2f}" for r in runs[k])
         ratios = [f"{v[f'vs_{ref}']:.2f}x" if f"vs_{ref}" in v else "-"
                   for ref in ("relay", "raw", "tensorpack")]
         cpu_ratio = f"{v['cpu_vs_raw']:.2f}x" if "cpu_vs_raw" in v else "-"
-        print(f"{k:<11} {rounds:<32} {v['gbps']:>7.2f} {v['batches_per_s']:>10.0f} "
+        print(f"{k:<13} {rounds:<32} {v['gbps']:>7.2f} {v['batches_per_s']:>10.0f} "
               f"{v['cpu_s_per_gb']:>9.3f} {ratios[0]:>9} {ratios[1]:>7} {ratios[2]:>6} "
               f"{cpu_ratio:>10}")
 
@@ -325,7 +334,7 @@ def main() -> None:
                         run.close()
                     results[size.name][name].append(res)
                     done += 1
-                    print(f"  [{done}/{total}] round {r + 1} {size.name:>5} {name:<11} "
+                    print(f"  [{done}/{total}] round {r + 1} {size.name:>5} {name:<13} "
                           f"{res['gbps']:6.2f} GB/s {res['batches_per_s']:8.0f} batches/s "
                           f"{res['cpu_s_per_gb']:6.3f} CPU-s/GB", flush=True)
                     time.sleep(0.3)  # let the previous run's sockets go

@@ -105,6 +105,7 @@ TP_SENDER = textwrap.dedent("""
 # (user + system, all its threads) over the measured S seconds.
 CONSUMER = textwrap.dedent("""
     import json, os, sys, time
+    DEEP = 64  # the "-deep" variants' windows: consumer, producer (and broker budget 2x)
     import numpy as np, psutil
     kind, addr, shape, nlabels, seconds, warmup = sys.argv[1:7]
     shape, nlabels = tuple(map(int, shape.split(","))), int(nlabels)
@@ -112,13 +113,18 @@ CONSUMER = textwrap.dedent("""
     def arrays(frames):  # plain ZeroMQ's data and label frames as numpy views
         return (np.frombuffer(frames[0].buffer, np.uint8).reshape(shape),
                 np.frombuffer(frames[1].buffer, np.int32))
-    if kind in ("feedline", "feedline-direct"):
+    if kind in ("feedline", "feedline-direct", "feedline-deep", "feedline-direct-deep"):
         from feedline.consumer import RemoteDataZMQ
         # Direct mode: its window is every batch in flight (queued here or granted); plain
         # ZeroMQ holds HWM batches at each end: the same depth is 2 x HWM.
         window = 2 * 4 if kind == "feedline-direct" else 4
         # bind= only where it is needed: --before may be a checkout that predates it.
         extra = {"bind": True} if kind == "feedline-direct" else {}
+        if kind.endswith("-deep"):  # the windows a user of small batches sets (DEEP)
+            window = DEEP
+            if kind == "feedline-direct-deep":
+                from feedline.consumer.direct import DirectConfig
+                extra = {"bind": True, "direct": DirectConfig(producer_window=DEEP)}
         src = RemoteDataZMQ(addr, timeout=60, window=window, **extra)
         it = iter(src)
         def one():
