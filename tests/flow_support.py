@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -436,6 +436,17 @@ class FakeBroker:
                 if h.get("k") in kinds:
                     return h
         raise TimeoutError(f"no message of kind {kind} within {timeout}s")
+
+    def serve(self, instance: int, seconds: float) -> Iterator[tuple[dict[str, Any], int]]:
+        """Each message that arrives, as (header, its bytes in all), heartbeating as broker
+        ``instance`` while none does, for ``seconds`` (or until the caller stops)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if not self.sock.poll(200):
+                self.send(broker_heartbeat(instance))
+                continue
+            self.peer, first, *rest = self.sock.recv_multipart()
+            yield unpack(first), len(first) + sum(len(f) for f in rest)
 
     def send(self, *frames: Any) -> None:
         assert self.peer is not None, "nobody has connected yet"
