@@ -117,14 +117,13 @@ CONSUMER = textwrap.dedent("""
         from feedline.consumer import RemoteDataZMQ
         # Direct mode: its window is every batch in flight (queued here or granted); plain
         # ZeroMQ holds HWM batches at each end: the same depth is 2 x HWM.
-        window = 2 * 4 if kind == "feedline-direct" else 4
+        direct, deep = kind.startswith("feedline-direct"), kind.endswith("-deep")
+        window = DEEP if deep else 2 * 4 if direct else 4
         # bind= only where it is needed: --before may be a checkout that predates it.
-        extra = {"bind": True} if kind == "feedline-direct" else {}
-        if kind.endswith("-deep"):  # the windows a user of small batches sets (DEEP)
-            window = DEEP
-            if kind == "feedline-direct-deep":
-                from feedline.consumer.direct import DirectConfig
-                extra = {"bind": True, "direct": DirectConfig(producer_window=DEEP)}
+        extra = {"bind": True} if direct else {}
+        if direct and deep:  # the producers' window a user of small batches sets too
+            from feedline.consumer.direct import DirectConfig
+            extra["direct"] = DirectConfig(producer_window=DEEP)
         src = RemoteDataZMQ(addr, timeout=60, window=window, **extra)
         it = iter(src)
         def one():

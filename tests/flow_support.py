@@ -12,6 +12,7 @@ section changes and the tests that use it do not.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -383,15 +384,20 @@ def log_lines(text: str, level: str, *words: str) -> list[str]:
     return [ln for ln in text.splitlines() if f" {level} " in ln and all(w in ln for w in words)]
 
 
-def send_in_thread(addr: str, producer_id: str, datapoints: list[Any],
-                   stop: threading.Event) -> tuple[threading.Thread, list[BaseException]]:
-    """A real Sender in a thread sending ``datapoints`` (then flushing), until ``stop``;
-    what it raises, other than being stopped, lands in the list for the test to assert."""
+@contextlib.contextmanager
+def sender_and_fake_broker(producer_id: str, datapoints: list[Any]
+                           ) -> Iterator[tuple[FakeBroker, list[BaseException]]]:
+    """A broker played by the test, and a real Sender in a thread sending ``datapoints`` to
+    it (then flushing); on exit the Sender is stopped and the broker closed. What the Sender
+    raises, other than being stopped, lands in the list for the test to assert (after the
+    ``with``: the thread has ended by then)."""
+    fake = FakeBroker()
+    stop = threading.Event()
     failure: list[BaseException] = []
 
     def produce() -> None:
         try:
-            with Sender(addr, producer_id=producer_id, link=FAST) as s:
+            with Sender(fake.addr, producer_id=producer_id, link=FAST) as s:
                 for dp in datapoints:
                     s.send(dp, stop=stop)
                 s.flush(10)
@@ -402,7 +408,12 @@ def send_in_thread(addr: str, producer_id: str, datapoints: list[Any],
 
     t = threading.Thread(target=produce, daemon=True)
     t.start()
-    return t, failure
+    try:
+        yield fake, failure
+    finally:
+        stop.set()
+        t.join(10)
+        fake.close()
 
 
 class FakeBroker:

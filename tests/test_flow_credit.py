@@ -35,7 +35,7 @@ from tests.flow_support import (
     broker_grant,
     broker_heartbeat,
     fake_yaml,
-    send_in_thread,
+    sender_and_fake_broker,
     start_producer,
     want_of,
     welcome,
@@ -184,12 +184,9 @@ def test_a_late_credit_of_a_replaced_broker_is_ignored():
     grants 2), must not use a CREDIT that A sent late: it sends 2 batches to B, not more.
 
     Before: it takes A's late grant of 10 and sends 10 batches to B."""
-    fake = FakeBroker()
     a, b = 1111, 2222
-    stop = threading.Event()
-    t, failure = send_in_thread(fake.addr, "late", [[np.full(4, i, np.int32)] for i in range(20)],
-                                stop)
-    try:
+    with sender_and_fake_broker("late", [[np.full(4, i, np.int32)] for i in range(20)]) \
+            as (fake, failure):
         reg = fake.wait_for_kind(HELLO, 10)["r"]
         fake.send(welcome(a, reg))
         fake.send(broker_credit(a, 1, reg))
@@ -203,10 +200,6 @@ def test_a_late_credit_of_a_replaced_broker_is_ignored():
         for _ in range(5):  # 1 s, answering heartbeats so that the link stays up
             batches += sum(1 for h in fake.recv(0.2) if h.get("k") == BATCH)
             fake.send(broker_heartbeat(b))
-    finally:
-        stop.set()
-        t.join(10)
-        fake.close()
     assert not failure, failure
     assert batches == 2, f"{batches} batches sent to instance B, which granted 2"
 
@@ -228,13 +221,10 @@ def test_a_running_producer_does_not_ask_for_every_batch():
     whenever its batch credit was used up, which, with a trainer that keeps up, is always.
     Each WANT was a message each way, and work for a direct-mode trainer's I/O
     thread, for every batch."""
-    fake = FakeBroker()
     inst, n = 3333, 20
-    stop = threading.Event()
-    t, failure = send_in_thread(fake.addr, "steady",
-                                [[np.full(1000, i, np.int32)] for i in range(n)], stop)
     wants = batches = received_bytes = unit = granted_bytes = 0
-    try:
+    with sender_and_fake_broker("steady", [[np.full(1000, i, np.int32)] for i in range(n)]) \
+            as (fake, failure):
         reg = fake.wait_for_kind(HELLO, 10)["r"]
         fake.send(welcome(inst, reg))
         for h, size in fake.serve(inst, 20):
@@ -254,10 +244,6 @@ def test_a_running_producer_does_not_ask_for_every_batch():
             fake.send(broker_grant(inst, batches + 1, granted_bytes, reg))
             if batches >= n:
                 break
-    finally:
-        stop.set()
-        t.join(10)
-        fake.close()
     assert not failure, failure
     assert batches == n, f"{batches} of {n} batches arrived"
     # The first batch asks (nothing granted yet); one more if the first grant, sized by the
@@ -278,13 +264,11 @@ def test_a_producer_asks_again_after_a_refused_batch():
     the next credit to come unasked and waited: 1 of 3 batches arrived in 15 s."""
     from feedline import messages as fm
 
-    fake = FakeBroker()
     inst, n = 4444, 3
-    stop = threading.Event()
-    t, failure = send_in_thread(fake.addr, "refused-once",
-                                [[np.full(1000, i, np.int32)] for i in range(n)], stop)
     batches = wants_after = received_bytes = 0
-    try:
+    with sender_and_fake_broker("refused-once",
+                                [[np.full(1000, i, np.int32)] for i in range(n)]) \
+            as (fake, failure):
         reg = fake.wait_for_kind(HELLO, 10)["r"]
         fake.send(welcome(inst, reg))
         for h, size in fake.serve(inst, 15):
@@ -302,10 +286,6 @@ def test_a_producer_asks_again_after_a_refused_batch():
                     fake.send(broker_grant(inst, batches + 1, received_bytes + (1 << 20), reg))
             if batches >= n:
                 break
-    finally:
-        stop.set()
-        t.join(10)
-        fake.close()
     assert not failure, failure
     assert batches == n, f"{batches} of {n} batches arrived"
     assert wants_after >= 1, "it never asked after the refusal"
