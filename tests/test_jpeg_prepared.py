@@ -6,6 +6,7 @@ reason. The hostile cases are in tests/test_jpeg_hostile.py."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -289,3 +290,25 @@ def test_lmdb_build_prepares_jpegs_and_keeps_everything_else(tmp_path: Path) -> 
                                           cv2.imdecode(np.frombuffer(data, np.uint8), 1))
         else:
             assert bytes(got) == data, name
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="benchmarks/restart_cost.py builds its C harness")
+def test_the_restart_cost_benchmark_measures_the_extensions_own_crops(tmp_path: Path) -> None:
+    """benchmarks/restart_cost.py (docs/performance.md, "What the restart markers cost"):
+    its synthetic crops are the extension's (it exits if their pixels differ: its rectangle
+    must follow _jpegturbo.c's), and the marker-free copies it times decode to the same pixels
+    and are smaller (the markers are all they lose), for every sampling and grey."""
+    for i, kind in enumerate(KINDS):
+        (tmp_path / f"{kind}.jpg").write_bytes(_jpeg(kind, 500 + 37 * i, 700 - 41 * i,
+                                                     index=i))
+    run = subprocess.run([sys.executable, "benchmarks/restart_cost.py", str(tmp_path),
+                          "--files", "8", "--crops", "6", "--rounds", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{6 * len(KINDS)} synthetic crops" in run.stdout, run.stdout
+    rows = [line.split("|") for line in run.stdout.splitlines()
+            if line.startswith("| as built") or line.startswith("| same tables")]
+    assert len(rows) == 2, run.stdout
+    for row in rows:
+        assert 0.5 < float(row[2]) < 1.0, row  # bytes without markers, to with them
