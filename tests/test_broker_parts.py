@@ -55,6 +55,36 @@ def test_what_is_held_already_counts_against_the_budget():
     assert totals(cp) == (2, 2 * MiB)
 
 
+def test_a_trainers_planner_counts_small_batches_by_their_bytes():
+    """by_bytes (direct mode): a producer of 16 KB batches may hold 64 where a broker's
+    planner gives 4; the budget's batches count the same way, by the largest batches of the
+    producers registered; a producer of large batches brings both back, and the count stays
+    when the producers leave (what was granted under it may still be queued)."""
+    broker = planner(max_batches=8)
+    start(broker, b"small", 16_000)
+    broker.plan(0.0, 0, 0)
+    assert totals(broker)[0] == 4, "a broker's windows are batches"
+    cp = CreditPlanner(Budget(8, 64 * MiB), 4, 2.0, by_bytes=True)
+    start(cp, b"small", 16_000)
+    cp.plan(0.0, 0, 0)
+    assert totals(cp)[0] == 64 and cp.budget.max_batches == 128
+    start(cp, b"large", 4 * MiB)
+    cp.plan(0.0, 0, 0)
+    assert cp.budget == Budget(8, 64 * MiB)
+    assert cp.producers[b"large"].outstanding == 0, "64 outstanding: nothing is free"
+    for _ in range(60):  # the small producer's batches arrive and are taken
+        cp.batch(b"small", 16_000, 0.0)
+    cp.plan(0.0, 0, 0)
+    assert cp.producers[b"large"].outstanding >= 1
+    assert cp.producers[b"small"].outstanding <= 64 and totals(cp)[0] <= 8
+    cp.leave(b"large")
+    cp.plan(0.0, 4, 64_000)
+    assert cp.budget.max_batches == 128, "small batches alone again"
+    cp.leave(b"small")
+    cp.plan(0.0, 4, 64_000)
+    assert cp.budget.max_batches == 128, "no producer: the count its batches came under stays"
+
+
 def test_a_new_registration_holds_no_credit_until_it_asks():
     """A peer that registers and never asks (a HELLO flood, a producer whose pipeline has
     not made its first batch) holds nothing; a running producer gets its window."""

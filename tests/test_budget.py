@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from feedline.codec import Limits
-from feedline.serving.budget import Budget, Share
+from feedline.serving.budget import DEPTH, SMALL_BATCH, Budget, Share, depth
 from feedline.serving.credit import CreditPlanner
 
 MiB = 1 << 20
@@ -24,6 +24,22 @@ def test_the_shares_are_named_fractions_of_one_budget():
     assert b.per_stream(2, read=False) == Share(8, 16 * MiB), "unread: half its part"
     assert b.per_stream(100, read=True) == b.stream_floor, "a read stream keeps its floor"
     assert b.per_stream(100, read=False) == Share(1, 64 * MiB // 200)
+
+
+def test_a_window_counts_batches_under_2_mib_by_their_bytes():
+    """A direct-mode trainer's windows (docs/architecture.md): n batches of 2 MiB or more,
+    else as many as fit in n x 2 MiB, never fewer than n nor more than 16 n."""
+    assert depth(4, 0) == 4, "a size not known yet: counted in batches"
+    assert depth(4, SMALL_BATCH) == depth(4, 9_633_792) == 4
+    assert depth(4, SMALL_BATCH - 1) == 4
+    assert depth(4, 150_528) == 55  # one 224x224x3 image
+    assert depth(4, 1_053_724) == 7  # seven of them
+    assert depth(4, 16_000) == depth(4, 1) == DEPTH * 4 == 64
+    b = Budget(32, 64 * MiB)
+    assert b.for_unit(10 * MiB) is b and b.for_unit(0) is b
+    small = b.for_unit(16_000)
+    assert small == Budget(512, 64 * MiB), "the bytes stay the bound"
+    assert small.new_producers == Share(128, 16 * MiB)
 
 
 def test_a_tiny_budget_still_has_room_for_one_batch_everywhere():

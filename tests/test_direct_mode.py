@@ -23,8 +23,10 @@ from feedline.errors import ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer.targets import Targets
+from feedline.serving.budget import DEPTH
 from tests.test_security_curve import Keys
 
+MiB = 1 << 20
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 LIVENESS = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5")
 
@@ -58,6 +60,36 @@ def test_the_same_producer_and_yaml_feed_a_trainer_directly(daemons, tmp_path):
     assert stats.received == 50 and stats.lost == 0
     assert {b.producer for b in got} == {"direct-1"}
     assert all(b.datapoint[1].shape == (4, 4) for b in got)
+
+
+@pytest.mark.parametrize("shape, most", [
+    ([1], DEPTH * 2),  # tiny batches: the window of 2 counts them by bytes
+    ([3 * MiB], 2),  # batches over 2 MiB: 2, one by one
+])
+def test_a_trainer_that_stops_taking_holds_its_window_counted_by_bytes(daemons, tmp_path,
+                                                                      shape, most):
+    """A model that took one batch and stopped: what the trainer queues (and has granted)
+    stays within its window, counted by bytes (budget.depth): up to 16 x window of tiny
+    batches, the window itself of batches over 2 MiB. Before the bytes count, tiny batches
+    stopped at 2 too, and the credit round trip, not the wire, set their rate."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump({"source": {"fake": {
+        "shapes": [shape], "dtypes": ["uint8"], "size": 1000, "random": False}}}))
+    producer(daemons, cfg, addr, name="p")
+    registry = CollectorRegistry()
+    queued = "feedline_consumer_local_queue_batches"
+    with RemoteDataZMQ(addr, bind=True, window=2, timeout=30, link=FAST,
+                       registry=registry) as src:
+        next(iter(src))
+        samples: list[float] = []
+
+        def settled() -> bool:
+            samples.append(registry.get_sample_value(queued) or 0)
+            return len(samples) > 10 and len(set(samples[-10:])) == 1
+
+        wait_for(settled, 20, interval=0.1, what="the queue to settle")
+    assert max(samples) == most, samples
 
 
 def test_direct_mode_with_curve_keys_lets_in_only_allowed_producers(daemons, tmp_path,
@@ -114,7 +146,8 @@ def test_a_producer_killed_and_restarted_keeps_the_trainer_fed(daemons, tmp_path
         assert {next(it).producer for _ in range(20)} == {"victim"}
         unconfirmed = registry.get_sample_value(
             "feedline_broker_unconfirmed_batches_total", {"role": "producer"})
-    assert unconfirmed is not None and unconfirmed <= DirectConfig().producer_window
+    # Its batches are tiny: the window of 4 counts them by bytes (budget.depth), 64.
+    assert unconfirmed is not None and unconfirmed <= DEPTH * DirectConfig().producer_window
 
 
 class Trainer:

@@ -25,7 +25,7 @@ from feedline.broker.buffer import Buffer
 from feedline.broker.egress import ConsumerSide
 from feedline.codec import DEFAULT_LIMITS, packb
 from feedline.encode import prepare_batch
-from feedline.serving.budget import Budget, Share
+from feedline.serving.budget import Budget, Share, depth
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -46,103 +46,135 @@ def general_shares(cp: CreditPlanner, by_stream: dict[str, tuple[int, int]],
             for s in registered | counted}
 
 
-class PlannerTally(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.cp = CreditPlanner(Budget(12, 12_000), window=4, lease=1.0)
-        self.now = 0.0
-        self.held: dict[str, tuple[int, int]] = {}
-        self.unread: set[str] = set()
+def planner_model(budget: Budget, sizes: st.SearchStrategy[int], held_bytes: int,
+                  by_bytes: bool) -> type[RuleBasedStateMachine]:
+    """The planner's model: batches of ``sizes`` within ``budget``; ``by_bytes`` (a
+    direct-mode trainer's planner): small batches counted by their bytes."""
 
-    @rule(key=st.sampled_from(KEYS), stream=st.sampled_from(STREAMS),
-          declared=st.integers(0, 3000))
-    def join(self, key: bytes, stream: str, declared: int) -> None:
-        self.cp.join(key, declared, stream)
+    class PlannerTally(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cp = CreditPlanner(budget, window=4, lease=1.0, by_bytes=by_bytes)
+            self.now = 0.0
+            self.held: dict[str, tuple[int, int]] = {}
+            self.unread: set[str] = set()
 
-    @precondition(lambda self: self.cp.producers)
-    @rule(data=st.data(), size=st.integers(1, 3000))
-    def want(self, data: st.DataObject, size: int) -> None:
-        key = data.draw(st.sampled_from(sorted(self.cp.producers)))
-        p = self.cp.producers[key]
-        self.cp.want(key, p.received, p.received_bytes, size)
+        @rule(key=st.sampled_from(KEYS), stream=st.sampled_from(STREAMS),
+              declared=st.one_of(st.just(0), sizes))
+        def join(self, key: bytes, stream: str, declared: int) -> None:
+            self.cp.join(key, declared, stream)
 
-    @precondition(lambda self: self.cp.producers)
-    @rule(data=st.data(), size=st.integers(1, 3000))
-    def batch(self, data: st.DataObject, size: int) -> None:
-        key = data.draw(st.sampled_from(sorted(self.cp.producers)))
-        self.cp.batch(key, size, self.now)  # a breach too: it is counted all the same
+        @precondition(lambda self: self.cp.producers)
+        @rule(data=st.data(), size=sizes)
+        def want(self, data: st.DataObject, size: int) -> None:
+            key = data.draw(st.sampled_from(sorted(self.cp.producers)))
+            p = self.cp.producers[key]
+            self.cp.want(key, p.received, p.received_bytes, size)
 
-    @precondition(lambda self: self.cp.producers)
-    @rule(data=st.data(), size=st.integers(1, 3000))
-    def refused(self, data: st.DataObject, size: int) -> None:
-        key = data.draw(st.sampled_from(sorted(self.cp.producers)))
-        self.cp.batch(key, size, self.now)
-        self.cp.refused(key)
+        @precondition(lambda self: self.cp.producers)
+        @rule(data=st.data(), size=sizes)
+        def batch(self, data: st.DataObject, size: int) -> None:
+            key = data.draw(st.sampled_from(sorted(self.cp.producers)))
+            self.cp.batch(key, size, self.now)  # a breach too: it is counted all the same
 
-    @precondition(lambda self: self.cp.producers)
-    @rule(data=st.data())
-    def returned(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(sorted(self.cp.producers)))
-        p = self.cp.producers[key]
-        self.cp.returned(key, p.received, p.received_bytes)
+        @precondition(lambda self: self.cp.producers)
+        @rule(data=st.data(), size=sizes)
+        def refused(self, data: st.DataObject, size: int) -> None:
+            key = data.draw(st.sampled_from(sorted(self.cp.producers)))
+            self.cp.batch(key, size, self.now)
+            self.cp.refused(key)
 
-    @precondition(lambda self: self.cp.producers)
-    @rule(data=st.data())
-    def leave(self, data: st.DataObject) -> None:
-        self.cp.leave(data.draw(st.sampled_from(sorted(self.cp.producers))))
+        @precondition(lambda self: self.cp.producers)
+        @rule(data=st.data())
+        def returned(self, data: st.DataObject) -> None:
+            key = data.draw(st.sampled_from(sorted(self.cp.producers)))
+            p = self.cp.producers[key]
+            self.cp.returned(key, p.received, p.received_bytes)
 
-    @rule(stream=st.sampled_from(STREAMS), b=st.integers(0, 6), y=st.integers(0, 6000),
-          read=st.booleans())
-    def hold(self, stream: str, b: int, y: int, read: bool) -> None:
-        self.held[stream] = (b, y)
-        (self.unread.discard if read else self.unread.add)(stream)
+        @precondition(lambda self: self.cp.producers)
+        @rule(data=st.data())
+        def leave(self, data: st.DataObject) -> None:
+            self.cp.leave(data.draw(st.sampled_from(sorted(self.cp.producers))))
 
-    @rule(dt=st.sampled_from([0.0, 0.5, 2.0]))
-    def plan(self, dt: float) -> None:
-        self.now += dt
-        hb = sum(b for b, _ in self.held.values())
-        hy = sum(y for _, y in self.held.values())
-        idle = {k: p.granted for k, p in self.cp.producers.items() if p.idle and not p.wanting}
-        self.cp.plan(self.now, hb, hy, dict(self.held), set(self.unread))
-        # A producer held idle (new, gave its credit back, or its batch was refused) gets
-        # nothing it did not ask for.
-        assert all(self.cp.producers[k].granted == g for k, g in idle.items()), idle
+        @rule(stream=st.sampled_from(STREAMS), b=st.integers(0, 6),
+              y=st.integers(0, held_bytes), read=st.booleans())
+        def hold(self, stream: str, b: int, y: int, read: bool) -> None:
+            self.held[stream] = (b, y)
+            (self.unread.discard if read else self.unread.add)(stream)
 
-    @invariant()
-    def tally_is_the_general_sums(self) -> None:
-        cp = self.cp
-        out_b, out_y, mine, produced, fresh_b, fresh_y = cp._tally()
-        ps = list(cp.producers.values())
-        assert (out_b, out_y) == cp.outstanding()
-        assert produced == {p.stream for p in ps if p.received > 0}
-        assert mine == {s: [sum(p.outstanding for p in ps if p.stream == s),
-                            sum(p.reserved for p in ps if p.stream == s)]
-                        for s in {p.stream for p in ps}}
-        new = [p for p in ps if p.received == 0]
-        assert (fresh_b, fresh_y) == (sum(p.outstanding for p in new),
-                                      sum(p.reserved for p in new))
-        share = cp.budget.new_producers
-        assert cp._fresh_room(fresh_b, fresh_y) == [share.batches - fresh_b,
-                                                    share.nbytes - fresh_y,
-                                                    int(fresh_b == fresh_y == 0)]
+        @rule(dt=st.sampled_from([0.0, 0.5, 2.0]))
+        def plan(self, dt: float) -> None:
+            self.now += dt
+            hb = sum(b for b, _ in self.held.values())
+            hy = sum(y for _, y in self.held.values())
+            idle = {k: p.granted for k, p in self.cp.producers.items()
+                    if p.idle and not p.wanting}
+            before = {k: p.outstanding for k, p in self.cp.producers.items()}
+            out_before = sum(before.values())
+            self.cp.plan(self.now, hb, hy, dict(self.held), set(self.unread))
+            cp, ps = self.cp, self.cp.producers
+            # A producer held idle (new, gave its credit back, or its batch was refused) gets
+            # nothing it did not ask for.
+            assert all(ps[k].granted == g for k, g in idle.items()), idle
+            # No plan grants beyond the budget counted for the producers' largest unit, nor
+            # a producer beyond its window (one credit it asked for aside).
+            units = [p.unit for p in ps.values() if p.unit > 0]
+            if by_bytes and units:
+                assert cp.budget == budget.for_unit(max(units))
+            elif not by_bytes:
+                assert cp.budget == budget
+            out = sum(p.outstanding for p in ps.values())
+            assert out <= max(out_before, cp.budget.max_batches - hb), (out, hb, cp.budget)
+            for k, p in ps.items():
+                window = depth(4, p.unit) if by_bytes else 4
+                assert p.outstanding <= max(before[k], window, 1), (p, window)
 
-    @invariant()
-    def room_is_the_general_room(self) -> None:
-        cp = self.cp
-        _, _, mine, produced, _, _ = cp._tally()
-        shares = general_shares(cp, self.held, self.unread)
-        assert cp.shares(self.held, self.unread) == shares
-        room = cp._stream_room(self.held, self.unread, mine, produced)
-        ps = list(cp.producers.values())
-        assert room == {s: [sh.batches - self.held.get(s, (0, 0))[0]
-                            - sum(p.outstanding for p in ps if p.stream == s),
-                            sh.nbytes - self.held.get(s, (0, 0))[1]
-                            - sum(p.reserved for p in ps if p.stream == s)]
-                        for s, sh in shares.items()}
+        @invariant()
+        def tally_is_the_general_sums(self) -> None:
+            cp = self.cp
+            out_b, out_y, mine, produced, fresh_b, fresh_y = cp._tally()
+            ps = list(cp.producers.values())
+            assert (out_b, out_y) == cp.outstanding()
+            assert produced == {p.stream for p in ps if p.received > 0}
+            assert mine == {s: [sum(p.outstanding for p in ps if p.stream == s),
+                                sum(p.reserved for p in ps if p.stream == s)]
+                            for s in {p.stream for p in ps}}
+            new = [p for p in ps if p.received == 0]
+            assert (fresh_b, fresh_y) == (sum(p.outstanding for p in new),
+                                          sum(p.reserved for p in new))
+            share = cp.budget.new_producers
+            assert cp._fresh_room(fresh_b, fresh_y) == [share.batches - fresh_b,
+                                                        share.nbytes - fresh_y,
+                                                        int(fresh_b == fresh_y == 0)]
+
+        @invariant()
+        def room_is_the_general_room(self) -> None:
+            cp = self.cp
+            _, _, mine, produced, _, _ = cp._tally()
+            shares = general_shares(cp, self.held, self.unread)
+            assert cp.shares(self.held, self.unread) == shares
+            room = cp._stream_room(self.held, self.unread, mine, produced)
+            ps = list(cp.producers.values())
+            assert room == {s: [sh.batches - self.held.get(s, (0, 0))[0]
+                                - sum(p.outstanding for p in ps if p.stream == s),
+                                sh.nbytes - self.held.get(s, (0, 0))[1]
+                                - sum(p.reserved for p in ps if p.stream == s)]
+                            for s, sh in shares.items()}
+
+    return PlannerTally
 
 
-TestPlannerTally = PlannerTally.TestCase
-TestPlannerTally.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+_MODEL = settings(max_examples=60, stateful_step_count=40, deadline=None)
+# A broker's planner: windows in batches, whatever their size.
+TestPlannerTally = planner_model(Budget(12, 12_000), st.integers(1, 3000), 6000,
+                                 by_bytes=False).TestCase
+TestPlannerTally.settings = _MODEL
+# A direct-mode trainer's: batches on both sides of 2 MiB, small ones counted by bytes, and
+# a producer of large batches joining and leaving changes the count.
+TestPlannerTallyByBytes = planner_model(
+    Budget(12, 60 << 20), st.one_of(st.integers(1, 3000), st.integers(1 << 20, 5 << 20)),
+    24 << 20, by_bytes=True).TestCase
+TestPlannerTallyByBytes.settings = _MODEL
 
 
 def _consumer_side(sent: list[tuple[bytes, list]]) -> ConsumerSide:

@@ -187,10 +187,11 @@ class DirectIO:
 def serving_config(addr: str, link: LinkConfig, keys: ServerKeys | None, shared: Shared,
                    cfg: DirectConfig, insecure: bool = False) -> ServingConfig:
     """The serving core's configuration of a direct-mode trainer: its budget is the
-    consumer's own (``window`` batches, ``max_bytes`` bytes, queued here or granted)."""
+    consumer's own (``window`` batches, ``max_bytes`` bytes, queued here or granted), small
+    batches counted by their bytes (``Shared.slots`` has room for them)."""
     return ServingConfig(
         addr, Budget(shared.window, shared.max_bytes), producer_window=cfg.producer_window,
         credit_lease=cfg.credit_lease, max_peers=cfg.max_producers,
         heartbeat_interval=link.heartbeat_interval, heartbeat_timeout=link.heartbeat_timeout,
         linger_ms=0, limits=link.limits, curve=keys, tensorpack=cfg.tensorpack,
-        stream=shared.stream, insecure=insecure, how=DIRECT)
+        stream=shared.stream, insecure=insecure, how=DIRECT, by_bytes=True)

@@ -81,14 +81,17 @@ class Shared:
 
     def __init__(self, consumer_id: str, session: int, window: int, max_bytes: int,
                  stream: str, on_error: str, registry: CollectorRegistry,
-                 metrics: ConsumerMetrics | None = None) -> None:
+                 metrics: ConsumerMetrics | None = None, slots: int | None = None) -> None:
         self.consumer_id, self.session, self.window = consumer_id, session, window
         self.max_bytes, self.stream, self.on_error = max_bytes, stream, on_error
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics(registry)
+        # The most batches the window lets in: ``window``; in direct mode more, when they
+        # are small (the budget counts them by bytes: feedline.serving.budget.depth).
+        self.slots = slots or window
         # Old registrations' batches may still sit here after a broker restart: 2 windows.
         # The I/O thread wakes the iterating thread once per loop turn (Inbox.flush).
-        self.queue: Inbox[Any] = Inbox(maxsize=2 * window + 64)
+        self.queue: Inbox[Any] = Inbox(maxsize=2 * self.slots + 64)
         self.metrics.local_queue.set_function(self.queue.qsize)
         self.metrics.window.set(window)
         self.lock = threading.Lock()
@@ -126,7 +129,7 @@ class Shared:
         """A new run (iterating again after close): same identity and metrics, new state;
         the cursor goes on (what was taken stays taken)."""
         out = Shared(self.consumer_id, self.session, self.window, self.max_bytes,
-                     self.stream, self.on_error, self.registry, self.metrics)
+                     self.stream, self.on_error, self.registry, self.metrics, self.slots)
         out.cursor, out.resume, out.recent = self.cursor, self.resume, self.recent
         out.waited = self.waited
         return out

@@ -42,6 +42,7 @@ from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.messages import DEFAULT_STREAM, check_stream
 from feedline.security import ClientKeys, ServerKeys
+from feedline.serving.budget import DEPTH
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.server import DIRECT, check_exposure
 
@@ -67,7 +68,9 @@ class RemoteDataZMQ:
     processes on one broker share the stream; each batch goes to exactly one of them.
 
     ``window``: batches this process may hold ahead of the model; ``max_bytes``: bytes it
-    may hold (the broker delivers while both allow, and at least one batch at a time).
+    may hold (the broker delivers while both allow, and at least one batch at a time). In
+    direct mode batches under 2 MiB are counted by their bytes: up to 16 x ``window`` of
+    them (:func:`feedline.serving.budget.depth`; docs/tensorflow.md, "Small batches").
     ``timeout``: seconds to wait for a batch before raising :class:`ReceiveTimeout`
     (``None``: wait forever). ``on_error``: ``"raise"`` a producer's failure here as
     :class:`ProducerError`, or ``"log"`` it and go on. ``curve``: this process's keys when
@@ -133,7 +136,8 @@ class RemoteDataZMQ:
             raise TypeError("curve= takes this process's ClientKeys (or ServerKeys with bind)")
         self._shared = Shared(self.consumer_id, random.getrandbits(62), self.config.window,
                               self.config.max_bytes, stream, on_error,
-                              registry if registry is not None else CollectorRegistry())
+                              registry if registry is not None else CollectorRegistry(),
+                              slots=DEPTH * window if bind else window)
         self.metrics = self._shared.metrics
         self.metrics.set_stream(stream)
         if resume is not None:

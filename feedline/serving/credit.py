@@ -29,6 +29,14 @@ The rules, each a bound:
   ``max_bytes`` can never be granted: its WANT is refused (``batch_too_large``).
 - At most ``window`` batches outstanding per producer; fewest-outstanding first, ties
   rotated, producers that asked first of all.
+- ``by_bytes`` (a direct-mode trainer): small batches are counted by their bytes
+  (:func:`~feedline.serving.budget.depth`): a producer's window for its own unit, the
+  budget's batches for the largest unit of the producers registered
+  (:meth:`Budget.for_unit`; kept while no producer's size is known). One producer of large
+  batches brings the count back to ``max_batches`` for all; what is held beyond it then
+  waits to be taken (a trainer's queue evicts nothing). A broker does not: its shares of
+  the budget evict an unread stream's batches beyond them, and a count that shrinks under
+  what it holds would evict batches it granted.
 - A producer whose batch was refused gets more credit only when it asks (WANT), as a new
   registration does.
 - Credit unused for ``lease`` seconds while another producer waits for room is asked back
@@ -41,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from feedline.serving.budget import Budget, Share
+from feedline.serving.budget import Budget, Share, depth
 
 
 @dataclass
@@ -93,13 +101,24 @@ class Plan:
 class CreditPlanner:
     """Credit of every registered producer, by key (the broker uses ROUTER identities)."""
 
-    def __init__(self, budget: Budget, window: int, lease: float) -> None:
-        self.budget, self.max_bytes = budget, budget.max_bytes
-        self.window, self.lease = window, lease
+    def __init__(self, budget: Budget, window: int, lease: float,
+                 by_bytes: bool = False) -> None:
+        self.base, self.max_bytes = budget, budget.max_bytes
+        self.window, self.lease, self.by_bytes = window, lease, by_bytes
         self.producers: dict[bytes, ProducerCredit] = {}
         self._rr = 0
-        self._new = budget.new_producers  # the budget is frozen: its shares are constants
-        self._per_stream: dict[tuple[int, bool], Share] = {}
+        self._unit = -1
+        self._scale(0)
+
+    def _scale(self, unit: int) -> None:
+        """Count the budget's batches for the largest unit of the producers (``unit``; 0:
+        none known, the count stays): the budget in force and its shares (frozen values,
+        kept until the unit changes). Only ``by_bytes``; else the budget as given."""
+        if unit != self._unit and (self._unit < 0 or (self.by_bytes and unit > 0)):
+            self._unit = unit
+            self.budget = self.base.for_unit(unit)
+            self._new = self.budget.new_producers
+            self._per_stream: dict[tuple[int, bool], Share] = {}
 
     # -- what happened ------------------------------------------------------------------
     def join(self, key: bytes, declared: int, stream: str = "default") -> ProducerCredit:
@@ -174,6 +193,7 @@ class CreditPlanner:
         for its own share (its producers' first credits come from the new producers' share
         anyway). ``unread``: the streams no consumer reads now."""
         produced = {p.stream for p in self.producers.values() if p.received > 0}
+        self._scale(max((p.unit for p in self.producers.values()), default=0))
         return self._shares({p.stream for p in self.producers.values()}, produced, by_stream,
                             unread)
 
@@ -199,12 +219,16 @@ class CreditPlanner:
     def _tally(self) -> tuple[int, int, dict[str, list[int]], set[str], int, int]:
         """One pass over the producers for a plan: the outstanding batches and reserved bytes
         of all (as :meth:`outstanding`), of each stream, and of those that have not sent yet;
-        and the streams that some producer has sent on. (A plan runs once per batch or so:
-        the separate sums it replaces cost a broker ~10 us a batch.)"""
-        out_b = out_y = fresh_b = fresh_y = 0
+        and the streams that some producer has sent on; the budget counted for their largest
+        unit. (A plan runs once per batch or so: the separate sums it replaces cost a broker
+        ~10 us a batch.)"""
+        out_b = out_y = fresh_b = fresh_y = unit = 0
         mine: dict[str, list[int]] = {}
         produced: set[str] = set()
         for p in self.producers.values():
+            u = p.declared if p.declared > p.largest else p.largest
+            if u > unit:
+                unit = u
             ob, oy = p.granted - p.received, p.granted_bytes - p.received_bytes
             ob, oy = (ob if ob > 0 else 0), (oy if oy > 0 else 0)
             out_b += ob
@@ -220,6 +244,7 @@ class CreditPlanner:
             else:
                 fresh_b += ob
                 fresh_y += oy
+        self._scale(unit)
         return out_b, out_y, mine, produced, fresh_b, fresh_y
 
     def _stream_room(self, by_stream: dict[str, tuple[int, int]], unread: set[str],
@@ -279,7 +304,8 @@ class CreditPlanner:
                 p = self.producers[key]
                 unit = p.unit
                 if (p.idle or p.revoking_since is not None or unit == 0
-                        or p.outstanding >= self.window):
+                        or p.outstanding >= (depth(self.window, unit) if self.by_bytes
+                                             else self.window)):
                     continue
                 if p.received == 0 and p.outstanding >= 1:
                     # Slow start: one credit until its first batch arrives, so that the first

@@ -77,6 +77,7 @@ class IngressConfig:
     credit_lease: float
     capacity: int  # registered producers, at most
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
+    by_bytes: bool = False  # windows count small batches by their bytes (CreditPlanner)
 
 
 @dataclass
@@ -103,7 +104,8 @@ class ProducerSide:
         self.cfg, self.instance, self._cut_off = cfg, instance, cut_off
         self.max_batch_bytes = cfg.budget.max_message(limits)
         self.producers: PeerTable[Producer] = PeerTable("producer", cfg.capacity)
-        self.planner = CreditPlanner(cfg.budget, cfg.producer_window, cfg.credit_lease)
+        self.planner = CreditPlanner(cfg.budget, cfg.producer_window, cfg.credit_lease,
+                                     by_bytes=cfg.by_bytes)
         self.gaps = GapTracker(4 * cfg.capacity)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
         self._hellos = HelloRate(HELLO_RATE, 4 * cfg.capacity)

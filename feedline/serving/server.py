@@ -35,7 +35,7 @@ from feedline import endpoints, security
 from feedline.codec import Limits
 from feedline.errors import ConfigError
 from feedline.security import ServerKeys
-from feedline.serving.budget import Budget
+from feedline.serving.budget import DEPTH, Budget
 from feedline.serving.endpoint import Endpoint, Refusals, Side
 from feedline.serving.exact_streams import ExactConfig, ExactStreams
 from feedline.serving.metrics import BrokerMetrics
@@ -106,6 +106,8 @@ class ServingConfig:
     exact: ExactConfig = field(default_factory=ExactConfig)
     insecure: bool = False  # allow exposed addresses without keys (check_exposure)
     how: Remedy = BROKER
+    # Windows count small batches by their bytes (a direct-mode trainer: budget.depth).
+    by_bytes: bool = False
 
 
 class Server:
@@ -131,9 +133,11 @@ class Server:
             if cfg.curve is not None:
                 denied = metrics.curve_denied
                 self._auth = cfg.curve.authenticator(ctx, on_denied=lambda _a, _k: denied.inc())
-            # A producer has at most its window of batches in flight, plus a few controls.
+            # A producer has at most its window of batches in flight (small ones counted by
+            # bytes if ``by_bytes``: budget.depth), plus a few controls.
+            window = DEPTH * cfg.producer_window if cfg.by_bytes else cfg.producer_window
             self.ingress = self.bind(cfg.ingress, "ingress", cfg.how.ingress, zmq.ROUTER,
-                                     rcvhwm=cfg.producer_window + 16,
+                                     rcvhwm=window + 16,
                                      max_message=cfg.budget.max_message(cfg.limits))
             tp_ep = None
             if cfg.tensorpack is not None:
@@ -148,7 +152,7 @@ class Server:
         self.producers = ProducerSide(
             self.ingress.send, sink, metrics, cfg.limits,
             IngressConfig(cfg.budget, cfg.producer_window, cfg.credit_lease, cfg.max_peers,
-                          stream=cfg.stream),
+                          stream=cfg.stream, by_bytes=cfg.by_bytes),
             instance, self.refusals.cut_off, self.exact)
         self.attach(self.ingress, self.producers)
         self.tensorpack = (TensorpackIngress(tp_ep, sink, metrics, cfg.limits,
