@@ -113,8 +113,8 @@ class CreditPlanner:
     def _scale(self, unit: int) -> None:
         """Count the budget's batches for the largest unit of the producers (``unit``; 0:
         none known, the count stays): the budget in force and its shares (frozen values,
-        kept until the unit changes). Only ``by_bytes``; else the budget as given."""
-        if unit != self._unit and (self._unit < 0 or (self.by_bytes and unit > 0)):
+        kept until the unit changes). Called with 0 once, then only if ``by_bytes``."""
+        if unit != self._unit and (self._unit < 0 or unit > 0):
             self._unit = unit
             self.budget = self.base.for_unit(unit)
             self._new = self.budget.new_producers
@@ -193,7 +193,8 @@ class CreditPlanner:
         for its own share (its producers' first credits come from the new producers' share
         anyway). ``unread``: the streams no consumer reads now."""
         produced = {p.stream for p in self.producers.values() if p.received > 0}
-        self._scale(max((p.unit for p in self.producers.values()), default=0))
+        if self.by_bytes:
+            self._scale(max((p.unit for p in self.producers.values()), default=0))
         return self._shares({p.stream for p in self.producers.values()}, produced, by_stream,
                             unread)
 
@@ -222,13 +223,12 @@ class CreditPlanner:
         and the streams that some producer has sent on; the budget counted for their largest
         unit. (A plan runs once per batch or so: the separate sums it replaces cost a broker
         ~10 us a batch.)"""
-        out_b = out_y = fresh_b = fresh_y = unit = 0
+        out_b = out_y = fresh_b = fresh_y = 0
         mine: dict[str, list[int]] = {}
         produced: set[str] = set()
+        if self.by_bytes:
+            self._scale(max((p.unit for p in self.producers.values()), default=0))
         for p in self.producers.values():
-            u = p.declared if p.declared > p.largest else p.largest
-            if u > unit:
-                unit = u
             ob, oy = p.granted - p.received, p.granted_bytes - p.received_bytes
             ob, oy = (ob if ob > 0 else 0), (oy if oy > 0 else 0)
             out_b += ob
@@ -244,7 +244,6 @@ class CreditPlanner:
             else:
                 fresh_b += ob
                 fresh_y += oy
-        self._scale(unit)
         return out_b, out_y, mine, produced, fresh_b, fresh_y
 
     def _stream_room(self, by_stream: dict[str, tuple[int, int]], unread: set[str],
