@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from feedline.codec import Limits
 from feedline.errors import ConfigError
 
-SMALL_BATCH = 2 << 20  # bytes: a batch this large or larger counts as one in every window
+SMALL_BATCH = 2 << 20  # bytes: a batch this large or larger counts as one in a window
 DEPTH = 16  # a window of n batches holds at most DEPTH x n small batches
 
 
