@@ -120,6 +120,10 @@ class CreditPlanner:
             self._new = self.budget.new_producers
             self._per_stream: dict[tuple[int, bool], Share] = {}
 
+    def _rescale(self) -> None:
+        """``by_bytes``: the budget counted for the largest unit of the producers now."""
+        self._scale(max((p.unit for p in self.producers.values()), default=0))
+
     # -- what happened ------------------------------------------------------------------
     def join(self, key: bytes, declared: int, stream: str = "default") -> ProducerCredit:
         p = self.producers[key] = ProducerCredit(declared=min(declared, self.max_bytes),
@@ -194,7 +198,7 @@ class CreditPlanner:
         anyway). ``unread``: the streams no consumer reads now."""
         produced = {p.stream for p in self.producers.values() if p.received > 0}
         if self.by_bytes:
-            self._scale(max((p.unit for p in self.producers.values()), default=0))
+            self._rescale()
         return self._shares({p.stream for p in self.producers.values()}, produced, by_stream,
                             unread)
 
@@ -227,7 +231,7 @@ class CreditPlanner:
         mine: dict[str, list[int]] = {}
         produced: set[str] = set()
         if self.by_bytes:
-            self._scale(max((p.unit for p in self.producers.values()), default=0))
+            self._rescale()
         for p in self.producers.values():
             ob, oy = p.granted - p.received, p.granted_bytes - p.received_bytes
             ob, oy = (ob if ob > 0 else 0), (oy if oy > 0 else 0)
