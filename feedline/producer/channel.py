@@ -7,9 +7,12 @@ is held here); this side sends each to a broker whose credit covers it.
 
 Wake-ups: the owner sleeps only while the backlog is full, and is woken only if it sleeps;
 the I/O thread is woken when the backlog turns non-empty, unless it holds a batch waiting for
-credit (a grant wakes it then). The backlog holds one item: a deeper one (8 within 4 MiB) was
-measured no faster (direct mode, 16 KB batches: 4517 vs 5110 batches/s), and every item in it
-is a produced batch that a killed producer takes with it.
+credit (a grant wakes it then). The backlog holds 8 items within 4 MiB (always one): with a
+one-item backlog the two threads took turns for every batch, and once a direct-mode trainer
+counted small batches by their bytes that was their limit (direct mode, 16 KB: 7,768 ->
+18,553 batches/s; 150 KB: 4,421 -> 8,008; docs/performance.md). (With windows of 4 batches a
+deeper backlog had measured no faster: credit was the limit then.) Every item in it is a
+produced batch that a killed producer takes with it: at most 8, within 4 MiB.
 
 One :class:`Channel` per broker (a producer may serve several: each batch goes to one of
 them, by credit, so a faster training host gets more). Credit is two absolute totals since

@@ -16,7 +16,13 @@ from feedline.client import ClientLoop, Waker
 from feedline.handover import Backlog
 from feedline.producer.metrics import ProducerMetrics
 
-BACKLOG_ITEMS = 1  # handed over and not yet taken by the I/O thread, at most
+# Handed over and not yet taken by the I/O thread, at most: BACKLOG_ITEMS within
+# BACKLOG_BYTES (but always one, whatever its size). Deep enough that the owner thread and
+# the I/O thread do not take turns for every small batch (feedline/producer/channel.py).
+BACKLOG_ITEMS = 8
+BACKLOG_BYTES = 4 << 20
+
+
 @dataclass(frozen=True)
 class BatchItem:
     prepared: wire.Prepared
@@ -87,7 +93,7 @@ class Outbox:
     session: int
     stream: str
     metrics: ProducerMetrics
-    items: Backlog[Item] = field(default_factory=lambda: Backlog(BACKLOG_ITEMS, 0))
+    items: Backlog[Item] = field(default_factory=lambda: Backlog(BACKLOG_ITEMS, BACKLOG_BYTES))
     handed: int = 0  # items handed over (written by the owner only) ...
     done: int = 0  # ... and sent or dropped (by the I/O thread only)
     idle: threading.Event = field(default_factory=threading.Event)  # set when done == handed
