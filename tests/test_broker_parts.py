@@ -8,7 +8,7 @@ import pytest
 
 from feedline.broker.buffer import Buffer
 from feedline.errors import Refusal
-from feedline.serving.budget import Budget
+from feedline.serving.budget import Budget, top_up
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
@@ -83,6 +83,30 @@ def test_a_trainers_planner_counts_small_batches_by_their_bytes():
     cp.leave(b"small")
     cp.plan(0.0, 4, 64_000)
     assert cp.budget.max_batches == 128, "no producer: the count its batches came under stays"
+
+
+def test_a_deep_window_is_topped_up_by_parts_not_a_grant_per_batch():
+    """A producer's window of 64 small batches (a direct-mode trainer's count by bytes) gets
+    more credit once 8 of it are free, all 8 in one GRANT; a window of 4 (large batches, a
+    broker's) gets each batch's credit back at once, as ever."""
+    cp = CreditPlanner(Budget(8, 64 * MiB), 4, 2.0, by_bytes=True)
+    start(cp, b"small", 16_000)
+    cp.plan(0.0, 0, 0)
+    assert cp.producers[b"small"].outstanding == 64 and top_up(64) == 8
+    for n in range(1, 8):
+        cp.batch(b"small", 16_000, 0.0)
+        assert cp.plan(0.0, 0, 0).grants == [], f"a GRANT after {n} of 64 arrived"
+    cp.batch(b"small", 16_000, 0.0)
+    assert cp.plan(0.0, 0, 0).grants == [b"small"]
+    assert cp.producers[b"small"].outstanding == 64, "filled again in one GRANT"
+    for _ in range(64):  # the whole window arrives before the next plan
+        cp.batch(b"small", 16_000, 0.0)
+    assert cp.plan(0.0, 0, 0).grants == [b"small"], "a producer with nothing left is never held"
+    large = planner(max_batches=8, window=4)
+    start(large, b"large", 4 * MiB)
+    large.plan(0.0, 0, 0)
+    large.batch(b"large", 4 * MiB, 0.0)
+    assert large.plan(0.0, 1, 4 * MiB).grants == [b"large"] and top_up(4) == 1
 
 
 def test_a_new_registration_holds_no_credit_until_it_asks():

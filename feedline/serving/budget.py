@@ -54,6 +54,17 @@ def depth(batches: int, unit: int) -> int:
     return min(DEPTH * batches, max(batches, batches * SMALL_BATCH // unit))
 
 
+TOP_UP = 8  # a window of w batches is topped up once w // TOP_UP of it is free (at least 1)
+
+
+def top_up(window: int) -> int:
+    """How much of a producer's window of ``window`` batches must be free before it gets
+    more credit unasked: 1 for the windows of large batches (every batch taken is granted
+    again at once), ``window // 8`` for deep ones. A GRANT is a message each way through two
+    I/O threads; a producer that holds 7/8 of a deep window still has plenty in flight."""
+    return max(1, window // TOP_UP)
+
+
 @dataclass(frozen=True)
 class Share:
     """A part of the budget: at most ``batches`` batches and ``nbytes`` bytes."""

@@ -28,7 +28,10 @@ The rules, each a bound:
   HELLO, the largest batch it sent, and what it asked for (WANT). A batch larger than
   ``max_bytes`` can never be granted: its WANT is refused (``batch_too_large``).
 - At most ``window`` batches outstanding per producer; fewest-outstanding first, ties
-  rotated, producers that asked first of all.
+  rotated, producers that asked first of all. A deep window is topped up by parts
+  (:func:`~feedline.serving.budget.top_up`: once an eighth of it is free, then filled in
+  the same plan), so that a producer of small batches gets a GRANT per several batches; a
+  window under 16 gets each credit back as its room frees.
 - ``by_bytes`` (a direct-mode trainer): small batches are counted by their bytes
   (:func:`~feedline.serving.budget.depth`): a producer's window for its own unit, the
   budget's batches for the largest unit of the producers registered
@@ -49,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from feedline.serving.budget import Budget, Share, depth
+from feedline.serving.budget import Budget, Share, depth, top_up
 
 
 @dataclass
@@ -300,16 +303,24 @@ class CreditPlanner:
                 starving = True
         # Then one credit at a time, fewest outstanding first.
         order = sorted(keys, key=lambda k: self.producers[k].outstanding)
+        topping: set[bytes] = set()
         progress = True
         while progress and free_b > 0:
             progress = False
             for key in order:
                 p = self.producers[key]
                 unit = p.unit
-                if (p.idle or p.revoking_since is not None or unit == 0
-                        or p.outstanding >= (depth(self.window, unit) if self.by_bytes
-                                             else self.window)):
+                if p.idle or p.revoking_since is not None or unit == 0:
                     continue
+                window = depth(self.window, unit) if self.by_bytes else self.window
+                if p.outstanding >= window:
+                    continue
+                if key not in topping:
+                    # A deep window is topped up once a part of it is free, not a credit
+                    # at a time (one GRANT per batch would be); then filled in this plan.
+                    if window - p.outstanding < top_up(window):
+                        continue
+                    topping.add(key)
                 if p.received == 0 and p.outstanding >= 1:
                     # Slow start: one credit until its first batch arrives, so that the first
                     # of many new producers to ask cannot take the quarter they share.
