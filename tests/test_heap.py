@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from feedline.procs import free_port
+
 pytestmark = pytest.mark.skipif(not hasattr(os, "confstr")
                                 or not os.confstr("CS_GNU_LIBC_VERSION"),
                                 reason="glibc's malloc only")
@@ -21,6 +23,17 @@ from feedline.heap import keep_freed_memory
 
 if sys.argv[1] == "keep":
     print(keep_freed_memory(), file=sys.stderr)
+elif sys.argv[1] == "direct":  # a direct-mode trainer: the serving core sets it on start
+    import logging
+    from feedline import RemoteDataZMQ
+    from feedline.errors import ReceiveTimeout
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    trainer = RemoteDataZMQ(sys.argv[2], bind=True, timeout=0.5)
+    try:
+        next(iter(trainer))
+    except ReceiveTimeout:
+        pass  # no producer: it served, and waited
+    trainer.close()
 
 def faults():
     return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
@@ -37,8 +50,9 @@ print(faults() - before)
 """
 
 
-def faults(mode: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-c", PATTERN, mode], capture_output=True, text=True,
+def faults(mode: str, env: dict[str, str] | None = None, *args: str) -> tuple[int, str]:
+    out = subprocess.run([sys.executable, "-c", PATTERN, mode, *args], capture_output=True,
+                         text=True,
                          timeout=120, env={**os.environ, **(env or {})}, check=True)
     return int(out.stdout), out.stderr.strip()
 
@@ -57,3 +71,17 @@ def test_the_operators_malloc_settings_stand() -> None:
     n, said = faults("keep", {"MALLOC_TRIM_THRESHOLD_": str(1 << 20)})
     assert said == "malloc as the environment sets it (MALLOC_TRIM_THRESHOLD_)"
     assert n > 20_000, n  # a 1 MiB trim threshold: the pages go back every round
+
+
+def test_a_direct_mode_trainer_keeps_freed_batches_as_the_daemons_do() -> None:
+    """A trainer that serves its producers receives batches in libzmq's I/O thread as a
+    broker does (transport at 1 MB: that thread's CPU per batch 251 -> 134 us with the
+    thresholds, docs/performance.md); its serving core sets them when it starts, says so in
+    its log line, and leaves the environment's settings alone."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    n, said = faults("direct", None, addr)
+    assert "serving producers directly on" in said and "malloc keeps up to 256 MiB freed" in said
+    assert n < 1_000, (n, said)  # as "keep" above; glibc's default faults > 20,000 pages
+    n, said = faults("direct", {"MALLOC_TRIM_THRESHOLD_": str(1 << 20)}, addr)
+    assert "malloc as the environment sets it (MALLOC_TRIM_THRESHOLD_)" in said
+    assert n > 20_000, n

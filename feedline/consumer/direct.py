@@ -26,6 +26,7 @@ from feedline import messages as m
 from feedline import wire
 from feedline.consumer.io import Delivery, EpochMark, Marker, Shared
 from feedline.errors import FeedlineError, ProducerError
+from feedline.heap import keep_freed_memory
 from feedline.link import LinkConfig
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
@@ -128,8 +129,11 @@ class DirectIO:
         self._arrived = 0.0  # when a batch last arrived
         self._planned_taken = -1
         shared.answered = True  # nobody to answer us: we serve
-        log.info("serving producers directly on %s%s", self.endpoint,
-                 f", tensorpack on {cfg.tensorpack}" if cfg.tensorpack else "")
+        # As the broker does: batches of a megabyte or more reuse freed memory instead of
+        # faulting pages in again (feedline.heap; the environment's MALLOC_* settings win).
+        heap = keep_freed_memory()
+        log.info("serving producers directly on %s%s; %s", self.endpoint,
+                 f", tensorpack on {cfg.tensorpack}" if cfg.tensorpack else "", heap)
 
     # -- the loop's callbacks -----------------------------------------------------------
     def links(self) -> list:
