@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from feedline.serving.budget import Budget, Share, depth, top_up
+from feedline.serving.budget import TOP_UP, Budget, Share, depth, top_up
 
 
 @dataclass
@@ -315,7 +315,7 @@ class CreditPlanner:
                 window = depth(self.window, unit) if self.by_bytes else self.window
                 if p.outstanding >= window:
                     continue
-                if key not in topping:
+                if window >= 2 * TOP_UP and key not in topping:  # else top_up is 1
                     # A deep window is topped up once a part of it is free, not a credit
                     # at a time (one GRANT per batch would be); then filled in this plan.
                     if window - p.outstanding < top_up(window):
