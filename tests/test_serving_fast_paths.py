@@ -58,7 +58,7 @@ def planner_model(budget: Budget, sizes: st.SearchStrategy[int], held_bytes: int
     """The planner's model: batches of ``sizes`` within ``budget``; ``by_bytes`` (a
     direct-mode trainer's planner): small batches counted by their bytes. Every run starts
     with one producer running, its first batch of ``first`` bytes (default ``sizes``)."""
-    first = sizes if first is None else first
+    running_sizes: st.SearchStrategy[int] = sizes if first is None else first
 
     class PlannerTally(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -73,7 +73,7 @@ def planner_model(budget: Budget, sizes: st.SearchStrategy[int], held_bytes: int
         def join(self, key: bytes, stream: str, declared: int) -> None:
             self.cp.join(key, declared, stream)
 
-        @initialize(size=first)
+        @initialize(size=running_sizes)
         def running(self, size: int) -> None:
             """A producer that has sent and been planned for: its window (a deep one for small
             batches, counted by bytes) is what the steps then spend and top up."""
@@ -95,7 +95,7 @@ def planner_model(budget: Budget, sizes: st.SearchStrategy[int], held_bytes: int
             self.cp.batch(key, size, self.now)  # a breach too: it is counted all the same
 
         @precondition(lambda self: self.cp.producers)
-        @rule(data=st.data(), size=first, n=st.integers(1, 12))
+        @rule(data=st.data(), size=running_sizes, n=st.integers(1, 12))
         def stream(self, data: st.DataObject, size: int, n: int) -> None:
             """A producer that keeps up: ``n`` batches of one size (as the first's) arrive
             between plans."""
