@@ -385,12 +385,14 @@ def log_lines(text: str, level: str, *words: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def sender_and_fake_broker(producer_id: str, datapoints: list[Any]
+def sender_and_fake_broker(producer_id: str, datapoints: list[Any],
+                           handed: list[int] | None = None
                            ) -> Iterator[tuple[FakeBroker, list[BaseException]]]:
     """A broker played by the test, and a real Sender in a thread sending ``datapoints`` to
-    it (then flushing); on exit the Sender is stopped and the broker closed. What the Sender
-    raises, other than being stopped, lands in the list for the test to assert (after the
-    ``with``: the thread has ended by then)."""
+    it (then flushing); on exit the Sender is stopped (its close gives up on what no credit
+    covers) and the broker closed. What the Sender raises, other than being stopped, lands in
+    the list for the test to assert (after the ``with``: the thread has ended by then).
+    ``handed``: the index of each datapoint whose ``send`` returned is appended to it."""
     fake = FakeBroker()
     stop = threading.Event()
     failure: list[BaseException] = []
@@ -398,11 +400,14 @@ def sender_and_fake_broker(producer_id: str, datapoints: list[Any]
     def produce() -> None:
         try:
             with Sender(fake.addr, producer_id=producer_id, link=FAST) as s:
-                for dp in datapoints:
-                    s.send(dp, stop=stop)
-                s.flush(10)
-        except Stopped:
-            pass
+                try:
+                    for i, dp in enumerate(datapoints):
+                        s.send(dp, stop=stop)
+                        if handed is not None:
+                            handed.append(i)
+                    s.flush(10)
+                except Stopped:
+                    s.stopped = True
         except BaseException as e:  # surfaces in the test thread
             failure.append(e)
 

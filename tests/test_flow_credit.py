@@ -10,7 +10,6 @@ both modes); the peers that break the rules are DEALERs speaking the protocol by
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -21,7 +20,6 @@ import pytest
 import zmq
 
 from feedline import wire
-from feedline.errors import Stopped
 from feedline.procs import wait_for
 from feedline.producer import Sender
 from feedline.producer.outbox import BACKLOG_BYTES, BACKLOG_ITEMS
@@ -313,21 +311,10 @@ def test_a_producer_without_credit_holds_a_bounded_backlog(nbytes, handed):
 
     Before: the backlog held one item of any size, and the owner thread and the I/O thread
     took turns for every batch (direct mode, 16 KB: 7,768 batches/s where 8 give 18,553)."""
-    fake = FakeBroker()
-    stop = threading.Event()
     sent: list[int] = []
-
-    def produce() -> None:
-        with Sender(fake.addr, producer_id="backlog", link=FAST) as s:
-            s.stopped = True  # its close gives up on what no credit covers, at once
-            with contextlib.suppress(Stopped):
-                for i in range(3 * BACKLOG_ITEMS):  # more than the backlog's bounds take
-                    s.send([np.full(nbytes, i % 256, np.uint8)], stop=stop)
-                    sent.append(i)
-
-    t = threading.Thread(target=produce, daemon=True)
-    t.start()
-    try:
+    batch = [np.zeros(nbytes, np.uint8)]  # more than the backlog's bounds take
+    with sender_and_fake_broker("backlog", [batch] * (3 * BACKLOG_ITEMS), handed=sent) \
+            as (fake, failure):
         reg = fake.wait_for_kind(HELLO, 10)["r"]
         fake.send(welcome(5555, reg))  # welcomed, and never a credit
         for _ in range(10):  # 2 s: the owner thread has long stopped handing over
@@ -335,11 +322,7 @@ def test_a_producer_without_credit_holds_a_bounded_backlog(nbytes, handed):
             fake.send(broker_heartbeat(5555))
         assert len(sent) == handed, sent
         assert 2 * 1_500_000 < BACKLOG_BYTES < 3 * 1_500_000  # the 1.5 MB case's bound
-    finally:
-        stop.set()
-        t.join(10)
-        fake.close()
-    assert not t.is_alive()
+    assert not failure, failure
 
 
 def test_a_stopping_producer_does_not_wait_for_credit_nobody_gives():
