@@ -42,21 +42,21 @@ STREAMS = ["a", "b", "c"]
 
 
 def general_shares(cp: CreditPlanner, by_stream: dict[str, tuple[int, int]],
-                   unread: set[str]) -> dict[str, Share]:
-    """The rule of ``CreditPlanner.shares`` computed without its cache."""
+                   unread: set[str], budget: Budget) -> dict[str, Share]:
+    """The rule of ``CreditPlanner.shares`` computed without its cache, of ``budget``."""
     produced = {p.stream for p in cp.producers.values() if p.received > 0}
     produced |= {s for s, (b, y) in by_stream.items() if b > 0 or y > 0}
     registered = {p.stream for p in cp.producers.values()}
     counted = produced | {s for s in registered if s not in unread}
-    return {s: cp.budget.per_stream(len(counted) + (s not in counted), read=s not in unread)
+    return {s: budget.per_stream(len(counted) + (s not in counted), read=s not in unread)
             for s in registered | counted}
 
 
 def planner_model(budget: Budget, sizes: st.SearchStrategy[int], held_bytes: int,
                   by_bytes: bool, first: st.SearchStrategy[int] | None = None
                   ) -> type[RuleBasedStateMachine]:
-    """The planner's model: batches of ``sizes`` within ``budget``; ``by_bytes`` (a
-    direct-mode trainer's planner): small batches counted by their bytes. Every run starts
+    """The planner's model: batches of ``sizes`` within ``budget``; ``by_bytes`` (a broker's
+    and a direct-mode trainer's planner): small batches counted by their bytes. Every run starts
     with one producer running, its first batch of ``first`` bytes (default ``sizes``)."""
     running_sizes: st.SearchStrategy[int] = sizes if first is None else first
 
@@ -67,6 +67,7 @@ def planner_model(budget: Budget, sizes: st.SearchStrategy[int], held_bytes: int
             self.now = 0.0
             self.held: dict[str, tuple[int, int]] = {}
             self.unread: set[str] = set()
+            self.deepest = 0  # the most batches the budget has counted so far
 
         @rule(key=st.sampled_from(KEYS), stream=st.sampled_from(STREAMS),
               declared=st.one_of(st.just(0), sizes))
@@ -182,8 +183,16 @@ def planner_model(budget: Budget, sizes: st.SearchStrategy[int], held_bytes: int
         def room_is_the_general_room(self) -> None:
             cp = self.cp
             _, _, mine, produced, _, _ = cp._tally()
-            shares = general_shares(cp, self.held, self.unread)
-            assert cp.shares(self.held, self.unread) == shares
+            # What a stream may keep (the shares that evict) is counted for the deepest
+            # budget so far: a count that shrank must not evict batches granted under the
+            # deeper one. What may be granted is counted for the budget now.
+            self.deepest = max(self.deepest, cp.budget.max_batches)
+            assert cp.deepest.max_batches == self.deepest
+            kept = cp.shares(self.held, self.unread)
+            assert kept == general_shares(cp, self.held, self.unread, cp.deepest)
+            shares = general_shares(cp, self.held, self.unread, cp.budget)
+            assert all(kept[s].batches >= sh.batches and kept[s].nbytes == sh.nbytes
+                       for s, sh in shares.items()), (kept, shares)
             room = cp._stream_room(self.held, self.unread, mine, produced)
             ps = list(cp.producers.values())
             assert room == {s: [sh.batches - self.held.get(s, (0, 0))[0]
@@ -196,12 +205,12 @@ def planner_model(budget: Budget, sizes: st.SearchStrategy[int], held_bytes: int
 
 
 _MODEL = settings(max_examples=60, stateful_step_count=40, deadline=None)
-# A broker's planner: windows in batches, whatever their size.
+# A planner counting windows in batches, whatever their size (``by_bytes=False``).
 TestPlannerTally = planner_model(Budget(12, 12_000), st.integers(1, 3000), 6000,
                                  by_bytes=False).TestCase
 TestPlannerTally.settings = _MODEL
-# A direct-mode trainer's: batches on both sides of 2 MiB, small ones counted by bytes, and
-# a producer of large batches joining and leaving changes the count.
+# A broker's and a direct-mode trainer's: batches on both sides of 2 MiB, small ones counted
+# by bytes, and a producer of large batches joining and leaving changes the count.
 TestPlannerTallyByBytes = planner_model(
     Budget(12, 60 << 20), st.one_of(st.integers(1, 3000), st.integers(1 << 20, 5 << 20)),
     24 << 20, by_bytes=True, first=st.integers(1, 3000)).TestCase

@@ -32,14 +32,15 @@ The rules, each a bound:
   (:func:`~feedline.serving.budget.top_up`: once an eighth of it is free, then filled in
   the same plan), so that a producer of small batches gets a GRANT per several batches; a
   window under 16 gets each credit back as its room frees.
-- ``by_bytes`` (a direct-mode trainer): small batches are counted by their bytes
-  (:func:`~feedline.serving.budget.depth`): a producer's window for its own unit, the
+- ``by_bytes`` (a broker and a direct-mode trainer): small batches are counted by their
+  bytes (:func:`~feedline.serving.budget.depth`): a producer's window for its own unit, the
   budget's batches for the largest unit of the producers registered
   (:meth:`Budget.for_unit`; kept while no producer's size is known). One producer of large
   batches brings the count back to ``max_batches`` for all; what is held beyond it then
-  waits to be taken (a trainer's queue evicts nothing). A broker does not: its shares of
-  the budget evict an unread stream's batches beyond them, and a count that shrinks under
-  what it holds would evict batches it granted.
+  waits to be taken: no credit is granted until it is. The shares that evict an unread
+  stream's batches (:meth:`CreditPlanner.shares`) are counted for the deepest count the
+  budget has had: a count that shrank under what a broker holds would evict batches it
+  granted.
 - A producer whose batch was refused gets more credit only when it asks (WANT), as a new
   registration does.
 - Credit unused for ``lease`` seconds while another producer waits for room is asked back
@@ -111,6 +112,9 @@ class CreditPlanner:
         self.producers: dict[bytes, ProducerCredit] = {}
         self._rr = 0
         self._unit = -1
+        # The deepest count the budget has had, and its shares: what may be kept (evicting).
+        self.deepest: Budget = budget
+        self._evict_per_stream: dict[tuple[int, bool], Share] = {}
         self._scale(0)
 
     def _scale(self, unit: int) -> None:
@@ -118,10 +122,13 @@ class CreditPlanner:
         none known, the count stays): the budget in force and its shares (frozen values,
         kept until the unit changes). Called with 0 once, then only if ``by_bytes``."""
         if unit != self._unit and (self._unit < 0 or unit > 0):
-            self._unit = unit
+            first, self._unit = self._unit < 0, unit
             self.budget = self.base.for_unit(unit)
             self._new = self.budget.new_producers
             self._per_stream: dict[tuple[int, bool], Share] = {}
+            if first or self.budget.max_batches > self.deepest.max_batches:
+                self.deepest = self.budget
+                self._evict_per_stream = {}
 
     def _rescale(self) -> None:
         """``by_bytes``: the budget counted for the largest unit of the producers now."""
@@ -203,11 +210,14 @@ class CreditPlanner:
         if self.by_bytes:
             self._rescale()
         return self._shares({p.stream for p in self.producers.values()}, produced, by_stream,
-                            unread)
+                            unread, evicting=True)
 
     def _shares(self, streams: set[str] | dict[str, Any], produced: set[str],
-                by_stream: dict[str, tuple[int, int]], unread: set[str]) -> dict[str, Share]:
-        """:meth:`shares` given the producers' streams and those of them that have sent."""
+                by_stream: dict[str, tuple[int, int]], unread: set[str],
+                evicting: bool = False) -> dict[str, Share]:
+        """:meth:`shares` given the producers' streams and those of them that have sent;
+        ``evicting``: counted for the deepest budget so far (what may be kept), else for the
+        budget now (what may be granted)."""
         # A stream counts once produced, or once read: a consumer waiting for a stream that
         # has not sent yet must not find the whole budget held by another that nobody reads
         # (its producers could then never get a first credit).
@@ -215,12 +225,13 @@ class CreditPlanner:
         counted |= {s for s in streams if s not in unread}
         out = {}
         n = len(counted)
-        cache = self._per_stream
+        budget, cache = ((self.deepest, self._evict_per_stream) if evicting
+                         else (self.budget, self._per_stream))
         for s in counted.union(streams):
             key = (n + (s not in counted), s not in unread)
             share = cache.get(key)
             if share is None:
-                share = cache[key] = self.budget.per_stream(*key)
+                share = cache[key] = budget.per_stream(*key)
             out[s] = share
         return out
 
