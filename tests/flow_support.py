@@ -471,3 +471,17 @@ class FakeBroker:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+def queue_when_settled(it: Iterator[Any], registry: Any) -> list[float]:
+    """Take one batch from ``it`` and no more: the consumer's local queue (batches), sampled
+    every 0.1 s until ten samples in a row agree (what its window let in)."""
+    next(it)
+    samples: list[float] = []
+
+    def settled() -> bool:
+        samples.append(registry.get_sample_value("feedline_consumer_local_queue_batches") or 0)
+        return len(samples) > 10 and len(set(samples[-10:])) == 1
+
+    wait_for(settled, 20, interval=0.1, what="the queue to settle")
+    return samples

@@ -25,8 +25,15 @@ from feedline.errors import ProducerError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender, send_dataflow
+from feedline.serving.budget import SMALL_BATCH
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
+
+
+def whole(i: int) -> np.ndarray:
+    """A batch that counts as one in any window: 2 MiB (smaller ones count by their bytes,
+    several to a batch of a window: feedline.serving.budget.depth)."""
+    return np.full(SMALL_BATCH // 4, i, np.int32)
 
 
 def test_gaps_in_a_producer_sequence_are_counted_once(thread_broker, endpoints):
@@ -90,7 +97,7 @@ def test_a_consumer_whose_credit_runs_ahead_is_clamped_not_stalled(thread_broker
     tb = thread_broker()
     with Sender(endpoints.ingress, producer_id="p", link=FAST) as s:
         for i in range(12):
-            s.send([np.full(4, i, np.int32)])  # blocks while there is no credit
+            s.send([whole(i)])  # blocks while there is no credit
         wait_for(lambda: tb.broker.stats.received == 12, 10, what="12 batches buffered")
         ctx = zmq.Context()
         c = ctx.socket(zmq.DEALER)
@@ -130,7 +137,7 @@ def test_credit_bounds_what_a_producer_can_push(thread_broker, endpoints):
         def push() -> None:  # no consumer: only credit lets batches through
             try:
                 while True:
-                    s.send([np.zeros(16, np.uint8)], stop=stop)
+                    s.send([whole(0)], stop=stop)
             except Exception:
                 pass
 
@@ -163,19 +170,25 @@ def test_hostile_messages_are_refused_counted_and_the_stream_goes_on(thread_brok
                                          registration=1))
         bad.send(hello)
 
+        sent = [0, 0]  # batches sent, credit granted (GRANT carries the total)
+
         def with_credit(frames: list[bytes]) -> None:
             # A producer that has not sent a good batch holds one credit at a time (slow
-            # start), and a refused batch returns it: ask, wait for it, then send.
-            bad.send(m.encode(m.Want(sent=0, sent_bytes=0, size=1024, registration=1)))
-            got: list[m.Message] = []
+            # start), and after a refused batch it gets more only when it asks: ask, wait
+            # for credit beyond what it sent, then send. (Its first WANT after a refusal
+            # brings a window of small batches: later ones find credit left.)
+            bad.send(m.encode(m.Want(sent=sent[0], sent_bytes=0, size=1024, registration=1)))
 
             def credited() -> bool:
                 while bad.poll(100):
-                    got.append(m.decode(bad.recv_multipart()[-1]))
-                return any(isinstance(x, m.Grant) for x in got)
+                    msg = m.decode(bad.recv_multipart()[-1])
+                    if isinstance(msg, m.Grant):
+                        sent[1] = msg.batches
+                return sent[1] > sent[0]
 
             wait_for(credited, 10, what="credit for the hostile peer")
             bad.send_multipart(frames)
+            sent[0] += 1
 
         header = msgpack.unpackb(wire.encode_batch([np.zeros(4, np.uint8)], producer="evil",
                                                    session=1, seq=0)[0])
@@ -302,14 +315,15 @@ def test_help_documents_every_flag_with_its_default(monkeypatch):
 
 def test_a_silent_producer_is_dropped_and_its_credit_returns(thread_broker, endpoints):
     # One batch of room: a producer that has not sent yet may hold it (a quarter of the
-    # budget, at least one batch). Heartbeat timeout 1.5 s.
+    # budget, at least one batch). Heartbeat timeout 1.5 s. Batches of 2 MiB: smaller ones
+    # would count by their bytes, several to a batch of room.
     tb = thread_broker(max_batches=1, producer_window=1)
     ctx = zmq.Context()
     try:
         mute = _raw_dealer(ctx, endpoints.ingress)
-        mute.send(m.encode(m.ProducerHello(producer="mute", session=5, max_batch_bytes=64,
-                                           registration=1)))
-        mute.send(m.encode(m.Want(sent=0, sent_bytes=0, size=64, registration=1)))
+        mute.send(m.encode(m.ProducerHello(producer="mute", session=5,
+                                           max_batch_bytes=SMALL_BATCH, registration=1)))
+        mute.send(m.encode(m.Want(sent=0, sent_bytes=0, size=SMALL_BATCH, registration=1)))
 
         def grant() -> m.Grant | None:
             while mute.poll(100):
@@ -323,7 +337,7 @@ def test_a_silent_producer_is_dropped_and_its_credit_returns(thread_broker, endp
         with Sender(endpoints.ingress, producer_id="live", link=FAST) as live:
             # No room is left until the broker gives up on the mute peer and takes back its
             # credit; then the live producer gets it. Nothing but heartbeats moves it.
-            live.send([np.zeros(4, np.uint8)])  # waits in the producer for credit
+            live.send([np.zeros(SMALL_BATCH, np.uint8)])  # waits in the producer for credit
             wait_for(lambda: tb.broker.stats.received == 1, 15, what="credit for live")
         dropped = tb.broker.registry.get_sample_value(
             "feedline_broker_dropped_peers_total", {"role": "producer", "reason": "timeout"})
@@ -342,7 +356,7 @@ def test_a_producer_says_when_it_waits_long_for_credit_and_why(thread_broker, en
     with caplog.at_level("WARNING", logger="feedline.producer.channel"), \
             Sender(endpoints.ingress, producer_id="waiting", link=link) as s:
         for i in range(4):
-            s.send([np.full(4, i, np.int32)], stop=stop)  # 2 go, 1 waits, 1 in the outbox
+            s.send([whole(i)], stop=stop)  # 2 go, 1 waits, 1 in the outbox
         wait_for(lambda: "no credit" in caplog.text, 10, what="the warning")
     line = next(r.getMessage() for r in caplog.records if "no credit" in r.getMessage())
     assert "waiting" in line and "training side" in line and endpoints.ingress in line

@@ -24,6 +24,7 @@ from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer.targets import Targets
 from feedline.serving.budget import DEPTH
+from tests.flow_support import queue_when_settled
 from tests.test_security_curve import Keys
 
 MiB = 1 << 20
@@ -78,17 +79,9 @@ def test_a_trainer_that_stops_taking_holds_its_window_counted_by_bytes(daemons, 
         "shapes": [shape], "dtypes": ["uint8"], "size": 1000, "random": False}}}))
     producer(daemons, cfg, addr, name="p")
     registry = CollectorRegistry()
-    queued = "feedline_consumer_local_queue_batches"
     with RemoteDataZMQ(addr, bind=True, window=2, timeout=30, link=FAST,
                        registry=registry) as src:
-        next(iter(src))
-        samples: list[float] = []
-
-        def settled() -> bool:
-            samples.append(registry.get_sample_value(queued) or 0)
-            return len(samples) > 10 and len(set(samples[-10:])) == 1
-
-        wait_for(settled, 20, interval=0.1, what="the queue to settle")
+        samples = queue_when_settled(iter(src), registry)
     assert max(samples) == most, samples
 
 

@@ -157,8 +157,8 @@ def test_idle_producers_do_not_keep_the_credit(host, daemons, tmp_path):
     a batch; a real producer next to them gets batches flowing (>= 50 delivered to a consumer
     within 10 s), and what they hold stays within the quarter of --max-batches that producers
     which have not sent yet may hold (one each: their own counts say 8 in all; credit
-    outstanding <= 8 + the busy one's window, which a direct-mode trainer counts by bytes:
-    up to 16 x 4 of its 1 KB batches).
+    outstanding <= 8 + the busy one's window, which a broker and a direct-mode trainer count
+    by bytes: up to 16 x 4 of its 1 KB batches).
 
     Before: the idle ones hold all 32 credits (8 x window 4 = --max-batches): 0 batches
     delivered in 10 s, credit outstanding stays 32."""
@@ -180,8 +180,7 @@ def test_idle_producers_do_not_keep_the_credit(host, daemons, tmp_path):
         ctx.term()
     assert flowing, f"busy producer: {consumer.counts.get('busy', 0)} batches in 10 s"
     assert idle <= PRODUCERS, [p.granted - p.sent for p in peers]
-    busy_window = WINDOW if h.kind == "broker" else DEPTH * WINDOW
-    assert outstanding <= PRODUCERS + busy_window, outstanding
+    assert outstanding <= PRODUCERS + DEPTH * WINDOW, outstanding
 
 
 def test_a_late_credit_of_a_replaced_broker_is_ignored():

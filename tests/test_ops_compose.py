@@ -399,8 +399,9 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
     assert float(total.split()[1]) > 0, screen
     endpoints = [line for line in screen.splitlines() if line.strip().startswith("127.0.0.1:")]
     assert len(endpoints) == 3, screen  # two producer endpoints and the trainer
-    # The trainer's queue: "n.n/4" (the compose demo's window), and its rate.
-    (consumer,) = [line for line in endpoints if re.search(r"\d\.\d/4 ", line)]
+    # The trainer's queue: "n.n/W", W the compose demo's window of 4 in force (its batches
+    # of 6 KB count by their bytes: 64), and its rate.
+    (consumer,) = [line for line in endpoints if re.search(r"\d\.\d/64 ", line)]
     assert float(consumer.split()[1]) > 0, screen
     assert "VERDICT" in screen and "unknown" not in screen
 

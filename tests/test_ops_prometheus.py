@@ -16,6 +16,7 @@ from feedline.commands import top
 from feedline.consumer import RemoteDataZMQ
 from feedline.metrics import serve_metrics
 from feedline.procs import free_port, wait_for
+from feedline.serving.budget import DEPTH, depth
 from tests.ops_support import Prometheus, needs_prometheus, scrape_config
 
 TAKE = 150  # batches the test's training loop takes
@@ -69,7 +70,10 @@ def test_prometheus_rates_and_queue_agree_with_the_consumer(
                     "feedline_consumer_received_batches_total") or 0.0
 
             # We take no more, so no credit returns: the broker fills our window and stops.
-            wait_for(lambda: received() == TAKE + 1 + WINDOW, 20, what="window filled")
+            # Batches of 6 KB count by their bytes: the window holds DEPTH x WINDOW of them.
+            filled = depth(WINDOW, 8 * 16 * 16 * 3 + 8 * 4)
+            assert filled == DEPTH * WINDOW
+            wait_for(lambda: received() == TAKE + 1 + filled, 20, what="window filled")
             counted = received()
 
             # Totals, once Prometheus has scraped the final (frozen) values: exact agreement.

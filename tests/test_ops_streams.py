@@ -159,10 +159,13 @@ def test_top_shows_each_stream_and_each_consumers_stream(two_streams: TwoStreams
 
     rows = stream_rows(screen)
     assert set(rows) == {"default", "val"}, screen
+    # The broker's batch limit in force: its 32, small batches counted by their bytes.
+    cap = second[two_streams.broker_url].get("feedline_broker_buffer_capacity_batches")
+    assert cap is not None and 32 <= cap <= 16 * 32, cap
     # batches/s, buffered, producers, consumers, exact epoch, units done, duplicates
     for name, producers in (("default", 1), ("val", 2)):
         rate, buffered, prods, cons, *_ = rows[name]
-        assert float(rate) > 0 and 0 <= int(buffered) <= 32, screen
+        assert float(rate) > 0 and 0 <= int(buffered) <= cap, screen
         assert (int(prods), int(cons)) == (producers, 1), screen
     assert rows["default"][4:] == ["-", "-", "-"], screen  # not an exact stream
     epoch, units, dups = rows["val"][4:]
@@ -197,11 +200,13 @@ def test_top_lists_a_direct_mode_trainer_as_broker_and_consumer(tmp_path: Path,
         screen = out.stdout
         assert f"PRODUCERS (as direct-mode trainer {direct.url}" in screen, screen
         assert re.search(r"^\s+to-direct\s+[\d.]+", screen, re.M), screen
-        assert "BROKER (direct mode)" in screen, screen
+        assert re.search(r"BROKER \(direct mode\)  buffer \d+/64 batches", screen), screen
         assert "CONSUMERS" in screen, screen
         (row,) = [line for line in screen.splitlines()
                   if line.strip().startswith(f"127.0.0.1:{direct.port}")]
-        assert re.search(r"\d\.\d/4 ", row) and row.split()[-1] == "default", screen
+        # Its queue over the window in force: the default 4, its small batches counted by
+        # their bytes (64; before, the queue read "64.0/4").
+        assert re.search(r"\d\.\d/64 ", row) and row.split()[-1] == "default", screen
         verdict = next(line for line in screen.splitlines() if line.startswith("VERDICT"))
         assert "unknown" not in verdict, screen
     finally:

@@ -116,7 +116,7 @@ class Broker:
                                   config.exact_ephemeral, config.max_streams,
                                   grace=config.heartbeat_timeout,
                                   idle=4 * config.heartbeat_timeout),
-                insecure=config.insecure),
+                insecure=config.insecure, by_bytes=True),
                 self._sink, self.metrics, self.instance, log)
             # No ZMTP heartbeats towards consumers: a paused consumer's connection must
             # outlive its registration, so that what was sent to it is still there when it
@@ -179,10 +179,12 @@ class Broker:
         m = self.metrics
         _, in_y = self.egress.inflight()
         m.buffer_batches.set(self.buffer.batches)
+        # The batch limit in force: --max-batches, small batches counted by their bytes.
+        m.buffer_capacity_batches.set(self.ingress.planner.budget.max_batches)
         m.buffer_bytes.set(self.buffer.nbytes)
         m.inflight_bytes.set(in_y)
         m.peers.labels("consumer").set(len(self.egress.consumers))
-        m.consumer_credit.set(sum(max(0, c.window - (c.delivered - c.taken))
+        m.consumer_credit.set(sum(max(0, c.counted(c.window) - (c.delivered - c.taken))
                                   for c in self.egress.consumers))
         self._stream_gauges()
 

@@ -33,7 +33,7 @@ from feedline.broker.buffer import Buffer
 from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
-from feedline.serving.budget import Budget
+from feedline.serving.budget import SMALL_BATCH, Budget, depth
 from feedline.serving.exact_streams import Applied, ExactStreams
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -56,12 +56,29 @@ class Consumer(Peer):
     # registration, built once (encoding one per batch cost the broker ~3 us a batch).
     envelope: bytes = b""
     waited: float = 0.0  # seconds its loop waited for data (it says so with TAKEN)
+    largest: int = 0  # bytes of the largest batch delivered to this registration
 
-    def room(self, size: int, cap: int, cap_batches: int, orphan: Orphan | None = None) -> bool:
+    def counted(self, batches: int, size: int = 0) -> int:
+        """A count of ``batches`` for this registration: small batches count by their bytes
+        (:func:`~feedline.serving.budget.depth`), for the largest batch it has had (and
+        ``size``, one about to go): the count only shrinks, and the consumer, counting the
+        same batches, never finds more than its window. An exact stream's batches count one
+        each (``largest`` stays 0; ``room(deep=False)``): its ranks split each epoch, and one
+        rank's deep window would take a short epoch's batches from the others."""
+        unit = size if size > self.largest else self.largest
+        return depth(batches, unit) if unit < SMALL_BATCH else batches
+
+    def room(self, size: int, cap: int, cap_batches: int, orphan: Orphan | None = None,
+             deep: bool = True) -> bool:
         """Room for a batch of ``size`` within its window and byte budget, and within the
-        caps of one connection (what an earlier registration of it left in flight counts)."""
+        caps of one connection (what an earlier registration of it left in flight counts),
+        both :meth:`counted` by bytes if ``deep``."""
         held = self.delivered - self.taken
-        if held >= self.window:
+        if deep:
+            if held >= self.counted(self.window, size):
+                return False
+            cap_batches = self.counted(cap_batches, size)
+        elif held >= self.window:
             return False
         if orphan is not None:
             if held + orphan.batches >= cap_batches or \
@@ -303,7 +320,7 @@ class ConsumerSide:
                     for ident in list(ring):
                         self._send(ident, [item.frames[0]])
                     continue
-                c = self._next(ring, item.nbytes)
+                c = self._next(ring, item.nbytes, coord is None)
                 if c is None:
                     break
                 self.buffer.pop(stream)
@@ -315,7 +332,7 @@ class ConsumerSide:
                         self.drop(c.ident, "unreachable")
                         continue
                     break  # its pipe is full: try again next round
-                self._delivered(c, item, now)
+                self._delivered(c, item, now, coord is None)
                 sent += 1
         return sent
 
@@ -323,20 +340,22 @@ class ConsumerSide:
         """The DELIVER frame in front of a batch to ``c`` that follows ``gap`` lost ones."""
         return m.encode(m.Deliver(broker=self.instance, gap=gap, registration=c.registration))
 
-    def _next(self, ring: deque[bytes], size: int) -> Consumer | None:
+    def _next(self, ring: deque[bytes], size: int, deep: bool) -> Consumer | None:
         for _ in range(len(ring)):
             ident = ring[0]
             ring.rotate(-1)
             c = self.consumers.get(ident)
             if c is not None and c.room(size, self.cap, self.cap_batches,
-                                        self.orphans.get(ident)):
+                                        self.orphans.get(ident), deep):
                 return c
         return None
 
-    def _delivered(self, c: Consumer, item: Held, now: float) -> None:
+    def _delivered(self, c: Consumer, item: Held, now: float, deep: bool) -> None:
         c.delivered += 1
         c.inflight.append(item)
         c.inflight_bytes += item.nbytes
+        if deep and item.nbytes > c.largest:
+            c.largest = item.nbytes
         c.last_sent = now
         self.metrics.forwarded_batches.inc()
         self.metrics.forwarded_bytes.inc(item.array_bytes)

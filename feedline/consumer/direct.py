@@ -166,6 +166,11 @@ class DirectIO:
         if now >= self._next_tick:
             self.server.tick(now)
             self._next_tick = now + self.link_cfg.heartbeat_interval / 4
+            # The window in force: small batches count by their bytes.
+            budget = self.ingress.planner.budget
+            self.shared.metrics.window.set(budget.max_batches)
+            self.metrics.buffer_capacity_batches.set(budget.max_batches)
+            self.metrics.buffer_capacity_bytes.set(budget.max_bytes)
         # Plan when the model took a batch (room freed), when something else happened, and
         # every 50 ms (credit leases run on the clock); not after every batch that arrives.
         s = self.shared

@@ -31,6 +31,7 @@ from feedline.handover import Inbox
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
+from feedline.serving.budget import depth
 from feedline.serving.coordinator import RECORDS_PER_COMMIT
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class Shared:
         # (sent with its first HELLO), and, in direct mode, the batches taken since the I/O
         # thread last settled them.
         self.cursor = Cursor(stream)
-        self.recent: deque[tuple[int, int]] = deque(maxlen=RECORDS_PER_COMMIT + window + 64)
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECORDS_PER_COMMIT + self.slots + 64)
         self.resume: Cursor | None = None
         self.fatal: tuple[str, str] | None = None  # a refusal raised to the iterator
         self.collect_keys = False
@@ -213,10 +214,11 @@ class ConsumerIO:
         self._refused = 0  # deliveries of this registration refused here: taken, for credit
         self._reported = 0  # the last TAKEN total sent
         self._arrived = 0  # deliveries of this registration that arrived (refused included)
+        self._largest = 0  # wire bytes of its largest delivery: the broker's unit for it
         self._arrived_at = 0.0  # when the last one did
         self.link = Link(ctx, addr, self._hello, cfg, curve=curve,
                          on_register=self._on_register, on_reject=self._count_reject,
-                         rcvhwm=2 * shared.window + 64, what=f"consumer {shared.consumer_id}")
+                         rcvhwm=2 * shared.slots + 64, what=f"consumer {shared.consumer_id}")
 
     def _hello(self, registration: int) -> m.ConsumerHello:
         s = self.shared
@@ -237,7 +239,8 @@ class ConsumerIO:
         with self.shared.lock:
             self.shared.registration = registration
             self.shared.taken = 0
-        self._refused = self._reported = self._arrived = 0
+        self._refused = self._reported = self._arrived = self._largest = 0
+        self.shared.metrics.window.set(self.shared.window)
 
     def _count_reject(self, reason: str) -> None:
         self.shared.metrics.rejected.labels(reason).inc()
@@ -295,6 +298,11 @@ class ConsumerIO:
             self._reject_log.warning("refused a batch from the broker: %s", e)
             self._refused += 1  # its credit returns all the same
             return
+        # The window in force, as the broker counts it (Consumer.counted): small batches by
+        # their bytes, an exact stream's one each.
+        if batch.wire_bytes > self._largest and batch.unit < 0:
+            self._largest = batch.wire_bytes
+            s.metrics.window.set(depth(s.window, self._largest))
         q = s.queue
         if len(q) >= q.maxsize:  # only if the broker ignored our window
             self._count_reject("over_window")
@@ -350,7 +358,7 @@ class ConsumerIO:
                     m.Taken(taken=total, registration=self.link.registration,
                             waited=int(s.waited * 1e6))):
                 self._reported = total
-            s.expecting = (self._arrived - self._reported < s.window
+            s.expecting = (self._arrived - self._reported < depth(s.window, self._largest)
                            and time.monotonic() - self._arrived_at < _STREAMING)
             if s.taken == taken:  # a take that read the old flag is seen here
                 return

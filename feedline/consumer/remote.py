@@ -68,9 +68,10 @@ class RemoteDataZMQ:
     processes on one broker share the stream; each batch goes to exactly one of them.
 
     ``window``: batches this process may hold ahead of the model; ``max_bytes``: bytes it
-    may hold (the broker delivers while both allow, and at least one batch at a time). In
-    direct mode batches under 2 MiB are counted by their bytes: up to 16 x ``window`` of
-    them (:func:`feedline.serving.budget.depth`; docs/tensorflow.md, "Small batches").
+    may hold (the broker delivers while both allow, and at least one batch at a time).
+    Batches under 2 MiB are counted by their bytes: up to 16 x ``window`` of them
+    (:func:`feedline.serving.budget.depth`; docs/tensorflow.md, "Small batches"), except an
+    exact stream's (one each: its ranks split each epoch).
     ``timeout``: seconds to wait for a batch before raising :class:`ReceiveTimeout`
     (``None``: wait forever). ``on_error``: ``"raise"`` a producer's failure here as
     :class:`ProducerError`, or ``"log"`` it and go on. ``curve``: this process's keys when
@@ -137,7 +138,7 @@ class RemoteDataZMQ:
         self._shared = Shared(self.consumer_id, random.getrandbits(62), self.config.window,
                               self.config.max_bytes, stream, on_error,
                               registry if registry is not None else CollectorRegistry(),
-                              slots=DEPTH * window if bind else window)
+                              slots=DEPTH * window)
         self.metrics = self._shared.metrics
         self.metrics.set_stream(stream)
         if resume is not None:

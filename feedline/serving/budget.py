@@ -22,8 +22,8 @@ docs/architecture.md is read off it:
 tensorpack's ingress takes no share of its own: it is one more producer to the credit
 planner (:mod:`feedline.serving.tensorpack`), within the same shares.
 
-A direct-mode trainer's windows count small batches by their bytes (:func:`depth`; the
-credit planner's ``by_bytes``): a window of ``n`` batches holds ``n`` batches of
+A broker's and a direct-mode trainer's windows count small batches by their bytes
+(:func:`depth`; the credit planner's ``by_bytes``): a window of ``n`` batches holds ``n`` batches of
 :data:`SMALL_BATCH` (2 MiB) or more, and as many smaller ones as fit in ``n`` x 2 MiB, at most
 :data:`DEPTH` x ``n``. A 16 KB batch costs its credit's round trip (two thread wake-ups) more
 than its copy: four of them in flight leave the wire idle, while four 9.6 MB batches keep it

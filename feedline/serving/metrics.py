@@ -69,7 +69,9 @@ class BrokerMetrics:
             "feedline_broker_reserved_bytes",
             "Bytes of credit granted to producers and not yet used.", registry=r)
         self.buffer_capacity_batches = Gauge(
-            "feedline_broker_buffer_capacity_batches", "Configured batch limit.", registry=r)
+            "feedline_broker_buffer_capacity_batches",
+            "Batch limit in force: the configured one, small batches counted by their bytes.",
+            registry=r)
         self.buffer_capacity_bytes = Gauge(
             "feedline_broker_buffer_capacity_bytes", "Configured byte limit.", registry=r)
         self.credit_outstanding = Gauge(
