@@ -239,3 +239,40 @@ def test_fleet_shares_add_up(wanted: int, limits: dict[str, int], unmanaged: int
     free = [shares[f] for f in shares if not limits[f] or shares[f] < limits[f]]
     assert not free or max(shares.values()) - min(free) <= 1 or \
         all(limits[f] and shares[f] == limits[f] for f in shares if shares[f] > min(free) + 1)
+
+
+def _backlogged(taken_rate: float, each: float, buffered: int, seconds: int = 12) -> list:
+    """A full trainer (held 8 of 8, never waiting) taking ``taken_rate`` while 2 producers
+    deliver ``each`` per second, ``buffered`` more batches in the broker; capacity 10."""
+    sizer = StreamSizer(SizingConfig.for_window(4.0))
+    sizer.capacity = 10.0  # learnt earlier
+    taken = received = 0.0
+    out = []
+    for t in range(seconds):
+        taken += taken_rate
+        received += each
+        out.append(sizer.observe(float(t), [ConsumerSample("c", int(taken), 0.0, 8, 8)],
+                                 [ProducerSample(k, int(received), float(t)) for k in (0, 1)],
+                                 buffered))
+    return out
+
+
+def test_a_draining_backlog_asks_for_more_producers_while_the_queue_is_still_full() -> None:
+    """Demand rose from 12 to 40 batches/s after a slow phase that left a backlog (the broker
+    buffer and the trainer's window, deep for small batches: 640 batches of 10 KB in the
+    fleet test). The trainer takes 40/s from it without waiting and its window stays full
+    (model-bound), while the 2 producers deliver their 10/s each: once the backlog lasts less
+    than DRAIN_HORIZON windows the number rises to 5, before it runs dry. Before, model-bound
+    capped it at the 2 connected until the trainer waited (26 s in tests/test_fleet.py)."""
+    out = _backlogged(40.0, 10.0, buffered=100)  # (100 + 8) / 20 per s: 5.4 s < 16 s
+    assert out[-1].verdict == "model-bound", out[-1]
+    assert out[-1].wanted == proposals(4.0)[0] == 5, [e.wanted for e in out]
+    # A backlog that lasts longer (1000 / 20 per s: 50 s) asks for nothing yet.
+    assert all(e.wanted <= 2 for e in _backlogged(40.0, 10.0, buffered=1000))
+    # Producers that deliver nothing (the end of the data, an exact stream's last units):
+    # more of them would deliver nothing more. (Ones that deliver a little while holding
+    # credit teach the sizer a lower capacity within a few windows, and are then taken at
+    # their word: the capacity rule's, not this one's.)
+    assert all(e.wanted <= 2 for e in _backlogged(40.0, 0.0, buffered=100))
+    # Fed at the rate it takes (no backlog draining): never more than the connected.
+    assert all(e.wanted <= 2 for e in _backlogged(20.0, 10.0, buffered=100))

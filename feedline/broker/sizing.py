@@ -11,7 +11,8 @@ their HELLO, with the supervisor's ``--max``).
 
 It reads, and never changes: the producer side's registrations (``stream``, ``fleet``) and its
 credit planner's per-producer ``received`` and ``credit_seconds``; the consumer side's
-registrations (``taken``, ``delivered``, ``window``, ``waited``).
+registrations (``taken``, ``delivered``, ``waited``, the window in force:
+``Consumer.counted``).
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ class BrokerSizing:
         consumers: dict[str, list[ConsumerSample]] = {}
         for c in egress.consumers:
             consumers.setdefault(c.stream, []).append(ConsumerSample(
-                (c.ident, c.registration), c.taken, c.waited, c.delivered - c.taken, c.window))
+                (c.ident, c.registration), c.taken, c.waited, c.delivered - c.taken,
+                c.counted(c.window)))  # the window in force: small batches by their bytes
         series: set[tuple[str, str]] = set()
+        buffered = egress.buffer.by_stream()
         for stream in set(producers) | set(consumers) | set(self.sizers):
             ps, cs = producers.get(stream, []), consumers.get(stream, [])
             sizer = self.sizers.setdefault(stream, StreamSizer(self.cfg))
-            est = sizer.observe(now, cs, ps)
+            est = sizer.observe(now, cs, ps, buffered.get(stream, (0, 0))[0])
             if ps or cs:
                 self._quiet.pop(stream, None)
             elif now - self._quiet.setdefault(stream, now) > self.cfg.window + \

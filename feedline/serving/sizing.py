@@ -28,12 +28,14 @@ need that wanders inside the band never reverses the number (tests/test_sizing.p
 with Hypothesis).
 
 Guards where the figures and the verdict disagree: model-bound never asks for more
-producers than are connected (a number above them comes down after ``down_hold``), and
-input-bound never for fewer. Before any capacity was learned the verdict alone moves the
-number, once the connected producers have matched it for a window (a scale-up still starting
-is not judged): one fewer per ``down_hold`` while model-bound (a probe: fewer producers run
-free, and then measure), one more while input-bound with producers holding credit (so not
-waiting for it: more of them would deliver more).
+producers than are connected (a number above them comes down after ``down_hold``), unless
+the consumers take more than producers at their capacity deliver and the backlog lasts less
+than ``DRAIN_HORIZON`` windows (full queues that will run dry), and input-bound never for
+fewer. Before any capacity was learned the verdict alone moves the number, once the
+connected producers have matched it for a window (a scale-up still starting is not
+judged): one fewer per ``down_hold`` while model-bound (a probe: fewer producers run free,
+and then measure), one more while input-bound with producers holding credit (so not waiting
+for it: more of them would deliver more).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from feedline.verdict import VerdictTracker
 
 IDLE = "idle"  # no consumer reads the stream
 VERDICTS = ("input-bound", "balanced", "model-bound", IDLE)
+
+
+DRAIN_HORIZON = 4.0  # sizing windows: a backlog that runs dry sooner asks for producers now
 
 
 @dataclass(frozen=True)
@@ -169,7 +174,10 @@ class StreamSizer:
         return self._held.value if self._held is not None else 0
 
     def observe(self, now: float, consumers: Iterable[ConsumerSample],
-                producers: Iterable[ProducerSample]) -> Estimate:
+                producers: Iterable[ProducerSample], buffered: int = 0) -> Estimate:
+        """The estimate at ``now`` from the stream's consumers and producers, and the
+        batches the broker holds for it (``buffered``: with what the consumers hold, the
+        backlog a demand above the supply drains)."""
         cur = _Sample(now, {c.key: c for c in consumers}, {p.key: p for p in producers})
         self._samples.append(cur)
         # Keep the newest sample at or before the window's start: the base of its rates.
@@ -209,7 +217,17 @@ class StreamSizer:
         elif self._reached is None:
             self._reached = now
         settled = self._reached is not None and now - self._reached >= self.cfg.window
-        if verdict == "model-bound":
+        # Trainers that take more than the producers deliver are fed from a backlog (what the
+        # buffer and their windows hold, deep for small batches): full queues that will run
+        # dry. Model-bound then asks for more producers once the backlog lasts less than
+        # DRAIN_HORIZON windows, if the producers deliver what they can (more of them would
+        # deliver more: not at the end of the data, nor waiting for an exact stream's units).
+        backlog = buffered + sum(c.held for c in cur.consumers.values())
+        drain = taken - delivered
+        draining = bool(self.capacity) and drain > delivered * self.cfg.headroom \
+            and backlog < drain * DRAIN_HORIZON * self.cfg.window \
+            and delivered >= n * (self.capacity or 0.0) * (1 - self.cfg.band)
+        if verdict == "model-bound" and not draining:
             # The connected producers keep the trainers fed: never more than them (nor, while
             # the fleet has not settled, more than the number held).
             up = min(up, n) if settled else min(up, n, held)
