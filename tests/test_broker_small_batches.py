@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from feedline.broker.egress import Consumer
+from feedline.broker.consumers import Consumer
 from feedline.consumer import RemoteDataZMQ
 from feedline.procs import wait_for
 from feedline.serving.budget import DEPTH, Budget

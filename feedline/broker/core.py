@@ -184,7 +184,7 @@ class Broker:
         m.buffer_bytes.set(self.buffer.nbytes)
         m.inflight_bytes.set(in_y)
         m.peers.labels("consumer").set(len(self.egress.consumers))
-        m.consumer_credit.set(sum(max(0, c.counted(c.window) - (c.delivered - c.taken))
+        m.consumer_credit.set(sum(max(0, c.in_force - (c.delivered - c.taken))
                                   for c in self.egress.consumers))
         self._stream_gauges()
 

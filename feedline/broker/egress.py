@@ -23,80 +23,25 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from feedline import messages as m
 from feedline.broker.buffer import Buffer
+from feedline.broker.consumers import Consumer, Orphan
 from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
-from feedline.serving.budget import SMALL_BATCH, Budget, depth
+from feedline.serving.budget import Budget
 from feedline.serving.exact_streams import Applied, ExactStreams
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
-from feedline.serving.peers import HELLO_RATE, HelloRate, Peer, PeerTable, connection
+from feedline.serving.peers import HELLO_RATE, HelloRate, PeerTable, connection
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
-
-
-@dataclass
-class Consumer(Peer):
-    window: int = 1
-    max_bytes: int = 1
-    delivered: int = 0
-    taken: int = 0
-    inflight: deque[Held] = field(default_factory=deque)  # delivered, not yet taken
-    inflight_bytes: int = 0
-    # Its DELIVER envelope for a batch without a gap: the same bytes for every batch of this
-    # registration, built once (encoding one per batch cost the broker ~3 us a batch).
-    envelope: bytes = b""
-    waited: float = 0.0  # seconds its loop waited for data (it says so with TAKEN)
-    largest: int = 0  # bytes of the largest batch delivered to this registration
-
-    def counted(self, batches: int, size: int = 0) -> int:
-        """A count of ``batches`` for this registration: small batches count by their bytes
-        (:func:`~feedline.serving.budget.depth`), for the largest batch it has had (and
-        ``size``, one about to go): the count only shrinks, and the consumer, counting the
-        same batches, never finds more than its window. An exact stream's batches count one
-        each (``largest`` stays 0; ``room(deep=False)``): its ranks split each epoch, and one
-        rank's deep window would take a short epoch's batches from the others."""
-        unit = size if size > self.largest else self.largest
-        return depth(batches, unit) if unit < SMALL_BATCH else batches
-
-    def room(self, size: int, cap: int, cap_batches: int, orphan: Orphan | None = None,
-             deep: bool = True) -> bool:
-        """Room for a batch of ``size`` within its window and byte budget, and within the
-        caps of one connection (what an earlier registration of it left in flight counts),
-        both :meth:`counted` by bytes if ``deep``."""
-        held = self.delivered - self.taken
-        if deep:
-            if held >= self.counted(self.window, size):
-                return False
-            cap_batches = self.counted(cap_batches, size)
-        elif held >= self.window:
-            return False
-        if orphan is not None:
-            if held + orphan.batches >= cap_batches or \
-                    self.inflight_bytes + orphan.nbytes + size > cap:
-                return False
-        elif held >= cap_batches:
-            return False
-        return self.inflight_bytes == 0 or self.inflight_bytes + size <= min(self.max_bytes, cap)
-
-
-@dataclass
-class Orphan:
-    nbytes: int
-    batches: int
-    fd: int
-    fd_ino: int
-    stream: str = ""
-    items: list[Held] = field(default_factory=list)  # exact streams: served again when freed
 
 
 class ConsumerSide:

@@ -12,7 +12,7 @@ their HELLO, with the supervisor's ``--max``).
 It reads, and never changes: the producer side's registrations (``stream``, ``fleet``) and its
 credit planner's per-producer ``received`` and ``credit_seconds``; the consumer side's
 registrations (``taken``, ``delivered``, ``waited``, the window in force:
-``Consumer.counted``).
+``Consumer.in_force``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class BrokerSizing:
         for c in egress.consumers:
             consumers.setdefault(c.stream, []).append(ConsumerSample(
                 (c.ident, c.registration), c.taken, c.waited, c.delivered - c.taken,
-                c.counted(c.window)))  # the window in force: small batches by their bytes
+                c.in_force))
         series: set[tuple[str, str]] = set()
         buffered = egress.buffer.by_stream()
         for stream in set(producers) | set(consumers) | set(self.sizers):

@@ -298,7 +298,7 @@ class ConsumerIO:
             self._reject_log.warning("refused a batch from the broker: %s", e)
             self._refused += 1  # its credit returns all the same
             return
-        # The window in force, as the broker counts it (Consumer.counted): small batches by
+        # The window in force, as the broker counts it (Consumer.in_force): small batches by
         # their bytes, an exact stream's one each.
         if batch.wire_bytes > self._largest and batch.unit < 0:
             self._largest = batch.wire_bytes

@@ -217,17 +217,8 @@ class StreamSizer:
         elif self._reached is None:
             self._reached = now
         settled = self._reached is not None and now - self._reached >= self.cfg.window
-        # Trainers that take more than the producers deliver are fed from a backlog (what the
-        # buffer and their windows hold, deep for small batches): full queues that will run
-        # dry. Model-bound then asks for more producers once the backlog lasts less than
-        # DRAIN_HORIZON windows, if the producers deliver what they can (more of them would
-        # deliver more: not at the end of the data, nor waiting for an exact stream's units).
-        backlog = buffered + sum(c.held for c in cur.consumers.values())
-        drain = taken - delivered
-        draining = bool(self.capacity) and drain > delivered * self.cfg.headroom \
-            and backlog < drain * DRAIN_HORIZON * self.cfg.window \
-            and delivered >= n * (self.capacity or 0.0) * (1 - self.cfg.band)
-        if verdict == "model-bound" and not draining:
+        if verdict == "model-bound" and not self._draining(
+                taken, delivered, buffered + sum(c.held for c in cur.consumers.values()), n):
             # The connected producers keep the trainers fed: never more than them (nor, while
             # the fleet has not settled, more than the number held).
             up = min(up, n) if settled else min(up, n, held)
@@ -246,6 +237,17 @@ class StreamSizer:
         supply = self.capacity * n if self.capacity else None
         return Estimate(wanted, verdict, demand, taken, wait, occupancy, self.capacity,
                         supply, delivered, n, need)
+
+    def _draining(self, taken: float, delivered: float, backlog: int, n: int) -> bool:
+        """Trainers that take more than the producers deliver are fed from a backlog (what
+        the buffer and their windows hold, deep for small batches): full queues that will run
+        dry. True once it lasts less than DRAIN_HORIZON windows, if the ``n`` producers
+        deliver what their capacity says (more of them would deliver more: not at the end of
+        the data, nor while they wait for an exact stream's units)."""
+        drain, capacity = taken - delivered, self.capacity or 0.0
+        return (capacity > 0 and drain > delivered * self.cfg.headroom
+                and backlog < drain * DRAIN_HORIZON * self.cfg.window
+                and delivered >= n * capacity * (1 - self.cfg.band))
 
     def _base(self, kind: str, key: object, since: float = -math.inf) -> _Sample | None:
         """The oldest sample of the window (not before ``since``) that has ``key`` (a
