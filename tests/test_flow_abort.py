@@ -7,8 +7,8 @@ with messages the broker answers (a batch from an unregistered peer: RESET), nev
 answers (RCVHWM 1), and close with linger 0 while the flood goes on.
 
 What libzmq (4.3.5, bundled with pyzmq) does: once a connection's receive pipe is full (the
-ingress RCVHWM is --producer-window + 16 messages; a direct-mode trainer's 16 x
---producer-window + 16) its engine stops reading; an input event then marks the engine
+ingress RCVHWM is 16 x --producer-window + 16 messages, the window of the smallest batches)
+its engine stops reading; an input event then marks the engine
 ``_io_error``; an output event for the same connection (the broker's answers waiting to be
 written) asserts ``!_io_error`` and aborts the process
 (zeromq/libzmq#4841; the proposed fix, #4852, was not merged). A direct-mode trainer's
