@@ -42,13 +42,16 @@ Refused        B->P,C a message was refused: reason, the refused batch's sequenc
 Reset          B->P,C "I do not know you (I restarted, or dropped you): say hello again"
 Heartbeat      both   sent on a link idle for one interval
 Bye            P,C->B leaving: drop my state now
+               B->P   the answer to a producer's BYE: everything sent before it arrived,
+                      and nothing follows it on this connection
 ============== ====== ====================================================================
 
-Every message the broker sends carries its instance id ``broker`` (a random 62-bit number
-per broker process), so a peer can tell a restarted broker, and a late message of a replaced
-one, from the one it registered with. Credit messages (Grant, Want, Revoke, Returned, Taken,
-Deliver) carry the registration number they belong to: one that arrives after its peer
-registered again is about a registration neither side counts any more, and is ignored.
+Every message the broker sends but BYE's answer carries its instance id ``broker`` (a random
+62-bit number per broker process), so a peer can tell a restarted broker, and a late message
+of a replaced one, from the one it registered with. Credit messages (Grant, Want, Revoke,
+Returned, Taken, Deliver) carry the registration number they belong to: one that arrives
+after its peer registered again is about a registration neither side counts any more, and is
+ignored.
 """
 
 from __future__ import annotations

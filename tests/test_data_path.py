@@ -48,11 +48,9 @@ def receive(src: RemoteDataZMQ, n: int, ledger: list) -> None:
 
 def test_n_producers_m_consumers_every_batch_once_intact(broker_proc, daemons, endpoints,
                                                           tmp_path):
-    broker_proc()
+    port = free_port()
+    broker_proc("--metrics-port", str(port))
     n_prod, per = 3, 40
-    for i in range(n_prod):
-        start_producer(daemons, endpoints, tmp_path, f"p{i}", epochs=1, count=per,
-                       nbytes=65536, seed=i)
     ledgers: list[list] = [[], []]
     done = threading.Event()
 
@@ -68,6 +66,13 @@ def test_n_producers_m_consumers_every_batch_once_intact(broker_proc, daemons, e
     for t in threads:
         t.start()
     try:
+        # Both registered before the data flows: a window of 64 KB batches holds 64 of them
+        # (counted by bytes), so one consumer alone could take the whole stream.
+        wait_for(lambda: scrape(port).total("feedline_broker_peers", role="consumer") >= 2,
+                 20, what="both consumers registered")
+        for i in range(n_prod):
+            start_producer(daemons, endpoints, tmp_path, f"p{i}", epochs=1, count=per,
+                           nbytes=65536, seed=i)
         wait_for(lambda: sum(map(len, ledgers)) >= n_prod * per, 60, what="all batches")
         time.sleep(1.0)  # anything duplicated would arrive now
     finally:

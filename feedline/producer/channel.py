@@ -34,7 +34,7 @@ from feedline import messages as m
 from feedline import wire
 from feedline.errors import BatchTooLarge as BatchTooLarge
 from feedline.errors import FeedlineError
-from feedline.link import Link, LinkConfig
+from feedline.link import Link, LinkConfig, await_byes
 from feedline.logs import RateLimitedLog
 from feedline.producer.outbox import (
     BatchItem,
@@ -50,6 +50,7 @@ from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)
 _CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
+_BYE_SECONDS = 1.0  # how long a closing producer waits for its brokers to answer BYE
 # Registration refusals of an exact producer that no retry changes (the stream's mode or
 # pipeline, the broker's state directory, its stream limit): raised, not retried.
 EXACT_FATAL = frozenset({"delivery_mismatch", "no_state_dir", "journal_corrupt",
@@ -337,5 +338,10 @@ class ProducerIO:
         return True
 
     def on_close(self) -> None:
-        for ch in self.channels:
-            ch.link.send_msg(m.Bye())
+        # BYE, then its answer (bounded): a connection closed with a GRANT unread is reset,
+        # and the reset would throw away our last batch and the BYE (await_byes says more).
+        told = [ch.link for ch in self.channels
+                if ch.link.send_msg(m.Bye()) and ch.link.welcomed]
+        left = await_byes(told, min(_BYE_SECONDS, self._cfg.flush_ms / 1000))
+        if left:
+            log.debug("%s: %d broker(s) did not answer BYE in time", self.out.producer_id, left)

@@ -155,7 +155,9 @@ class ProducerSide:
                                            "broker's --egress address"))
             raise Refusal("wrong_port", f"consumer {msg.consumer} at the ingress")
         elif p is None:
-            if not isinstance(msg, m.Bye):
+            if isinstance(msg, m.Bye):  # gone already (dropped): answered all the same
+                self._control(ident, m.Bye())
+            else:
                 self._control(ident, m.Reset(broker=self.instance))
                 raise Refusal("unknown_peer", type(msg).__name__)
         else:
@@ -182,6 +184,9 @@ class ProducerSide:
                 raise Refusal("buffer_full", type(msg).__name__)
         elif isinstance(msg, m.Bye):
             self.drop(p.ident, "bye")
+            # The answer, the last message on this connection: the producer closes once it
+            # has it, with nothing unread (feedline.link.await_byes says why that matters).
+            self._control(p.ident, m.Bye())
         elif isinstance(msg, (m.UnitRequest, m.UnitDone)):
             self._unit_message(p, msg)
         elif not isinstance(msg, m.Heartbeat):
