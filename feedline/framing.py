@@ -54,10 +54,29 @@ TOO_MANY_FRAMES = "too_many_arrays"
 TOO_LARGE = "message_too_large"
 
 
+# Plain ints: pyzmq's constants are enums, and ``sock.get(zmq.EVENTS) & zmq.POLLIN`` built
+# an enum member for the option and another for the result (2.7 of its 4.1 us, every batch).
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
 def waiting(sock: zmq.Socket) -> bool:
     """A message is waiting on ``sock``: ask this before reading again in a drain loop, as a
     read of nothing raises ``zmq.Again``, which costs more than asking (per batch, it shows)."""
-    return bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
+    return (sock.get(_EVENTS) & _POLLIN) != 0
+
+
+_MORE_NOBLOCK, _NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK), int(zmq.NOBLOCK)
+
+
+def send_frames(sock: zmq.Socket, frames: list, copy: bool = False) -> None:
+    """``sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)``, less pyzmq's enum
+    arithmetic (``SNDMORE | flags`` built a flag member for every frame: 6 us of a 3-frame
+    message). Sends the same frames with the same flags, in the same order, and raises what
+    it raises (``zmq.Again`` for a full pipe, another ``ZMQError`` for the rest)."""
+    send = sock.send
+    for f in frames[:-1]:
+        send(f, _MORE_NOBLOCK, copy=copy)
+    send(frames[-1], _NOBLOCK, copy=copy)
 
 
 def recv_message(sock: zmq.Socket, max_frames: int, flags: int = zmq.NOBLOCK,

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from feedline.endpoints import AddressError, check_port
+from feedline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,58 @@ class OwnedCounter(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(self.name, self.documentation, value=self.value)
+
+
+class _Owned:
+    """One series of :class:`OwnedCounters`: what ``Counter.labels(...)`` gives, unlocked."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class OwnedCounters(Collector):
+    """A labelled :class:`OwnedCounter`: ``labels(...)`` and ``remove(...)`` as a labelled
+    ``Counter`` has them, each series incremented by one thread without a lock (the
+    serving core's loop thread counts every batch of every producer: prometheus_client's
+    ``inc`` took 0.8 us of it, a lock and two checks, twice per batch). Only the owning
+    thread may call :meth:`labels`, :meth:`remove` and a series' ``inc``; scrapes read."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], _Owned] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Owned:
+        series = self._series.get(values)  # the labels are strings already: one lookup
+        if series is not None:
+            return series
+        if len(values) != len(self.labelnames):
+            raise ConfigError(f"{self.name} takes labels {self.labelnames}, got {values}")
+        key = tuple(str(v) for v in values)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Owned()
+        return series
+
+    def remove(self, *values: str) -> None:
+        """Drop a series, if there is one (as ``Counter.remove``)."""
+        self._series.pop(tuple(str(v) for v in values), None)
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, series in list(self._series.items()):  # one C call: whole under the GIL
+            family.add_metric(list(key), series.value)
+        yield family
 
 
 class OwnedHistogram(Collector):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import zmq
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -315,3 +315,40 @@ def test_received_batches_count_in_the_producers_series_looked_up_once() -> None
         assert value("batches", label) == n
         assert value("bytes", label) == n * 100
     assert len(sink.items) == sum(counts.values())
+
+
+def _walked(buf: Buffer) -> dict[str, tuple[int, int]]:
+    """(batches, bytes) per stream counted by walking every item, as by_stream once did."""
+    out = {}
+    for s in buf.streams():
+        items = [h for h in buf.items(s) if not h.broadcast]
+        out[s] = (len(items), sum(h.nbytes for h in items))
+    return out
+
+
+_ops = st.lists(st.tuples(st.sampled_from(["push", "control", "pop", "requeue", "evict",
+                                           "discard"]),
+                          st.sampled_from(STREAMS), st.integers(0, 50)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ops)
+def test_the_buffers_kept_totals_are_what_a_walk_of_it_counts(ops) -> None:
+    buf = Buffer(control_slack=4)
+    popped: list[tuple[str, Held]] = []
+    for op, stream, n in ops:
+        if op == "push":
+            buf.push(stream, Held([b"h"], n, n, 0, 0))
+        elif op == "control":
+            buf.push(stream, Held([b"c"], 0, 0, 0, 0, broadcast=True))
+        elif op == "pop" and buf.peek(stream) is not None:
+            popped.append((stream, buf.pop(stream)))
+        elif op == "requeue" and popped:
+            buf.requeue(*popped.pop())
+        elif op == "evict":
+            buf.evict(stream, n % 4, n * 3)
+        elif op == "discard":
+            buf.discard(stream, lambda h, n=n: h.nbytes % 3 == n % 3)
+        assert buf.by_stream() == _walked(buf)
+        assert buf.batches == sum(b for b, _ in _walked(buf).values())
+        assert buf.nbytes == sum(y for _, y in _walked(buf).values())

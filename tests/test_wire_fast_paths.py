@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from feedline import encode, messages, wire
 from feedline.codec import DEFAULT_LIMITS, Limits
-from feedline.metrics import OwnedCounter, OwnedHistogram
+from feedline.metrics import OwnedCounter, OwnedCounters, OwnedHistogram
 
 _dtypes = st.sampled_from(["|u1", "<i4", "<f4", ">f8", "|b1", "<c8", "<u8"])
 _shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
@@ -143,6 +143,28 @@ def test_owned_metrics_expose_what_prometheus_client_metrics_expose():
                       if not line.startswith("#") and "_created" not in line)
 
     assert samples(mine) == samples(theirs)
+
+
+def test_owned_labelled_counters_expose_and_remove_as_labelled_counters_do():
+    mine, theirs = CollectorRegistry(), CollectorRegistry()
+    c1 = OwnedCounters("t_bytes", "doc", ["producer"], mine)
+    c2 = Counter("t_bytes", "doc", ["producer"], registry=theirs)
+    for c in (c1, c2):
+        c.labels("a").inc(3)
+        c.labels("b")  # a series at 0
+        c.labels("c").inc()
+        c.labels("a").inc(0.5)
+        c.remove("c")
+        c.remove("c")  # gone already: nothing to do
+        with pytest.raises(ValueError):
+            c.labels("a", "b")
+
+    def samples(r: CollectorRegistry) -> list[str]:
+        return sorted(line for line in generate_latest(r).decode().splitlines()
+                      if "_created" not in line)
+
+    assert samples(mine) == samples(theirs)
+    assert 't_bytes_total{producer="a"} 3.5' in samples(mine)
 
 
 def test_the_link_remembers_only_a_frame_equal_to_the_last():

@@ -20,6 +20,10 @@ class Buffer:
     def __init__(self, control_slack: int = 64) -> None:
         self.control_slack = control_slack
         self._streams: dict[str, deque[Held]] = {}
+        # (batches, bytes) of each listed stream, kept as items come and go: a credit plan
+        # reads them every loop turn, and a walk of a deep buffer per plan cost more than
+        # the plan.
+        self._totals: dict[str, tuple[int, int]] = {}
         self.batches = 0
         self.nbytes = 0
         self.controls = 0
@@ -44,7 +48,14 @@ class Buffer:
             self.batches += 1
             self.nbytes += item.nbytes
         self._streams.setdefault(stream, deque()).append(item)
+        self._add(stream, item, 1)
         return True
+
+    def _add(self, stream: str, item: Held, sign: int) -> None:
+        b, y = self._totals.get(stream, (0, 0))
+        if not item.broadcast:
+            b, y = b + sign, y + sign * item.nbytes
+        self._totals[stream] = (b, y)
 
     def peek(self, stream: str) -> Held | None:
         q = self._streams.get(stream)
@@ -53,8 +64,11 @@ class Buffer:
     def pop(self, stream: str) -> Held:
         q = self._streams[stream]
         item = q.popleft()
-        if not q:
+        if q:
+            self._add(stream, item, -1)
+        else:
             del self._streams[stream]
+            del self._totals[stream]
         if item.broadcast:
             self.controls -= 1
         else:
@@ -63,12 +77,8 @@ class Buffer:
         return item
 
     def by_stream(self) -> dict[str, tuple[int, int]]:
-        """(batches, bytes) buffered per stream."""
-        out = {}
-        for s, q in self._streams.items():
-            items = [h for h in q if not h.broadcast]
-            out[s] = (len(items), sum(h.nbytes for h in items))
-        return out
+        """(batches, bytes) buffered per stream (every stream that holds anything)."""
+        return dict(self._totals)
 
     def evict(self, stream: str, max_batches: int, max_bytes: int) -> list[Held]:
         """Drop the oldest batches of ``stream`` until it holds at most that much; returns
@@ -78,7 +88,7 @@ class Buffer:
         if not q:
             return out
         keep: deque[Held] = deque()
-        b, y = self.by_stream().get(stream, (0, 0))
+        b, y = self._totals.get(stream, (0, 0))
         for h in q:
             if not h.broadcast and (b > max_batches or y > max_bytes):
                 out.append(h)
@@ -113,12 +123,16 @@ class Buffer:
         # An emptied stream goes: what is listed (by_stream) is what is held.
         if keep:
             self._streams[stream] = keep
+            batches = [h.nbytes for h in keep if not h.broadcast]
+            self._totals[stream] = (len(batches), sum(batches))
         else:
             del self._streams[stream]
+            del self._totals[stream]
 
     def requeue(self, stream: str, item: Held) -> None:
         """Put back an item that could not be sent (in front: order is kept)."""
         self._streams.setdefault(stream, deque()).appendleft(item)
+        self._add(stream, item, 1)
         if item.broadcast:
             self.controls += 1
         else:

@@ -47,7 +47,7 @@ class ProducerStats:
     finished: bool = False  # the producer sent end-of-stream
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ cost 1.0 us a batch, this 0.2
 class Delivery:
     registration: int  # the registration it was delivered under (credit counts per one)
     batch: wire.Batch

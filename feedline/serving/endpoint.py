@@ -35,7 +35,7 @@ import zmq
 
 from feedline import endpoints
 from feedline.errors import Refusal
-from feedline.framing import TOO_LARGE, Oversized, recv_message, waiting
+from feedline.framing import TOO_LARGE, Oversized, recv_message, send_frames, waiting
 from feedline.logs import RateLimitedLog
 from feedline.security import ServerKeys
 from feedline.serving.metrics import BrokerMetrics
@@ -124,7 +124,7 @@ class Endpoint:
         """Send to one peer without blocking: 0, or EHOSTUNREACH (gone) or EAGAIN (its pipe
         is full)."""
         try:
-            self.sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
+            send_frames(self.sock, [ident, *frames])
             return 0
         except zmq.ZMQError as e:
             return e.errno or zmq.EAGAIN

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from feedline.metrics import BoundedLabel
+from feedline.metrics import BoundedLabel, OwnedCounter, OwnedCounters
 from feedline.serving.sizing import VERDICTS
 
 
@@ -12,16 +12,17 @@ class BrokerMetrics:
     def __init__(self, registry: CollectorRegistry, max_producer_labels: int = 64) -> None:
         r = registry
         self.producer_label = BoundedLabel(max_producer_labels, on_evict=self._forget_producer)
-        self.received_batches = Counter(
+        # Counted for every batch by the loop thread alone: without prometheus_client's lock.
+        self.received_batches = OwnedCounters(
             "feedline_broker_received_batches", "Batches received from producers.",
-            ["producer"], registry=r)
-        self.received_bytes = Counter(
+            ["producer"], r)
+        self.received_bytes = OwnedCounters(
             "feedline_broker_received_bytes", "Array bytes received from producers.",
-            ["producer"], registry=r)
-        self.forwarded_batches = Counter(
-            "feedline_broker_forwarded_batches", "Batches handed to consumers.", registry=r)
-        self.forwarded_bytes = Counter(
-            "feedline_broker_forwarded_bytes", "Array bytes handed to consumers.", registry=r)
+            ["producer"], r)
+        self.forwarded_batches = OwnedCounter(
+            "feedline_broker_forwarded_batches", "Batches handed to consumers.", r)
+        self.forwarded_bytes = OwnedCounter(
+            "feedline_broker_forwarded_bytes", "Array bytes handed to consumers.", r)
         self.lost_batches = Counter(
             "feedline_broker_lost_batches",
             "Batches missing from producer sequences (lost between producer and broker).",
@@ -81,9 +82,9 @@ class BrokerMetrics:
             "feedline_broker_peers", "Connected peers, by role.", ["role"], registry=r)
         # Per stream (at most 64 named; beyond: "other"), set every tick by the loop.
         self.stream_label = BoundedLabel(64, on_evict=self._forget_stream)
-        self.stream_batches = Counter(
+        self.stream_batches = OwnedCounters(
             "feedline_broker_stream_forwarded_batches",
-            "Batches handed to consumers, by stream.", ["stream"], registry=r)
+            "Batches handed to consumers, by stream.", ["stream"], r)
         self.stream_buffer = Gauge(
             "feedline_broker_stream_buffer_batches", "Batches waiting in the broker, by stream.",
             ["stream"], registry=r)
@@ -188,7 +189,7 @@ class BrokerMetrics:
             except KeyError:
                 pass
 
-    def _per_producer(self) -> tuple[Counter, ...]:
+    def _per_producer(self) -> tuple[Counter | OwnedCounters, ...]:
         return (self.received_batches, self.received_bytes, self.lost_batches)
 
     def _forget_producer(self, label: str) -> None:
