@@ -62,7 +62,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 def waiting(sock: zmq.Socket) -> bool:
     """A message is waiting on ``sock``: ask this before reading again in a drain loop, as a
     read of nothing raises ``zmq.Again``, which costs more than asking (per batch, it shows)."""
-    return (sock.get(_EVENTS) & _POLLIN) != 0
+    return (int(sock.get(_EVENTS)) & _POLLIN) != 0
 
 
 _MORE_NOBLOCK, _NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK), int(zmq.NOBLOCK)

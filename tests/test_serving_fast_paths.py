@@ -348,7 +348,12 @@ def test_the_buffers_kept_totals_are_what_a_walk_of_it_counts(ops) -> None:
         elif op == "evict":
             buf.evict(stream, n % 4, n * 3)
         elif op == "discard":
-            buf.discard(stream, lambda h, n=n: h.nbytes % 3 == n % 3)
+            rest = n % 3
+
+            def void(h: Held, rest: int = rest) -> bool:
+                return h.nbytes % 3 == rest
+
+            buf.discard(stream, void)
         assert buf.by_stream() == _walked(buf)
         assert buf.batches == sum(b for b, _ in _walked(buf).values())
         assert buf.nbytes == sum(y for _, y in _walked(buf).values())
