@@ -376,4 +376,3 @@ class Link:
 
     def poll_timeout_ms(self) -> int:
         return max(1, int(self.cfg.heartbeat_interval * 500))
-
