@@ -146,9 +146,10 @@ def test_a_producer_killed_and_restarted_keeps_the_trainer_fed(daemons, tmp_path
 class Trainer:
     """A direct-mode trainer in a thread of this process, counting what it gets."""
 
-    def __init__(self, addr: str, step: float = 0.0) -> None:
-        self.addr, self.step = addr, step
+    def __init__(self, addr: str, step: float = 0.0, keep: bool = False) -> None:
+        self.addr, self.step, self.keep = addr, step, keep
         self.count = 0
+        self.got: list[int] = []  # with ``keep``: each batch's first component, as an int
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -157,7 +158,9 @@ class Trainer:
         with RemoteDataZMQ(self.addr, bind=True, timeout=0.3, link=FAST) as src:
             while not self._stop.is_set():
                 try:
-                    for _ in src:
+                    for dp in src:
+                        if self.keep:
+                            self.got.append(int(dp[0]))
                         self.count += 1
                         if self.step:
                             time.sleep(self.step)  # a slower model
@@ -208,6 +211,53 @@ def test_a_dns_name_stands_for_every_host_behind_it_and_is_resolved_again():
     t._resolve = fails
     t.refresh()  # a failed lookup keeps what was known
     assert t.endpoints()[:2] == ["tcp://10.0.0.2:7878", "tcp://10.0.0.3:7878"]
+
+
+def test_a_host_the_name_no_longer_lists_is_left_after_its_answer_and_loses_nothing(caplog):
+    """The name stands for hosts A and B, then for A only: the producer says BYE to B and
+    closes that link once B answered it, not at once (a connection closed with a GRANT unread
+    is reset, and the reset throws away what the kernel had not sent yet). Every batch sent
+    arrives once, at A or at B, and the producer goes on serving A meanwhile."""
+    import logging
+
+    from feedline.producer import Sender
+
+    port = free_port()
+    answers = {"trainers.test": ["127.0.0.1", "127.0.0.2"]}
+    a = Trainer(f"tcp://127.0.0.1:{port}", keep=True)
+    b = Trainer(f"tcp://127.0.0.2:{port}", keep=True)
+    sent = 0
+
+    def left() -> bool:
+        return any("left tcp://127.0.0.2" in r.getMessage() for r in caplog.records)
+
+    try:
+        with caplog.at_level(logging.INFO, logger="feedline.producer.leaving"), \
+                Sender(f"tcp://trainers.test:{port}", producer_id="dns", link=FAST) as s:
+            s.targets._resolve = lambda host, _port: list(answers[host])
+            s.targets.refresh()
+            deadline = time.monotonic() + 30
+            while not (a.count >= 20 and b.count >= 20):
+                assert time.monotonic() < deadline, (a.count, b.count)
+                s.send([sent])
+                sent += 1
+            answers["trainers.test"] = ["127.0.0.1"]
+            s.targets.refresh()  # what the resolver thread does every 30 s
+            while not left():  # B is dropped within a second (the targets are synced then)
+                assert time.monotonic() < deadline, "B never left"
+                s.send([sent])
+                sent += 1
+            for _ in range(50):
+                s.send([sent])
+                sent += 1
+        wait_for(lambda: a.count + b.count >= sent, 20, what="every batch sent taken")
+        assert sorted(a.got + b.got) == list(range(sent))
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert f"left tcp://127.0.0.2:{port} (it answered BYE" in text, text
+        assert b.got and max(b.got) < max(a.got)  # A served on, after B was left
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_producer_follows_the_hosts_a_name_resolves_to():

@@ -32,12 +32,11 @@ import zmq
 
 from feedline import messages as m
 from feedline import wire
-from feedline.codec import DecodeError
 from feedline.errors import BatchTooLarge as BatchTooLarge
 from feedline.errors import FeedlineError
-from feedline.framing import recv_message, waiting
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
+from feedline.producer.leaving import BYE_SECONDS, Leaving
 from feedline.producer.outbox import (
     BatchItem,
     ControlItem,
@@ -52,7 +51,6 @@ from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)
 _CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
-_BYE_SECONDS = 1.0  # how long a closing producer waits for its brokers to answer BYE
 # Registration refusals of an exact producer that no retry changes (the stream's mode or
 # pipeline, the broker's state directory, its stream limit): raised, not retried.
 EXACT_FATAL = frozenset({"delivery_mismatch", "no_state_dir", "journal_corrupt",
@@ -112,6 +110,7 @@ class ProducerIO:
         self._control_until = 0.0
         self._rr = 0
         self._synced = time.monotonic()
+        self._leaving = Leaving(outbox.producer_id)  # targets left, until their answer to BYE
 
     def _sync_targets(self) -> None:
         """Follow the endpoints behind the addresses (a DNS name's hosts come and go)."""
@@ -124,8 +123,9 @@ class ProducerIO:
         for ch in [c for a, c in have.items() if a not in wanted]:
             log.info("%s: %s is gone from the targets; leaving it", self.out.producer_id,
                      ch.link.addr)
-            ch.link.send_msg(m.Bye())
-            ch.link.close()
+            # BYE, and the link closed once the broker answered (leaving.py says why): what
+            # was sent there arrives, if the host is still up to take it.
+            self._leaving.add(ch.link, self._bye_seconds(), now)
             self.channels.remove(ch)
         for addr in wanted:
             if addr not in have:
@@ -242,6 +242,8 @@ class ProducerIO:
 
     def on_tick(self) -> None:
         self._sync_targets()
+        if self._leaving:
+            self._leaving.tick(time.monotonic())
         self._pump()
         self._waiting()
 
@@ -341,47 +343,12 @@ class ProducerIO:
 
     def on_close(self) -> None:
         # BYE, then its answer (bounded): a connection closed with a GRANT unread is reset,
-        # and the reset would throw away our last batch and the BYE (await_byes says more).
+        # and the reset would throw away our last batch and the BYE (leaving.py says more).
         told = [ch.link for ch in self.channels
                 if ch.link.send_msg(m.Bye()) and ch.link.welcomed]
-        left = await_byes(told, min(_BYE_SECONDS, self._cfg.flush_ms / 1000))
+        left = self._leaving.close(self._bye_seconds(), told)
         if left:
             log.debug("%s: %d broker(s) did not answer BYE in time", self.out.producer_id, left)
 
-
-def await_byes(links: list[Link], seconds: float) -> int:
-    """Wait, at most ``seconds``, for each of ``links`` to read the broker's answer to our
-    BYE; returns how many did not (a broker that is gone, or one of a version that does not
-    answer). Read here, everything else the brokers sent is dropped unhandled: we are leaving.
-
-    Why a producer waits for it: a TCP connection closed with received data still unread is
-    reset, not closed, and the reset throws away what the kernel had not yet sent: a closing
-    producer's last batch and its BYE, whenever a GRANT arrived just before the close (the
-    broker then counted the producer gone by timeout and the batch lost: 1 run in ~10 of
-    tests/test_data_path.py's three fast producers). The answer is the last message the
-    broker sends on the connection, and it follows everything before our BYE: once it is
-    read, nothing is left unread, and all we sent has arrived."""
-    pending = {link.socket: link for link in links if link.socket is not None}
-    poller = zmq.Poller()
-    for sock in pending:
-        poller.register(sock, zmq.POLLIN)
-    deadline = time.monotonic() + seconds
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        for sock, _ in poller.poll(max(1, int(left * 1000))):
-            limits = pending[sock].cfg.limits
-            while waiting(sock):
-                try:
-                    frames = recv_message(sock, limits.max_frames)
-                    msg = m.decode(frames[0], limits)
-                except zmq.Again:
-                    break
-                except DecodeError:
-                    continue
-                if isinstance(msg, m.Bye):
-                    poller.unregister(sock)
-                    del pending[sock]
-                    break
-    return len(pending)
+    def _bye_seconds(self) -> float:
+        return min(BYE_SECONDS, self._cfg.flush_ms / 1000)

@@ -185,7 +185,7 @@ class ProducerSide:
         elif isinstance(msg, m.Bye):
             self.drop(p.ident, "bye")
             # The answer, the last message on this connection: the producer closes once it
-            # has it, with nothing unread (feedline.producer.channel.await_byes says why).
+            # has it, with nothing unread (feedline.producer.leaving says why).
             self._control(p.ident, m.Bye())
         elif isinstance(msg, (m.UnitRequest, m.UnitDone)):
             self._unit_message(p, msg)
