@@ -50,6 +50,34 @@ def test_a_second_job_gets_a_whole_epoch_also_after_a_broker_restart(broker_proc
             broker = broker_proc("--state-dir", state)
 
 
+def test_a_producer_a_fleet_adds_after_the_run_is_served_ends_instead_of_starting_another(
+        broker_proc, daemons, endpoints, tmp_path):
+    """A fleet that scales up as the last units go out: a producer it adds (``feedline
+    fleet`` gives it ``--join-run`` once the broker lists its producers) may connect after the
+    run was served. It is told so and exits 0, and no next run begins. Before: it began one,
+    whose batches nobody took, and the fleet never exited. A producer of a new job (no flag)
+    still starts the next run."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1)
+    # One producer serves the run (of two started together, the second could connect after
+    # the run was served and, with no flag, start the next one: what --join-run prevents).
+    p = producer(daemons, cfg, endpoints.ingress, "p0")
+    with remote(endpoints.egress) as src:
+        first = {b.epoch for b in src.epoch()}
+    wait_for(lambda: not p.alive(), 20, what="the run's producer to exit")
+    late = daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress,
+                   "--id", "late", "--fleet", "A", "--join-run", *LIVENESS, name="late")
+    wait_for(lambda: not late.alive(), 20, what="the late producer to exit")
+    assert late.proc.returncode == 0, late.log_text()[-2000:]
+    assert "sent 0 batches" in late.log_text(), late.log_text()[-2000:]
+    assert "a new run" not in broker.log_text(), broker.log_text()[-3000:]
+    producer(daemons, cfg, endpoints.ingress, "next-job")
+    with remote(endpoints.egress) as src:
+        second = {b.epoch for b in src.epoch()}
+    assert len(first) == len(second) == 1 and min(second) > max(first)
+    assert "a new run" in broker.log_text()
+
+
 N, UNIT, BATCH = 960, 64, 4  # 240 batches, 16 a unit
 STEP = 0.05  # seconds per batch in each consumer (a model step)
 

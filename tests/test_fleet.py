@@ -249,3 +249,32 @@ def test_two_supervisors_share_the_number_without_fighting(daemons, tmp_path: Pa
     moves = sum(a != b for (_, a), (_, b) in pairwise(rows))
     changes = sum(a != b for a, b in pairwise(wanted))
     assert moves <= 2 * changes, history()
+
+
+def test_producers_added_to_a_running_fleet_join_its_run(daemons, tmp_path: Path) -> None:
+    """The producers a supervisor starts before the broker lists any of them may begin the
+    stream's run; those it starts once it does (more wanted, a restart) carry ``--join-run``:
+    on an exact stream whose run was served before they connect, they end instead of starting
+    the next run (tests/test_exact_jobs.py checks that side)."""
+    from feedline.commands.fleet import FleetConfig, Supervisor
+
+    cfg = tmp_path / "paced.yaml"
+    cfg.write_text(yaml.safe_dump(PACED))
+    ingress, _, metrics, _ = start_broker(daemons, tmp_path)
+    sup = Supervisor(FleetConfig(str(cfg), (ingress,), metrics, "A", 1, 3, "default",
+                                 interval=0.5, stop_timeout=10,
+                                 producer_args=("--heartbeat-interval", "0.2",
+                                                "--heartbeat-timeout", "1.5")))
+    try:
+        assert "--join-run" not in sup._argv("A-1")
+        sup.step(time.monotonic())  # starts --min: the broker lists none of ours yet
+        assert len(sup.pool.running) == 1 and "--join-run" not in sup.pool.running[0].child.argv
+
+        def listed() -> bool:
+            sup.step(time.monotonic())
+            return sup.target.share_known
+
+        wait_for(listed, 30, interval=0.5, what="the broker to list the fleet's producer")
+        assert "--join-run" in sup._argv("A-2")
+    finally:
+        sup.close()

@@ -113,12 +113,18 @@ class Supervisor:
         self._failures = 0  # consecutive producer failures: restarts back off
         self._hold_until = 0.0
         self._said: tuple[tuple, float] = ((), 0.0)
+        # Once the broker lists our producers, their stream's run is under way: producers
+        # started after that (more wanted, a restart) join it, and never start the next run
+        # if it ends before they connect (a scale-up racing the last units).
+        self._joined = False
 
     def _argv(self, name: str) -> list[str]:
         cfg = self.cfg
         argv = [sys.executable, "-m", "feedline.producer", "--config", cfg.config,
                 "--id", name, "--stream", cfg.stream, "--fleet", cfg.fleet_id,
                 "--fleet-max", str(cfg.max)]
+        if self._joined:
+            argv.append("--join-run")
         for b in cfg.brokers:
             argv += ["--broker", b]
         return argv + list(cfg.producer_args)
@@ -136,6 +142,7 @@ class Supervisor:
                         "(%d failures in a row)", name, code, backoff, self._failures)
         self.target = target_from(scrape(cfg.metrics_url, timeout=min(2.0, cfg.interval)),
                                   cfg.stream, cfg.fleet_id, cfg.max)
+        self._joined = self._joined or self.target.share_known
         have = len(pool.running)
         want = have if self.target.count is None else self.target.count
         want = max(cfg.min, min(cfg.max, want))
@@ -249,7 +256,8 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
     extra = list(args.producer_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    for flag in ("--config", "--broker", "--id", "--stream", "--fleet", "--fleet-max"):
+    for flag in ("--config", "--broker", "--id", "--stream", "--fleet", "--fleet-max",
+                 "--join-run"):
         if flag in extra:
             raise fail(f"{flag} after --: the supervisor sets it for every producer; give "
                        "it to feedline fleet instead")

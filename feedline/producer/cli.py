@@ -74,6 +74,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: none)")
     p.add_argument("--fleet-max", type=int, default=0, metavar="N",
                    help="that supervisor's --max (set by `feedline fleet`; 0: no limit)")
+    p.add_argument("--join-run", action="store_true",
+                   help="units from the broker (exact delivery, claimed shards): join the run "
+                   "under way; if the stream's run is already served, end (exit 0) instead of "
+                   "starting the next run (set by `feedline fleet` on producers it adds to a "
+                   "running fleet)")
     add_liveness_flags(p, "seconds of broker silence before reconnecting")
     add_metrics_flags(p, 0)
     p.add_argument("--log-interval", type=float, default=30.0,
@@ -177,7 +182,8 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
                       heartbeat_timeout=args.heartbeat_timeout)
     try:
         sent = send_exact(pipe, args.broker, producer_id=producer_id, link=link, curve=curve,
-                          stop=stop, registry=registry, fleet=(args.fleet, args.fleet_max))
+                          stop=stop, registry=registry,
+                          fleet=(args.fleet, args.fleet_max, args.join_run))
     except FeedlineError as e:
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
     log.info("sent %d batches", sent)
@@ -218,7 +224,7 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
                               stream=cfg.get("stream", "default"),
                               log_interval=args.log_interval,
                               skipped=lambda: sum(s.skipped for s in stages),
-                              fleet=(args.fleet, args.fleet_max))
+                              fleet=(args.fleet, args.fleet_max, args.join_run))
     except FeedlineError as e:
         # What the operator must change (a batch larger than the broker's --max-bytes, a
         # datapoint over the protocol's limits): one line, not a traceback.

@@ -261,7 +261,7 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
 def send_exact(pipe: ExactPipeline, addr: str | list[str], *, producer_id: str | None = None,
                link: Any = None, curve: Any = None, stop: threading.Event | None = None,
                registry: Any = None, stream: str | None = None,
-               fleet: tuple[str, int] = ("", 0)) -> int:
+               fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0)) -> int:
     """Serve ``pipe``'s units to the broker at ``addr`` until every epoch is served (or
     forever, ``epochs: null``, until ``stop``); returns the batches sent."""
     from feedline.errors import Stopped

@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from feedline import messages as m
 from feedline import wire
@@ -65,6 +66,17 @@ class ExactSpec:
     fingerprint: int = 0  # of the pipeline (feedline.producer.exact.ExactPipeline.fingerprint)
 
 
+class Fleet(NamedTuple):
+    """The supervisor (``feedline fleet``) that started a producer: its id and ``--max`` (said
+    in HELLO), and ``join``: the producer was added to a fleet whose run is under way, so on a
+    stream whose run is already served it ends (the run is over) instead of starting the
+    next one (what a late scale-up would otherwise do)."""
+
+    id: str = ""
+    max: int = 0
+    join: bool = False
+
+
 @dataclass(frozen=True)
 class ControlItem:
     msg: m.Eos | m.Error
@@ -108,7 +120,7 @@ class Outbox:
     waker: Waker | None = None
     loop: ClientLoop | None = None
     exact: ExactSpec | None = None
-    fleet: tuple[str, int] = ("", 0)  # the supervisor that started us, and its --max
+    fleet: Fleet = Fleet()  # the supervisor that started us
     units: queue.Queue[m.Unit | m.UnitWait] = field(default_factory=lambda: queue.Queue(8))
 
     def nudge(self) -> None:

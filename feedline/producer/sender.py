@@ -39,6 +39,7 @@ from feedline.producer.outbox import (
     BatchItem,
     ControlItem,
     ExactSpec,
+    Fleet,
     Item,
     Outbox,
     SkipItem,
@@ -94,7 +95,7 @@ class Sender:
         curve: ClientKeys | None = None,
         stream: str = m.DEFAULT_STREAM,
         exact: ExactSpec | None = None,
-        fleet: tuple[str, int] = ("", 0),
+        fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0),
     ) -> None:
         cfg = link or LinkConfig()
         self.limits = cfg.limits
@@ -115,7 +116,7 @@ class Sender:
         self._closed = False
         self.stopped = False  # set when told to stop (not at the dataflow's end): see flush
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
-                                 exact=exact, fleet=fleet)
+                                 exact=exact, fleet=Fleet(*fleet))
         out.waker = Waker()
         targets = self.targets
         out.loop = ClientLoop("feedline-producer-io",
@@ -173,7 +174,7 @@ class Sender:
         delay = 0.05
         while True:
             self._ask += 1
-            ask, first = self._ask, not self._units_given
+            ask, first = self._ask, not self._units_given and not self._out.fleet.join
             self._hand_over(UnitAsk(first, ask), stop)
             got = self._answer(ask, first, stop, _UNIT_RETRY)
             if isinstance(got, m.UnitWait) and got.reason == "busy":
@@ -343,7 +344,7 @@ def send_dataflow(
     skipped: Callable[[], int] | None = None,
     curve: ClientKeys | None = None,
     stream: str = m.DEFAULT_STREAM,
-    fleet: tuple[str, int] = ("", 0),
+    fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0),
 ) -> SendStats:
     """Send every datapoint of ``df`` to the broker at ``addr`` (or to several), ``epochs``
     times.
@@ -354,7 +355,8 @@ def send_dataflow(
     Logs a rate line every ``log_interval`` seconds (with ``skipped()``, the datapoints the
     pipeline skipped so far, when given). A pipeline exception is sent to the consumers (with
     its traceback) and re-raised. Returns when done, or when ``stop`` is set. ``fleet``:
-    the id and ``--max`` of the supervisor that started this producer (``feedline fleet``).
+    the id and ``--max`` of the supervisor that started this producer, and whether it joins
+    a run under way (``feedline fleet``; :class:`~feedline.producer.outbox.Fleet`).
     """
     df = as_dataflow(df)
     df.reset_state()

@@ -11,7 +11,9 @@ missing); and moves to the next epoch when every unit is settled.
 
 Runs: a plan of ``epochs`` epochs is served, then the stream is *finished* (its producers are
 told so and exit). A producer that was never given a unit and asks on a finished stream starts
-the next run, from the next epoch number: a second job gets whole epochs again.
+the next run, from the next epoch number: a second job gets whole epochs again. (One that
+joins a run only, ``--join-run``: a fleet's scale-up, asks as if it had had units, and is
+told the stream is finished.)
 
 Its state survives a broker restart through a journal (:mod:`feedline.serving.journal`): the
 plan, the epoch, each unit done, and the settled batches (written every tick, at each unit's
