@@ -46,6 +46,7 @@ class Kind(enum.IntEnum):
     UNIT_WAIT = 19
     UNIT_DONE = 20
     EPOCH_END = 21
+    BUNDLE = 22  # several batches of one layout in one message (feedline.bundle)
 
 
 CONTAINER_LIST, CONTAINER_TUPLE, CONTAINER_DICT, CONTAINER_BARE = 0, 1, 2, 3

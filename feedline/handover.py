@@ -179,6 +179,13 @@ class Backlog(Generic[T]):
             self._sleeper.wake()
         return item
 
+    def peek(self) -> T | None:
+        """The oldest item, left in the box (None if it is empty)."""
+        try:
+            return self._items[0][0]
+        except IndexError:
+            return None
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -167,6 +167,8 @@ class Welcome:
     broker: int = field(metadata=wire_key("b", count))
     registration: int = field(default=0, metadata=wire_key("r", count))
     max_batch_bytes: int = field(default=0, metadata=wire_key("mb", count))  # 0: no limit
+    # The most batches this host takes in one message (feedline.bundle); 0 or 1: one each.
+    bundle: int = field(default=0, metadata=wire_key("bn", count))
 
 
 @message(Kind.GRANT)

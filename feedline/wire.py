@@ -28,6 +28,9 @@ Array frame i is exactly ``prod(shape_i) * itemsize_i`` bytes, C order, no paddi
 pass the arrays themselves with ``copy=False``; receivers rebuild them with ``np.frombuffer``
 over the received frame (a read-only view, no copy).
 
+Several batches of one layout may travel in one message to a direct-mode trainer that offers
+it (a BUNDLE: :mod:`feedline.bundle`).
+
 Broker -> consumer batches carry one extra frame in front, the *envelope* (a
 :class:`feedline.messages.Deliver`). Control messages (hello, credit, heartbeat, ...) are
 header-only and typed: :mod:`feedline.messages`.

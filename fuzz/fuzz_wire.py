@@ -21,6 +21,9 @@ the rest is the payload.
   whose lengths mostly match their shapes, with dtypes, dims and structure from interesting
   and hostile values
 - mode 4: structure-aware tensorpack datapoint (msgpack-numpy array maps, nested)
+- mode 5: payload is a multipart message as in mode 2, read as a direct-mode trainer reads
+  what a producer sends: header first, then ``decode_bundle`` for a BUNDLE (several
+  batches in one message, :mod:`feedline.bundle`), ``decode_batch`` for anything else
 
 The seed corpus is written by ``--make-corpus`` from messages the encoder produced; nothing
 binary is committed.
@@ -37,12 +40,12 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports(include=["feedline"]):
-    from feedline import messages, wire
+    from feedline import bundle, messages, wire
 
 import msgpack
 import numpy as np
 
-MODES = 5
+MODES = 6
 # Default limits, and tight ones under which every limit is reachable by small inputs.
 LIMITS = [
     wire.DEFAULT_LIMITS,
@@ -260,6 +263,8 @@ def one_input(data: bytes) -> str:
             header = wire.decode_header(payload, limits)
             if header["k"] != wire.Kind.BATCH:  # a control message: its typed decoder
                 messages.from_map(header, limits)
+        elif mode == 5:
+            _bundle_input(split_frames(payload), limits)
         elif mode in (1, 4):
             if mode == 4:
                 fdp = atheris.FuzzedDataProvider(payload)
@@ -289,6 +294,21 @@ def one_input(data: bytes) -> str:
     except wire.DecodeError as e:
         return f"rejected:{e.reason}"
     return "ok"
+
+
+def _bundle_input(frames: list[Any], limits: wire.Limits) -> None:
+    """Mode 5: what a direct-mode trainer does with a producer's message."""
+    if not frames:
+        raise wire.DecodeError("empty")
+    header = wire.decode_header(frames[0], limits)
+    if header["k"] != wire.Kind.BUNDLE:
+        _check_batch(wire.decode_batch(frames, limits, header=header), frames)
+        return
+    batches = bundle.decode_bundle(frames, limits, header, bundle.MAX_BUNDLE)
+    per = (len(frames) - 1) // len(batches)
+    for i, b in enumerate(batches):
+        _check_batch(b, [frames[0], *frames[1 + i * per:1 + (i + 1) * per]])
+    assert [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
 
 
 def _target(data: bytes) -> None:
@@ -340,6 +360,10 @@ def seeds() -> dict[str, bytes]:
             out[f"batch-{i}-{lim}"] = bytes([2, lim]) + join_frames(frames)
             out[f"header-{i}-{lim}"] = bytes([0, lim]) + frames[0]
         out[f"tensorpack-{i}"] = bytes([1, 0]) + msgpack_numpy.packb(dp, use_bin_type=True)
+        prepared = wire.prepare_batch(dp)
+        frames = bundle.bundle_frames([prepared] * 3, producer=wire.packb("seed"), session=i,
+                                      seq=i, epoch=1)
+        out[f"bundle-{i}"] = bytes([5, 0]) + join_frames(frames)
     for msg in _control_seeds():
         out[f"control-{type(msg).__name__}"] = bytes([0, 0]) + messages.encode(msg)
     for mode in (3, 4):

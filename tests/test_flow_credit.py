@@ -297,14 +297,14 @@ def test_a_producer_asks_again_after_a_refused_batch():
     assert wants_after >= 1, "it never asked after the refusal"
 
 
-@pytest.mark.parametrize("nbytes, handed", [(16_000, 1 + 8), (1_500_000, 1 + 2),
+@pytest.mark.parametrize("nbytes, handed", [(16_000, 1 + BACKLOG_ITEMS), (1_500_000, 1 + 2),
                                              (3 << 20, 1 + 1)])
 def test_a_producer_without_credit_holds_a_bounded_backlog(nbytes, handed):
     """(The peer under test is a producer, against a broker played by the test.)
 
     Claim: while no credit comes, a Sender's owner thread hands over small batches without
     waiting for its I/O thread, up to the backlog's bound, and then waits: the I/O thread
-    holds one for credit and the backlog BACKLOG_ITEMS (8) of 16 KB, two of 1.5 MB
+    holds one for credit and the backlog BACKLOG_ITEMS (32) of 16 KB, two of 1.5 MB
     (BACKLOG_BYTES, 4 MiB), one of 3 MiB (always one item, whatever its size). What a
     killed producer takes with it beyond its credit is this, and the one being handed over.
 

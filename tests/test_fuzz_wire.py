@@ -37,7 +37,7 @@ def test_seeds_are_valid_messages_and_the_harness_sees_rejections() -> None:
     fw = _harness()
     seeds = fw.seeds()
     results = {name: fw.one_input(data) for name, data in seeds.items()}
-    encoded = {n: r for n, r in results.items() if n.startswith(("batch", "header",
+    encoded = {n: r for n, r in results.items() if n.startswith(("batch", "header", "bundle",
                                                                  "tensorpack", "control"))}
     assert encoded and set(encoded.values()) == {"ok"}, encoded
     # Raw and truncated variants of a valid batch are refused with a reason, not an error.
@@ -46,6 +46,10 @@ def test_seeds_are_valid_messages_and_the_harness_sees_rejections() -> None:
     assert fw.one_input(batch[:2] + fw.join_frames(fw.split_frames(batch[2:])[:2])) == (
         "rejected:frame_count")
     assert fw.one_input(bytes([1, 0]) + b"\xc1") == "rejected:bad_msgpack"
+    # A bundle one frame short does not divide into its batches: refused whole.
+    bundled = seeds["bundle-0"]
+    assert fw.one_input(bundled[:2] + fw.join_frames(fw.split_frames(bundled[2:])[:-1])) == (
+        "rejected:frame_count")
 
 
 @pytest.mark.slow

@@ -125,7 +125,8 @@ def test_a_sleeper_woken_before_it_sleeps_does_not_sleep():
 
 class BacklogModel(RuleBasedStateMachine):
     """Backlog's bounds against a model: it holds at most ``max_items`` items and
-    ``max_bytes`` bytes, except that it always takes one item when empty; FIFO."""
+    ``max_bytes`` bytes, except that it always takes one item when empty; FIFO; ``peek``
+    shows the next item without taking it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,6 +149,11 @@ class BacklogModel(RuleBasedStateMachine):
     @rule()
     def take(self) -> None:
         assert self.box.get_nowait() == self.model.pop(0)[0]
+
+    @rule()
+    def peek(self) -> None:
+        """What a producer's bundle looks at before it takes: the oldest, left in place."""
+        assert self.box.peek() == (self.model[0][0] if self.model else None)
 
     @precondition(lambda self: not self.model)
     @rule()

@@ -24,6 +24,7 @@ import zmq
 
 from feedline import messages as m
 from feedline import wire
+from feedline.bundle import MAX_BUNDLE
 from feedline.consumer.io import Delivery, EpochMark, Marker, Shared
 from feedline.errors import FeedlineError, ProducerError
 from feedline.heap import keep_freed_memory
@@ -203,4 +204,5 @@ def serving_config(addr: str, link: LinkConfig, keys: ServerKeys | None, shared:
         credit_lease=cfg.credit_lease, max_peers=cfg.max_producers,
         heartbeat_interval=link.heartbeat_interval, heartbeat_timeout=link.heartbeat_timeout,
         linger_ms=0, limits=link.limits, curve=keys, tensorpack=cfg.tensorpack,
-        stream=shared.stream, insecure=insecure, how=DIRECT, by_bytes=True)
+        stream=shared.stream, insecure=insecure, how=DIRECT, by_bytes=True,
+        bundle=MAX_BUNDLE)

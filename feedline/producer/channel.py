@@ -7,12 +7,17 @@ is held here); this side sends each to a broker whose credit covers it.
 
 Wake-ups: the owner sleeps only while the backlog is full, and is woken only if it sleeps;
 the I/O thread is woken when the backlog turns non-empty, unless it holds a batch waiting for
-credit (a grant wakes it then). The backlog holds 8 items within 4 MiB (always one): with a
+credit (a grant wakes it then). The backlog holds 32 items within 4 MiB (always one): with a
 one-item backlog the two threads took turns for every batch, and once a direct-mode trainer
 counted small batches by their bytes that was their limit (direct mode, 16 KB: 7,768 ->
-18,553 batches/s; 150 KB: 4,421 -> 8,008; docs/performance.md). (With windows of 4 batches a
-deeper backlog had measured no faster: credit was the limit then.) Every item in it is a
-produced batch that a killed producer takes with it: at most 8, within 4 MiB.
+18,553 batches/s; 150 KB: 4,421 -> 8,008; docs/performance.md); 32 let bundles grow (below).
+Every item in it is a produced batch that a killed producer takes with it: at most 32,
+within 4 MiB.
+
+Bundles: to a host whose WELCOME offers them (a direct-mode trainer), the training batches
+waiting behind the one being sent, of its layout and epoch and covered by credit, go with it
+in one message (feedline.bundle), within BUNDLE_BYTES. If that send fails (not connected,
+pipe full), the batches taken for it wait in ``_ahead`` and go first next time, in order.
 
 One :class:`Channel` per broker (a producer may serve several: each batch goes to one of
 them, by credit, so a faster training host gets more). Credit is two absolute totals since
@@ -27,15 +32,18 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 
 import zmq
 
 from feedline import messages as m
 from feedline import wire
+from feedline.bundle import bundle_frames
 from feedline.errors import BatchTooLarge as BatchTooLarge
 from feedline.errors import FeedlineError
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
+from feedline.producer.bundling import gather
 from feedline.producer.leaving import BYE_SECONDS, Leaving
 from feedline.producer.outbox import (
     BatchItem,
@@ -111,6 +119,9 @@ class ProducerIO:
         self._rr = 0
         self._synced = time.monotonic()
         self._leaving = Leaving(outbox.producer_id)  # targets left, until their answer to BYE
+        # Batches taken from the backlog for a bundle that could not be sent: sent first.
+        self._ahead: deque[Item] = deque()
+        self._max_arrays = cfg.limits.max_arrays
 
     def _sync_targets(self) -> None:
         """Follow the endpoints behind the addresses (a DNS name's hosts come and go)."""
@@ -225,16 +236,20 @@ class ProducerIO:
         out = self.out
         while True:
             if self._head is None:
-                try:
-                    self._head = out.items.get_nowait()
-                except queue.Empty:
-                    break
+                if self._ahead:
+                    self._head = self._ahead.popleft()
+                else:
+                    try:
+                        self._head = out.items.get_nowait()
+                    except queue.Empty:
+                        break
                 out.holding = True
                 self._head_since = time.monotonic()
-            if not self._send(self._head):
+            sent = self._send(self._head)
+            if not sent:
                 break
             self._head = None
-            out.done += 1
+            out.done += sent
             out.holding = False  # before looking at the backlog again (Outbox.holding)
         out.credit = sum(ch.credit for ch in self.channels)
         if self._head is None and out.done >= out.handed and not out.idle.is_set():
@@ -264,18 +279,19 @@ class ProducerIO:
             "feedline_producer_credit_wait_seconds shows how often)", self.out.producer_id,
             waited, ", ".join(ch.link.addr for ch in self.channels))
 
-    def _send(self, item: Item) -> bool:
+    def _send(self, item: Item) -> int:
+        """Send ``item`` (and the items a bundle takes with it); how many were sent."""
         if isinstance(item, SkipItem):
             for ch in self.channels:
                 ch.seq += item.n
-            return True
+            return 1
         if isinstance(item, (UnitAsk, UnitEnd)):
-            return self._send_unit(item)
+            return int(self._send_unit(item))
         if isinstance(item, ControlItem):
-            return self._send_control(item.msg)
+            return int(self._send_control(item.msg))
         return self._send_batch(item)
 
-    def _send_batch(self, item: BatchItem) -> bool:
+    def _send_batch(self, item: BatchItem) -> int:
         size = item.prepared.wire_bytes
         ready = [ch for ch in self.channels if ch.covers(size)]
         if item.unit >= 0:
@@ -288,32 +304,51 @@ class ProducerIO:
                     f"a batch of {size / 2**20:.1f} MiB is larger than what the broker can "
                     f"hold (--max-bytes {', '.join(f'{x / 2**20:.1f} MiB' for x in limits)}): "
                     "raise the broker's --max-bytes or make batches smaller")
-                return True  # dropped: the owner raises
+                return 1  # dropped: the owner raises
             for ch in self.channels:
                 if ch.link.welcomed and ch.asked != size and not ch.covers(size) \
                         and not ch.too_small(size) and not ch.granted_unasked(size):
                     if ch.link.send_msg(m.Want(sent=ch.sent, sent_bytes=ch.sent_bytes,
                                                size=size, registration=ch.link.registration)):
                         ch.asked = size
-            return False
+            return 0
         self._rr += 1
         ch = max(ready, key=lambda c: (c.credit, (self._rr + self.channels.index(c))
                                        % len(self.channels)))
+        if item.unit < 0 and ch.welcome is not None and ch.welcome.bundle > 1:
+            more = gather(item, ch.welcome, ch.credit, ch.granted_bytes - ch.sent_bytes,
+                          self._max_arrays, self._ahead, self.out.items)
+            if more:
+                return self._send_bundle(ch, [item, *more])
         frames = item.prepared.frames(producer=self._packed_id, session=self.out.session,
                                       seq=ch.seq, epoch=item.epoch, unit=item.unit,
                                       index=item.index, last=item.last,
                                       pipeline=item.pipeline)
         if not ch.link.send_frames(frames, copy=False):
-            return False  # not connected or pipe full: keep it, the link recovers
-        ch.seq += 1
-        ch.sent += 1
+            return 0  # not connected or pipe full: keep it, the link recovers
+        self._sent(ch, [item], len(frames[0]))
+        return 1
+
+    def _sent(self, ch: Channel, items: list[BatchItem], header_bytes: int) -> None:
+        n, nbytes = len(items), sum([it.prepared.nbytes for it in items])
+        ch.seq += n
+        ch.sent += n
         # What the broker counts: the bytes sent, not the bound that credit had to cover (the
         # difference, a few bytes a batch, would add up to a WANT for every batch).
-        ch.sent_bytes += len(frames[0]) + item.prepared.nbytes
-        ch.largest_sent = max(ch.largest_sent, size)
-        self.out.metrics.sent_batches.inc()
-        self.out.metrics.sent_bytes.inc(item.prepared.nbytes)
-        return True
+        ch.sent_bytes += header_bytes + nbytes
+        ch.largest_sent = max(ch.largest_sent, *[it.prepared.wire_bytes for it in items])
+        self.out.metrics.sent_batches.inc(n)
+        self.out.metrics.sent_bytes.inc(nbytes)
+
+    def _send_bundle(self, ch: Channel, items: list[BatchItem]) -> int:
+        frames = bundle_frames([it.prepared for it in items], producer=self._packed_id,
+                               session=self.out.session, seq=ch.seq, epoch=items[0].epoch)
+        if not ch.link.send_frames(frames, copy=False):
+            self._ahead.extendleft(reversed(items[1:]))  # sent first next time, in order
+            return 0
+        self._sent(ch, items, len(frames[0]))
+        self.out.metrics.sent_bundles.inc()
+        return len(items)
 
     def _send_unit(self, item: UnitAsk | UnitEnd) -> bool:
         """Exact delivery speaks to one broker: the first channel (several hosts would need a

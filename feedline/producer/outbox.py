@@ -20,7 +20,7 @@ from feedline.producer.metrics import ProducerMetrics
 # Handed over and not yet taken by the I/O thread, at most: BACKLOG_ITEMS within
 # BACKLOG_BYTES (but always one, whatever its size). Deep enough that the owner thread and
 # the I/O thread do not take turns for every small batch (feedline/producer/channel.py).
-BACKLOG_ITEMS = 8
+BACKLOG_ITEMS = 32
 BACKLOG_BYTES = 4 << 20
 
 

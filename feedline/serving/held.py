@@ -1,19 +1,49 @@
-"""What an ingress hands its sink: a message as it arrived, weighed, with its batch decoded."""
+"""What an ingress hands its sink (a message as it arrived, weighed, with its batch decoded),
+and what a sink is."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from feedline.wire import Batch
 
 
 @dataclass(slots=True)  # one per batch: slots make it 0.2 us cheaper
 class Held:
-    frames: list[Any]  # [header, arrays...] as received
+    frames: list[Any]  # [header, arrays...] as received (a bundled batch: its arrays only)
     nbytes: int  # wire bytes: what the memory budget counts
     array_bytes: int
     session: int
     gap: int  # batches of its session lost upstream since the previous one
     broadcast: bool = False  # EOS / ERROR: to every consumer of the stream, in order
     batch: Batch | None = None  # decoded (views on the frames), for a sink that wants it
+
+
+Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
+
+
+class Sink(Protocol):
+    """Where accepted batches go, and what it holds (for the budget)."""
+
+    def held(self) -> tuple[int, int]:
+        """(batches, bytes) held: buffered, and in flight to consumers."""
+        ...
+
+    def held_by_stream(self) -> dict[str, tuple[int, int]]:
+        """The same, per stream."""
+        ...
+
+    def read(self, stream: str) -> bool:
+        """Some consumer reads ``stream`` now."""
+        ...
+
+    def accept(self, stream: str, item: Held) -> bool:
+        """Take a batch (always: credit reserved its room) or a control message (False if
+        there is no room for it)."""
+        ...
+
+    def epoch_end(self, stream: str, epoch: int) -> None:
+        """Exact delivery: every batch of ``epoch`` was taken; tell the stream's consumers."""
+        ...

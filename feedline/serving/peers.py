@@ -15,7 +15,7 @@ import socket
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from feedline.errors import Refusal
 
@@ -137,3 +137,14 @@ def cut_off(fd: int, ino: int) -> bool:
         return False
     finally:
         s.close()
+
+
+@dataclass
+class Producer(Peer):
+    label: str = ""
+    pending_gap: int = 0  # lost before a re-registration: reported with its next batch
+    fleet: tuple[str, int] = ("", 0)  # the supervisor that started it, and its --max
+    exact: bool = False  # it serves an exact stream
+    # Its series of received batches and bytes, looked up once: ``labels()`` per batch cost
+    # ~3 us (the label is held while it is registered, so the series stays).
+    counted: tuple[Any, Any] = (None, None)

@@ -20,12 +20,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import zmq
 
+from feedline import bundle, wire
 from feedline import messages as m
-from feedline import wire
 from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
@@ -35,40 +34,12 @@ from feedline.serving.coordinator import ExactPlan
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.exact_streams import ExactStreams
 from feedline.serving.gaps import GapTracker
-from feedline.serving.held import Held
+from feedline.serving.held import Held, Send, Sink
 from feedline.serving.metrics import BrokerMetrics
-from feedline.serving.peers import HELLO_RATE, HelloRate, Peer, PeerTable, connection
+from feedline.serving.peers import HELLO_RATE, HelloRate, PeerTable, Producer, connection
 from feedline.serving.units import Units
 
 log = logging.getLogger(__name__)
-
-Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
-
-
-class Sink(Protocol):
-    """Where accepted batches go, and what it holds (for the budget)."""
-
-    def held(self) -> tuple[int, int]:
-        """(batches, bytes) held: buffered, and in flight to consumers."""
-        ...
-
-    def held_by_stream(self) -> dict[str, tuple[int, int]]:
-        """The same, per stream."""
-        ...
-
-    def read(self, stream: str) -> bool:
-        """Some consumer reads ``stream`` now."""
-        ...
-
-    def accept(self, stream: str, item: Held) -> bool:
-        """Take a batch (always: credit reserved its room) or a control message (False if
-        there is no room for it)."""
-        ...
-
-    def epoch_end(self, stream: str, epoch: int) -> None:
-        """Exact delivery: every batch of ``epoch`` was taken; tell the stream's consumers."""
-        ...
-
 
 @dataclass(frozen=True)
 class IngressConfig:
@@ -78,17 +49,7 @@ class IngressConfig:
     capacity: int  # registered producers, at most
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
     by_bytes: bool = False  # windows count small batches by their bytes (CreditPlanner)
-
-
-@dataclass
-class Producer(Peer):
-    label: str = ""
-    pending_gap: int = 0  # lost before a re-registration: reported with its next batch
-    fleet: tuple[str, int] = ("", 0)  # the supervisor that started it, and its --max
-    exact: bool = False  # it serves an exact stream
-    # Its series of received batches and bytes, looked up once: ``labels()`` per batch cost
-    # ~3 us (the label is held while it is registered, so the series stays).
-    counted: tuple[Any, Any] = (None, None)
+    bundle: int = 0  # the most batches in one message (feedline.bundle; a direct sink only)
 
 
 class ProducerSide:
@@ -140,6 +101,9 @@ class ProducerSide:
             raise
         if header["k"] == wire.Kind.BATCH:
             self._batch(ident, header, frames, now)
+            return
+        if header["k"] == wire.Kind.BUNDLE:
+            self._bundle(ident, header, frames, now)
             return
         self.dirty = True
         if len(frames) != 1:
@@ -271,14 +235,44 @@ class ProducerSide:
 
     def _welcome(self, p: Producer) -> None:
         self._control(p.ident, m.Welcome(broker=self.instance, registration=p.registration,
-                                         max_batch_bytes=self.max_batch_bytes))
+                                         max_batch_bytes=self.max_batch_bytes,
+                                         bundle=self.cfg.bundle))
 
-    def _batch(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
+    def _sender(self, ident: bytes, what: str, now: float) -> Producer:
         p = self.producers.get(ident)
         if p is None:
             self._control(ident, m.Reset(broker=self.instance))
-            raise Refusal("unknown_peer", "BATCH")
+            raise Refusal("unknown_peer", what)
         p.last_seen = now
+        return p
+
+    def _bundle(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
+        """Several batches in one message (feedline.bundle): each is counted against credit
+        and taken as if it had come alone."""
+        p = self._sender(ident, "BUNDLE", now)
+        try:
+            if self.cfg.bundle < 2 or self.exact.get(p.stream) is not None:
+                raise DecodeError("bad_kind", "a bundle, which this host did not offer")
+            batches = bundle.decode_bundle(frames, self.limits, header, self.cfg.bundle)
+            if batches[0].session != p.session:
+                raise Refusal("bad_header", "session changed without HELLO")
+        except Refusal as e:
+            # Counted as the batches it says it holds, as its producer counted them.
+            n = header.get("n")
+            n = n if type(n) is int and 1 <= n <= self.cfg.bundle else 1
+            for i in range(n):
+                self._charge(p, 0 if i else sum(len(f) for f in frames), now)
+            s = header.get("s")
+            self._refuse(p, e, s if type(s) is int and s >= 0 else -1)
+            raise
+        per = (len(frames) - 1) // len(batches)
+        for i, batch in enumerate(batches):
+            self._charge(p, batch.wire_bytes, now)
+            self._take(p, batch, frames[1 + i * per:1 + (i + 1) * per], batch.wire_bytes)
+        self.dirty = self.dirty or self.planner.producers[ident].received == len(batches)
+
+    def _batch(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
+        p = self._sender(ident, "BATCH", now)
         nbytes = sum(len(f) for f in frames)
         self._charge(p, nbytes, now)
         if self.planner.producers[ident].received == 1:
@@ -293,6 +287,10 @@ class ProducerSide:
         except Refusal as e:
             self._refuse(p, e, seq if isinstance(seq, int) and seq >= 0 else -1)
             raise
+        self._take(p, batch, frames, nbytes)
+
+    def _take(self, p: Producer, batch: wire.Batch, frames: list[zmq.Frame],
+              nbytes: int) -> None:
         exact = self.exact.get(p.stream)
         if exact is not None:
             if batch.unit < 0 or batch.pipeline != exact.plan.fingerprint:

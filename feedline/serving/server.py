@@ -108,6 +108,7 @@ class ServingConfig:
     how: Remedy = BROKER
     # Windows count small batches by their bytes (a direct-mode trainer: budget.depth).
     by_bytes: bool = False
+    bundle: int = 0  # the most batches producers may send in one message (feedline.bundle)
 
 
 class Server:
@@ -152,7 +153,7 @@ class Server:
         self.producers = ProducerSide(
             self.ingress.send, sink, metrics, cfg.limits,
             IngressConfig(cfg.budget, cfg.producer_window, cfg.credit_lease, cfg.max_peers,
-                          stream=cfg.stream, by_bytes=cfg.by_bytes),
+                          stream=cfg.stream, by_bytes=cfg.by_bytes, bundle=cfg.bundle),
             instance, self.refusals.cut_off, self.exact)
         self.attach(self.ingress, self.producers)
         self.tensorpack = (TensorpackIngress(tp_ep, sink, metrics, cfg.limits,

@@ -29,10 +29,9 @@ from feedline.codec import DecodeError, EncodeError, Limits
 from feedline.framing import Oversized, recv_message, waiting
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.endpoint import Endpoint
-from feedline.serving.held import Held
+from feedline.serving.held import Held, Sink
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.peers import connection
-from feedline.serving.producers import Sink
 
 PRODUCER = "tensorpack"
 # Its key in the credit planner: no ROUTER identity (5 bytes when libzmq makes one, never a

@@ -1,0 +1,124 @@
+"""Several batches in one message: what a direct-mode trainer takes from its producers.
+
+A batch of 16 KB costs both ends more in per-message work (a read, a header to decode and
+check, a turn of the loop) than in bytes. When a producer holds several batches of one layout
+(a batching pipeline yields nothing else) and its credit covers them all, it sends them as one
+*bundle*, if the host said in WELCOME that it takes bundles (``bundle`` > 1: the most
+batches in one). The header is decoded and checked once for all of them::
+
+    {"v": 2, "k": 22,            # Kind.BUNDLE
+     "p": ..., "q": ..., "e": ...,  # producer id, session, epoch: as a batch's
+     "s": 41,                     # the first batch's sequence number; the others follow
+     "n": 8,                      # batches in the bundle (2 .. the host's WELCOME.bundle)
+     "c": ..., "d": ..., "a": ...}  # container, structure, array specs: one batch's
+
+followed by ``n x len(a)`` array frames, batch by batch. Every batch is the same layout; a
+bundle never carries exact delivery's batches (their unit fields differ), which go one by
+one. The host counts each batch of a bundle against the producer's credit as if it had come
+alone, the header's bytes with the first: ``len(header) + its arrays``, then each other's
+arrays, which is what the producer counts as sent.
+
+Trust: :func:`decode_bundle` applies every check of :func:`feedline.wire.decode_batch` (the
+same limits, the header's checks once, every frame's length) and bounds ``n`` by the
+host's own maximum; a bundle beyond it, or with frames that do not divide into ``n``
+batches, is refused whole (:class:`~feedline.codec.DecodeError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from feedline.codec import (
+    CONTAINER_DICT,
+    CONTAINER_LIST,
+    CONTAINER_TUPLE,
+    DecodeError,
+    Kind,
+    Limits,
+    packb,
+)
+from feedline.encode import Prepared, uint
+from feedline.wire import (
+    Batch,
+    _arrays_from_frames,
+    _bytes_of,
+    _in_order,
+    _rebuild,
+    check_batch_header,
+)
+
+MAX_BUNDLE = 64  # batches in one bundle, at most (a host may say fewer)
+BUNDLE_BYTES = 4 << 20  # a producer fills a bundle up to this many wire bytes
+_V_K = packb("v") + packb(2) + packb("k") + packb(int(Kind.BUNDLE))
+
+
+def bundle_frames(prepared: Sequence[Prepared], *, producer: bytes, session: int, seq: int,
+                  epoch: int) -> list[Any]:
+    """``[header, arrays of the first batch..., arrays of the second..., ...]``; every
+    ``Prepared`` of one layout (the same header tail), ``producer`` packed (:func:`packb`)."""
+    first = prepared[0]
+    head = b"\x8a" + _V_K + b"\xa1p" + producer + b"\xa1q" + uint(session) + b"\xa1s" \
+        + uint(seq) + b"\xa1e" + uint(epoch) + b"\xa1n" + uint(len(prepared))
+    frames: list[Any] = [head + first.tail]
+    for p in prepared:
+        frames.extend(p.arrays)
+    return frames
+
+
+def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
+                  most: int) -> list[Batch]:
+    """The batches of ``[header, array frames...]`` (``header`` decoded already, kind
+    BUNDLE), each array a read-only view on its frame; raises DecodeError.
+
+    ``most``: the most batches the host takes in one (what its WELCOME said)."""
+    n = header.get("n")
+    if type(n) is not int or not 2 <= n <= most:
+        raise DecodeError("bad_header", f"a bundle of {n!r} batches (this host takes 2..{most})")
+    if "u" in header:
+        raise DecodeError("bad_header", "exact delivery's batches travel one by one")
+    specs_in = header.get("a")
+    per = len(specs_in) if type(specs_in) is list else -1
+    if per < 0 or len(frames) - 1 != n * per:
+        raise DecodeError("frame_count", f"{len(frames) - 1} frames for {n} batches")
+    specs = check_batch_header(header, per, limits)
+    container = header.get("c", CONTAINER_LIST)
+    if container not in (0, 1, 2, 3):
+        raise DecodeError("bad_structure", "container")
+    structure = header.get("d")
+    in_order = _in_order(structure, per)
+    pid, session, seq0, epoch = header["p"], header["q"], header["s"], header["e"]
+    header_bytes = len(_bytes_of(frames[0]))
+    total = 0
+    out = []
+    for i in range(n):
+        arrays, nbytes = _arrays_from_frames(specs, frames[1 + i * per:1 + (i + 1) * per],
+                                             limits)
+        total += nbytes
+        if total > limits.max_message_bytes:
+            raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
+        dp = arrays if in_order else _structure(structure, arrays, limits)
+        if container == CONTAINER_TUPLE and isinstance(dp, list):
+            dp = tuple(dp)
+        elif container == CONTAINER_LIST and not isinstance(dp, list):
+            raise DecodeError("bad_structure", "container")
+        elif container == CONTAINER_DICT and not isinstance(dp, dict):
+            raise DecodeError("bad_structure", "container")
+        batch = object.__new__(Batch)  # as decode_batch builds it: no frozen __init__
+        batch.__dict__.update(
+            producer=pid, session=session, seq=seq0 + i, epoch=epoch, datapoint=dp,
+            nbytes=nbytes, wire_bytes=nbytes + (header_bytes if i == 0 else 0),
+            unit=-1, index=-1, last=False, pipeline=0)
+        out.append(batch)
+    return out
+
+
+def _structure(structure: Any, arrays: list, limits: Limits) -> Any:
+    used = [False] * len(arrays)
+    try:
+        dp = _rebuild(structure, arrays, used, 0, limits.max_depth)
+    except RecursionError:
+        raise DecodeError("too_deep") from None
+    if not all(used):
+        raise DecodeError("bad_structure", "unreferenced array frame")
+    return dp

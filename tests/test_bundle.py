@@ -1,0 +1,331 @@
+"""Several batches in one message (feedline.bundle): what a direct-mode trainer takes.
+
+The decoder gives what decoding each batch alone gives, refuses every malformed bundle whole
+with a reason; a real producer sends bundles to a real direct-mode trainer (sockets on
+127.0.0.1) and every batch arrives once, in order, with credit agreeing on both sides; a
+hand-played producer's bundles beyond the rules are refused and counted, or cut off, and the
+trainer goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from feedline import messages as m
+from feedline import wire
+from feedline.bundle import BUNDLE_BYTES, MAX_BUNDLE, bundle_frames, decode_bundle
+from feedline.codec import DecodeError, Limits
+from feedline.consumer import RemoteDataZMQ
+from feedline.errors import ReceiveTimeout
+from feedline.procs import free_port, wait_for
+from feedline.producer import Sender
+from tests.flow_support import RawPeer, unpack
+
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
+PID = wire.packb("p")
+
+
+def _datapoints(n: int, start: int = 0) -> list[list[np.ndarray]]:
+    return [[np.full(1, i, np.int64), np.full((4, 4), i, np.float32)]
+            for i in range(start, start + n)]
+
+
+def _alone(dp, seq: int) -> wire.Batch:
+    return wire.decode_batch(wire.encode_batch(dp, producer="p", session=7, seq=seq, epoch=2))
+
+
+@pytest.mark.parametrize("shape", ["list", "tuple", "dict"])
+def test_a_bundle_decodes_to_what_each_batch_alone_decodes_to(shape):
+    dps: list = _datapoints(5)
+    if shape == "tuple":
+        dps = [tuple(dp) for dp in dps]
+    elif shape == "dict":  # a structure that is not the arrays in order: rebuilt per batch
+        dps = [{"y": dp[1], "x": dp[0]} for dp in dps]
+    prepared = [wire.prepare_batch(dp) for dp in dps]
+    frames = bundle_frames(prepared, producer=PID, session=7, seq=40, epoch=2)
+    header = wire.header_map(frames[0])
+    got = decode_bundle(frames, wire.DEFAULT_LIMITS, header, MAX_BUNDLE)
+    assert [b.seq for b in got] == [40, 41, 42, 43, 44]
+    for i, b in enumerate(got):
+        alone = _alone(dps[i], 40 + i)
+        assert (b.producer, b.session, b.epoch, b.nbytes, b.unit) == (
+            alone.producer, alone.session, alone.epoch, alone.nbytes, -1)
+        assert type(b.datapoint) is type(alone.datapoint)
+        items = (sorted(b.datapoint.items()) if shape == "dict" else enumerate(b.datapoint))
+        for (k, a), (k2, a2) in zip(items, sorted(alone.datapoint.items()) if shape == "dict"
+                                    else enumerate(alone.datapoint), strict=True):
+            assert k == k2 and np.array_equal(a, a2) and not a.flags.writeable
+    # The header's bytes are counted with the first batch: what the producer counts as sent.
+    assert sum(b.wire_bytes for b in got) == len(frames[0]) + sum(p.nbytes for p in prepared)
+
+
+def _bundle(count: int = 3, **header) -> list:
+    frames = bundle_frames([wire.prepare_batch(dp) for dp in _datapoints(count)], producer=PID,
+                           session=1, seq=0, epoch=0)
+    if header:
+        h = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        h.update(header)
+        frames[0] = msgpack.packb(h, use_bin_type=True)
+    return frames
+
+
+@pytest.mark.parametrize("make, most, reason", [
+    (lambda: _bundle(MAX_BUNDLE + 1), MAX_BUNDLE, "bad_header"),  # more than the host takes
+    (lambda: _bundle(5), 4, "bad_header"),  # ... than this host said
+    (lambda: _bundle(3, n=1), MAX_BUNDLE, "bad_header"),  # a bundle of one
+    (lambda: _bundle(3, n=True), MAX_BUNDLE, "bad_header"),  # a bool is no count
+    (lambda: _bundle(3, n=4), MAX_BUNDLE, "frame_count"),  # says 4, carries 3
+    (lambda: _bundle(3)[:-1], MAX_BUNDLE, "frame_count"),  # one frame short
+    (lambda: _bundle(3, u=0, i=0, l=False), MAX_BUNDLE, "bad_header"),  # exact batches
+    (lambda: _bundle(3, c=9), MAX_BUNDLE, "bad_structure"),
+    (lambda: _bundle(3, a=[["|O", [1]], ["<f4", [4, 4]]]), MAX_BUNDLE, "bad_dtype"),
+    (lambda: [*_bundle(3)[:-1], b"\0" * 63], MAX_BUNDLE, "shape_mismatch"),  # the last batch
+])
+def test_a_malformed_bundle_is_refused_whole(make, most, reason):
+    frames = make()
+    with pytest.raises(DecodeError) as e:
+        decode_bundle(frames, wire.DEFAULT_LIMITS, wire.header_map(frames[0]), most)
+    assert e.value.reason == reason
+
+
+def test_a_bundle_counts_its_batches_together_against_the_message_limit():
+    """Each batch fits the limit alone; together they do not: refused."""
+    tight = Limits(max_message_bytes=3 * 72)  # one batch: 8 + 64 array bytes
+    frames = _bundle(4)
+    with pytest.raises(DecodeError) as e:
+        decode_bundle(frames, tight, wire.header_map(frames[0], tight), MAX_BUNDLE)
+    assert e.value.reason == "message_too_large"
+    assert len(decode_bundle(_bundle(3), tight, wire.header_map(_bundle(3)[0], tight),
+                             MAX_BUNDLE)) == 3
+
+
+class _Taking:
+    """Iterates a RemoteDataZMQ in a thread (a direct-mode trainer serves once iterated),
+    keeping what it takes; sleeps ``pause`` s after the ``pause_at``-th batch (a slow step)."""
+
+    def __init__(self, src: RemoteDataZMQ, pause_at: int = -1, pause: float = 0.0) -> None:
+        self.got: list = []
+        self._src, self._pause_at, self._pause = src, pause_at, pause
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(ReceiveTimeout):
+            for b in self._src:
+                self.got.append(b)
+                if len(self.got) == self._pause_at:
+                    time.sleep(self._pause)
+
+    def wait(self, n: int, seconds: float = 30) -> list:
+        wait_for(lambda: len(self.got) >= n, seconds, what=f"{n} batches taken")
+        return self.got
+
+
+def test_a_producer_bundles_small_batches_to_a_direct_mode_trainer_and_loses_nothing():
+    """A Sender sends 2,000 batches of 16 KB to a direct-mode trainer that pauses after its
+    50th (batches pile up behind the credit): they go in bundles, and each arrives once, in
+    order, with its own sequence number; neither side refuses or cuts off anything (both
+    count the same credit)."""
+    from feedline.link import LinkConfig
+
+    n = 2000
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    sreg, treg = CollectorRegistry(), CollectorRegistry()
+    link = LinkConfig(**FAST)
+    payload = np.zeros(16_000, np.uint8)
+    with RemoteDataZMQ(addr, bind=True, timeout=30, link=link, return_meta=True,
+                       registry=treg) as src:
+        taking = _Taking(src, pause_at=50, pause=0.5)
+        with Sender(addr, producer_id="bundler", link=link, registry=sreg) as s:
+            for i in range(n):
+                s.send([np.full(1, i, np.int64), payload])
+            got = taking.wait(n)
+        bundles = sreg.get_sample_value("feedline_producer_sent_bundles_total")
+        sent = sreg.get_sample_value("feedline_producer_sent_batches_total")
+    assert [int(b.datapoint[0][0]) for b in got] == list(range(n))
+    assert [b.seq for b in got] == list(range(n))
+    assert sent == n
+    assert bundles and bundles < n / 4, f"{bundles} bundles for {n} batches"
+    for name in ("feedline_broker_refused_batches_total", "feedline_broker_rejected_messages_total",
+                 "feedline_broker_cut_off_connections_total"):
+        assert not any(s.value for metric in treg.collect() for s in metric.samples
+                       if s.name == name), name
+
+
+def _registered(ctx: zmq.Context, addr: str, pid: str) -> tuple[RawPeer, dict]:
+    """A hand-played producer, welcomed, holding the one credit of a new registration."""
+    peer = RawPeer(ctx, addr)
+    peer.hello_producer(pid, session=1)
+    welcome: dict = {}
+    deadline = time.monotonic() + 10
+    while not (welcome and peer.granted >= 1):
+        assert time.monotonic() < deadline, (welcome, peer.granted)
+        for h in peer.read(100):
+            if h["k"] == wire.Kind.WELCOME:
+                welcome = h
+    return peer, welcome
+
+
+def _raw_bundle(n: int, seq: int) -> list:
+    frames = bundle_frames([wire.prepare_batch(dp) for dp in _datapoints(n, seq)],
+                           producer=wire.packb("raw"), session=1, seq=seq, epoch=0)
+    return [f if isinstance(f, bytes) else f.tobytes() for f in frames]
+
+
+def _refused(peer: RawPeer, seconds: float = 5) -> list[str]:
+    """The reasons of the REFUSED that arrive within ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        refused = [h["r"] for h in peer.read(100) if h["k"] == wire.Kind.REFUSED]
+        if refused:
+            return refused
+    return []
+
+
+def test_welcome_says_how_many_batches_a_bundle_may_hold():
+    assert m.decode(m.encode(m.Welcome(broker=1, bundle=5))).bundle == 5
+    assert m.decode(m.encode(m.Welcome(broker=1))).bundle == 0  # as an older host says it
+
+
+def test_a_direct_mode_trainer_refuses_a_bundle_beyond_what_it_offered_and_goes_on():
+    """The trainer's WELCOME offers bundles of MAX_BUNDLE; a hand-played producer sends one
+    that says MAX_BUNDLE + 1 (refused whole, counted as one batch: its count is not believed;
+    its credit comes back when it asks), then an honest one of 3, which arrives whole."""
+    from feedline.link import LinkConfig
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    treg = CollectorRegistry()
+    try:
+        with RemoteDataZMQ(addr, bind=True, timeout=10, link=LinkConfig(**FAST),
+                           registry=treg, return_meta=True) as src:
+            taking = _Taking(src)
+            peer, welcome = _registered(ctx, addr, "raw")
+            assert welcome.get("bn") == MAX_BUNDLE
+            frames = _raw_bundle(3, 0)
+            h = unpack(frames[0])
+            h["n"] = MAX_BUNDLE + 1
+            peer.send([msgpack.packb(h, use_bin_type=True), *frames[1:]])
+            assert _refused(peer) == ["bad_header"]
+            assert treg.get_sample_value("feedline_broker_refused_batches_total",
+                                         {"producer": "raw", "reason": "bad_header"}) == 1
+            peer.want(1 << 20)
+            assert peer.wait_credit(peer.sent + 2, 10), "no credit after the refusal"
+            peer.sock.send_multipart(_raw_bundle(3, 0))
+            got = taking.wait(3, 10)
+            assert [int(b.datapoint[0][0]) for b in got] == [0, 1, 2]
+            assert [b.seq for b in got] == [0, 1, 2]
+            assert not treg.get_sample_value("feedline_broker_cut_off_connections_total",
+                                             {"role": "producer", "reason": "no_credit"})
+            peer.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_bundle_beyond_its_credit_cuts_its_producer_off():
+    """A new registration holds one credit (slow start); a bundle of 3 is two batches beyond
+    it: the producer is cut off, as for batches sent one by one beyond their credit."""
+    from feedline.link import LinkConfig
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    treg = CollectorRegistry()
+    try:
+        with RemoteDataZMQ(addr, bind=True, timeout=10, link=LinkConfig(**FAST),
+                           registry=treg) as src:
+            _Taking(src)
+            peer, _ = _registered(ctx, addr, "greedy")
+            assert peer.granted == 1
+            peer.send(_raw_bundle(3, 0))
+            wait_for(lambda: treg.get_sample_value(
+                "feedline_broker_cut_off_connections_total",
+                {"role": "producer", "reason": "no_credit"}), 10, what="the cut-off")
+            peer.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_broker_offers_no_bundles_and_refuses_one(broker_proc, endpoints):
+    """A broker forwards batches one by one (its WELCOME offers no bundles): a bundle sent to
+    it anyway is refused and counted as one batch, and the producer's next plain batch is
+    taken and forwarded."""
+    broker_proc()
+    ctx = zmq.Context()
+    try:
+        peer, welcome = _registered(ctx, endpoints.ingress, "raw")
+        assert welcome.get("bn", 0) == 0
+        peer.send(_raw_bundle(3, 0))
+        assert _refused(peer) == ["bad_kind"]
+        peer.want(1 << 20)
+        assert peer.wait_credit(peer.sent, 10), "no credit after the refusal"
+        alone = wire.encode_batch(_datapoints(1, 7)[0], producer="raw", session=1, seq=1,
+                                  epoch=0)
+        peer.send([alone[0], *[a.tobytes() for a in alone[1:]]])
+        with RemoteDataZMQ(endpoints.egress, timeout=10, return_meta=True) as src:
+            b = next(iter(src))
+        assert (b.producer, b.seq, int(b.datapoint[0][0])) == ("raw", 1, 7)
+        peer.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+_LAYOUTS = {  # two layouts: one array of 1,000 bytes; two small ones
+    "a": lambda: [np.zeros(1000, np.uint8)],
+    "b": lambda: [np.zeros(10, np.float32), np.zeros(3, np.int64)],
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(queue=st.lists(st.tuples(st.sampled_from(["a", "b", "skip"]), st.integers(0, 1),
+                                st.booleans()), max_size=40),
+       held=st.integers(0, 40), offered=st.integers(0, 70), credit=st.integers(1, 80),
+       room=st.integers(1100, 80_000), max_arrays=st.integers(1, 1024))
+def test_a_bundle_takes_the_longest_fitting_run_behind_its_batch(queue, held, offered, credit,
+                                                                 room, max_arrays):
+    """``gather`` against its rules: what it takes is the front of what waits (the batches
+    held back from a failed bundle first, then the backlog's), in order; each of them a
+    training batch of the batch's layout and epoch; within the offer, MAX_BUNDLE, the credit,
+    the frame limit and the bytes; and it stops only where the next one breaks a rule."""
+    from collections import deque
+
+    from feedline.handover import Backlog
+    from feedline.producer.bundling import gather
+    from feedline.producer.outbox import BatchItem, SkipItem
+
+    def item(layout: str, epoch: int, exact: bool):
+        if layout == "skip":
+            return SkipItem(1)
+        return BatchItem(wire.prepare_batch(_LAYOUTS[layout]()), epoch, unit=0 if exact else -1)
+
+    first = BatchItem(wire.prepare_batch(_LAYOUTS["a"]()), 0)
+    waiting = [item(*q) for q in queue]
+    ahead: deque = deque(waiting[:held])
+    backlog: Backlog = Backlog(64, 1 << 30)
+    for it in waiting[held:]:
+        assert backlog.put(it, 0, 0)
+    welcome = m.Welcome(broker=1, bundle=offered, max_batch_bytes=0)
+    more = gather(first, welcome, credit, room, max_arrays, ahead, backlog)
+    left = list(ahead) + [backlog.get_nowait() for _ in range(len(backlog))]
+    assert more + left == waiting, "not the front of what waits, in order"
+    most = min(offered, MAX_BUNDLE, credit, max_arrays)
+    sizes = [first.prepared.wire_bytes] + [b.prepared.wire_bytes for b in more]
+    assert not more or (1 + len(more) <= most and sum(sizes) <= min(room, BUNDLE_BYTES))
+    for b in more:
+        assert type(b) is BatchItem and b.unit < 0 and b.epoch == 0
+        assert b.prepared.tail == first.prepared.tail
+    if left and 1 + len(more) < most:
+        nxt = left[0]
+        assert (type(nxt) is not BatchItem or nxt.unit >= 0 or nxt.epoch != 0
+                or nxt.prepared.tail != first.prepared.tail
+                or sum(sizes) + nxt.prepared.wire_bytes > min(room, BUNDLE_BYTES)), \
+            "stopped before a batch that fits"
