@@ -321,8 +321,11 @@ class ProducerSide:
             self._control(p.ident, m.Refused(broker=self.instance, reason=breach,
                                              detail="sent beyond its credit: cut off"))
             self._cut_off(p.fd, p.fd_ino, "producer", breach)
+            c = self.planner.producers[p.ident]
+            detail = (f"producer {p.name} (registration {p.registration}): {c.received} "
+                      f"batches, {c.received_bytes} bytes of {c.granted}, {c.granted_bytes}")
             self.drop(p.ident, breach)
-            raise Refusal(breach, f"producer {p.name}")
+            raise Refusal(breach, detail)
 
     def _refuse(self, p: Producer, e: Refusal, seq: int) -> None:
         self.dirty = True  # its room is planned anew with the next plan
