@@ -25,18 +25,15 @@ def gather(item: BatchItem, welcome: m.Welcome, credit: int, room: int, max_arra
 
     ``credit``: batches the host's grant covers (``item`` included); ``room``: bytes it
     covers (``item``'s wire bytes included); ``max_arrays``: array frames in one message."""
-    most = min(welcome.bundle, MAX_BUNDLE, credit,
-               max_arrays // max(len(item.prepared.arrays), 1))
+    # Batches of one layout (one header tail: the same shapes) weigh the same wire bytes.
     cap = min(BUNDLE_BYTES, welcome.max_batch_bytes or BUNDLE_BYTES, room)
-    size = item.prepared.wire_bytes
+    most = min(welcome.bundle, MAX_BUNDLE, credit, cap // max(item.prepared.wire_bytes, 1),
+               max_arrays // max(len(item.prepared.arrays), 1))
     more: list[BatchItem] = []
     while len(more) + 1 < most:
         nxt = ahead[0] if ahead else backlog.peek()
         if type(nxt) is not BatchItem or nxt.unit >= 0 or nxt.epoch != item.epoch \
                 or nxt.prepared.tail != item.prepared.tail:
-            break
-        size += nxt.prepared.wire_bytes
-        if size > cap:
             break
         more.append(ahead.popleft() if ahead else backlog.get_nowait())  # type: ignore[arg-type]
     return more
