@@ -30,9 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from feedline.codec import (
-    CONTAINER_DICT,
     CONTAINER_LIST,
-    CONTAINER_TUPLE,
     DecodeError,
     Kind,
     Limits,
@@ -44,8 +42,8 @@ from feedline.wire import (
     _arrays_from_frames,
     _bytes_of,
     _in_order,
-    _rebuild,
     check_batch_header,
+    datapoint,
 )
 
 MAX_BUNDLE = 64  # batches in one bundle, at most (a host may say fewer)
@@ -97,13 +95,7 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
         total += nbytes
         if total > limits.max_message_bytes:
             raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
-        dp = arrays if in_order else _structure(structure, arrays, limits)
-        if container == CONTAINER_TUPLE and isinstance(dp, list):
-            dp = tuple(dp)
-        elif container == CONTAINER_LIST and not isinstance(dp, list):
-            raise DecodeError("bad_structure", "container")
-        elif container == CONTAINER_DICT and not isinstance(dp, dict):
-            raise DecodeError("bad_structure", "container")
+        dp = datapoint(structure, arrays, container, limits, in_order)
         batch = object.__new__(Batch)  # as decode_batch builds it: no frozen __init__
         batch.__dict__.update(
             producer=pid, session=session, seq=seq0 + i, epoch=epoch, datapoint=dp,
@@ -112,13 +104,3 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
         out.append(batch)
     return out
 
-
-def _structure(structure: Any, arrays: list, limits: Limits) -> Any:
-    used = [False] * len(arrays)
-    try:
-        dp = _rebuild(structure, arrays, used, 0, limits.max_depth)
-    except RecursionError:
-        raise DecodeError("too_deep") from None
-    if not all(used):
-        raise DecodeError("bad_structure", "unreferenced array frame")
-    return dp

@@ -329,26 +329,9 @@ def decode_batch(
         raise DecodeError("bad_kind", f"expected BATCH, got {header['k']!r}")
     specs = check_batch_header(header, len(frames) - 1, limits)
     arrays, nbytes = _arrays_from_frames(specs, frames[1:], limits)
-    container = header.get("c", CONTAINER_LIST)
     structure = header.get("d")
-    if _in_order(structure, len(arrays)):  # [array 0, array 1, ...]: what most batches are
-        dp: Any = arrays
-    else:
-        used = [False] * len(arrays)
-        try:
-            dp = _rebuild(structure, arrays, used, 0, limits.max_depth)
-        except RecursionError:
-            raise DecodeError("too_deep") from None
-        if not all(used):
-            raise DecodeError("bad_structure", "unreferenced array frame")
-    if container == CONTAINER_TUPLE and isinstance(dp, list):
-        dp = tuple(dp)
-    elif container == CONTAINER_LIST and not isinstance(dp, list):
-        raise DecodeError("bad_structure", "container")
-    elif container == CONTAINER_DICT and not isinstance(dp, dict):
-        raise DecodeError("bad_structure", "container")
-    elif container not in (0, 1, 2, 3):
-        raise DecodeError("bad_structure", "container")
+    dp = datapoint(structure, arrays, header.get("c", CONTAINER_LIST), limits,
+                   _in_order(structure, len(arrays)))
     unit, index, last, pipeline = -1, -1, False, 0
     if "u" in header:
         unit, index = _int(header, "u", 0, 1 << 40), _int(header, "i", 0, 1 << 40)
@@ -366,6 +349,29 @@ def decode_batch(
         datapoint=dp, nbytes=nbytes, wire_bytes=nbytes + len(_bytes_of(frames[0])),
         unit=unit, index=index, last=last, pipeline=pipeline)
     return batch
+
+
+def datapoint(structure: Any, arrays: list[np.ndarray], container: Any, limits: Limits,
+              in_order: bool) -> Any:
+    """The datapoint a header's structure and container make of ``arrays``; ``in_order``:
+    the structure is the arrays in frame order (what most batches are: nothing to walk)."""
+    if in_order:
+        dp: Any = arrays
+    else:
+        used = [False] * len(arrays)
+        try:
+            dp = _rebuild(structure, arrays, used, 0, limits.max_depth)
+        except RecursionError:
+            raise DecodeError("too_deep") from None
+        if not all(used):
+            raise DecodeError("bad_structure", "unreferenced array frame")
+    if container == CONTAINER_TUPLE and isinstance(dp, list):
+        return tuple(dp)
+    if (container == CONTAINER_LIST and not isinstance(dp, list)
+            or container == CONTAINER_DICT and not isinstance(dp, dict)
+            or container not in (0, 1, 2, 3)):
+        raise DecodeError("bad_structure", "container")
+    return dp
 
 
 def _in_order(structure: Any, n: int) -> bool:
