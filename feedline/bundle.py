@@ -47,6 +47,7 @@ from feedline.wire import (
 )
 
 MAX_BUNDLE = 64  # batches in one bundle, at most (a host may say fewer)
+_U63 = (1 << 63) - 1  # what a batch's sequence number may be, at most
 BUNDLE_BYTES = 4 << 20  # a producer fills a bundle up to this many wire bytes
 _V_K = packb("v") + packb(2) + packb("k") + packb(int(Kind.BUNDLE))
 
@@ -86,6 +87,8 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
     structure = header.get("d")
     in_order = _in_order(structure, per)
     pid, session, seq0, epoch = header["p"], header["q"], header["s"], header["e"]
+    if seq0 + n - 1 > _U63:
+        raise DecodeError("bad_header", "sequence numbers beyond 2**63 - 1")
     header_bytes = len(_bytes_of(frames[0]))
     total = 0
     out = []

@@ -87,6 +87,7 @@ def _bundle(count: int = 3, **header) -> list:
     (lambda: _bundle(3, n=4), MAX_BUNDLE, "frame_count"),  # says 4, carries 3
     (lambda: _bundle(3)[:-1], MAX_BUNDLE, "frame_count"),  # one frame short
     (lambda: _bundle(3, u=0, i=0, l=False), MAX_BUNDLE, "bad_header"),  # exact batches
+    (lambda: _bundle(3, s=(1 << 63) - 2), MAX_BUNDLE, "bad_header"),  # seqs past 2**63 - 1
     (lambda: _bundle(3, c=9), MAX_BUNDLE, "bad_structure"),
     (lambda: _bundle(3, a=[["|O", [1]], ["<f4", [4, 4]]]), MAX_BUNDLE, "bad_dtype"),
     (lambda: [*_bundle(3)[:-1], b"\0" * 63], MAX_BUNDLE, "shape_mismatch"),  # the last batch
