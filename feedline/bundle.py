@@ -29,13 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from feedline.codec import (
-    CONTAINER_LIST,
-    DecodeError,
-    Kind,
-    Limits,
-    packb,
-)
+from feedline.codec import CONTAINER_LIST, PROTOCOL_VERSION, DecodeError, Kind, Limits, packb
 from feedline.encode import Prepared, uint
 from feedline.wire import (
     Batch,
@@ -49,7 +43,7 @@ from feedline.wire import (
 MAX_BUNDLE = 64  # batches in one bundle, at most (a host may say fewer)
 _U63 = (1 << 63) - 1  # what a batch's sequence number may be, at most
 BUNDLE_BYTES = 4 << 20  # a producer fills a bundle up to this many wire bytes
-_V_K = packb("v") + packb(2) + packb("k") + packb(int(Kind.BUNDLE))
+_V_K = packb("v") + packb(PROTOCOL_VERSION) + packb("k") + packb(int(Kind.BUNDLE))
 
 
 def bundle_frames(prepared: Sequence[Prepared], *, producer: bytes, session: int, seq: int,
