@@ -19,7 +19,8 @@ ProducerHello  P->B   register: id, session, next sequence number, largest batch
 ConsumerHello  C->B   register: id, session, window (batches), byte budget, stream,
                       registration number
 Welcome        B->P,C registration accepted (echoes its number); the largest batch the
-                      broker can ever take (its memory budget)
+                      broker can ever take (its memory budget); the most batches it takes
+                      in one message (a direct-mode trainer: feedline.bundle; 0 none)
 Grant          B->P   credit, absolute since the HELLO: may have sent ``batches`` batches
                       totalling ``nbytes`` bytes
 Want           P->B   "my next batch is ``size`` bytes and my credit does not cover it"
