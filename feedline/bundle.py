@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from feedline.codec import CONTAINER_LIST, PROTOCOL_VERSION, DecodeError, Kind, Limits, packb
-from feedline.encode import Prepared, uint
+from feedline.encode import Prepared, sender_fields, uint
 from feedline.wire import (
     Batch,
     _arrays_from_frames,
@@ -51,8 +51,8 @@ def bundle_frames(prepared: Sequence[Prepared], *, producer: bytes, session: int
     """``[header, arrays of the first batch..., arrays of the second..., ...]``; every
     ``Prepared`` of one layout (the same header tail), ``producer`` packed (:func:`packb`)."""
     first = prepared[0]
-    head = b"\x8a" + _V_K + b"\xa1p" + producer + b"\xa1q" + uint(session) + b"\xa1s" \
-        + uint(seq) + b"\xa1e" + uint(epoch) + b"\xa1n" + uint(len(prepared))
+    head = b"\x8a" + _V_K + sender_fields(producer, session, seq, epoch) + b"\xa1n" \
+        + uint(len(prepared))
     frames: list[Any] = [head + first.tail]
     for p in prepared:
         frames.extend(p.arrays)
@@ -75,9 +75,7 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
     if per < 0 or len(frames) - 1 != n * per:
         raise DecodeError("frame_count", f"{len(frames) - 1} frames for {n} batches")
     specs = check_batch_header(header, per, limits)
-    container = header.get("c", CONTAINER_LIST)
-    if container not in (0, 1, 2, 3):
-        raise DecodeError("bad_structure", "container")
+    container = header.get("c", CONTAINER_LIST)  # checked with the first batch (datapoint)
     structure = header.get("d")
     in_order = _in_order(structure, per)
     pid, session, seq0, epoch = header["p"], header["q"], header["s"], header["e"]

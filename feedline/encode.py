@@ -126,12 +126,19 @@ class Prepared:
         Exact delivery: ``unit`` >= 0 adds the batch's place in its work unit: ``"u"`` the
         unit, ``"i"`` its index there, ``"l"`` true for the unit's last batch, ``"f"`` the
         pipeline's fingerprint (what the consumers' cursors are tied to)."""
-        head = (b"\x89" if unit < 0 else b"\x8d") + _V_K + b"\xa1p" + producer \
-            + b"\xa1q" + uint(session) + b"\xa1s" + uint(seq) + b"\xa1e" + uint(epoch)
+        head = (b"\x89" if unit < 0 else b"\x8d") + _V_K \
+            + sender_fields(producer, session, seq, epoch)
         if unit >= 0:
             head += b"\xa1u" + uint(unit) + b"\xa1i" + uint(index) + b"\xa1l" \
                 + (b"\xc3" if last else b"\xc2") + b"\xa1f" + packb(pipeline)
         return [head + self.tail, *self.arrays]
+
+
+def sender_fields(producer: bytes, session: int, seq: int, epoch: int) -> bytes:
+    """The ``p``, ``q``, ``s`` and ``e`` entries of a batch (or bundle) header, packed;
+    ``producer`` packed already (:func:`packb`)."""
+    return b"\xa1p" + producer + b"\xa1q" + uint(session) + b"\xa1s" + uint(seq) \
+        + b"\xa1e" + uint(epoch)
 
 
 def uint(n: int) -> bytes:

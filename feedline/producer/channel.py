@@ -336,7 +336,7 @@ class ProducerIO:
         # What the broker counts: the bytes sent, not the bound that credit had to cover (the
         # difference, a few bytes a batch, would add up to a WANT for every batch).
         ch.sent_bytes += header_bytes + nbytes
-        ch.largest_sent = max(ch.largest_sent, *[it.prepared.wire_bytes for it in items])
+        ch.largest_sent = max(ch.largest_sent, items[0].prepared.wire_bytes)  # one layout
         self.out.metrics.sent_batches.inc(n)
         self.out.metrics.sent_bytes.inc(nbytes)
 
