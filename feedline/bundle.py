@@ -29,7 +29,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from feedline.codec import CONTAINER_LIST, PROTOCOL_VERSION, DecodeError, Kind, Limits, packb
+from feedline.codec import (
+    CONTAINER_LIST,
+    PROTOCOL_VERSION,
+    DecodeError,
+    Kind,
+    Limits,
+    packb,
+    unpackb,
+)
 from feedline.encode import Prepared, sender_fields, uint
 from feedline.wire import (
     Batch,
@@ -99,3 +107,23 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
         out.append(batch)
     return out
 
+
+
+def split(frames: Sequence[Any], limits: Limits, sizes: Sequence[int]) -> list[list[Any]]:
+    """A bundle (checked already: a broker's) as messages of ``sizes`` batches each, in
+    order (``sizes`` sums to its count): ``[header, arrays...]`` per part, a part of one
+    batch a plain batch. A broker splits a bundle for a consumer that takes fewer batches in
+    one delivery than it holds (an older one: none), or that has room for fewer."""
+    # Re-packed as it came (ext types as they are): the broker checked it at its ingress.
+    header = unpackb(_bytes_of(frames[0]), raw=False, strict_map_key=False)
+    del header["n"]
+    seq, per = header["s"], len(header["a"])
+    out = []
+    at = 1
+    for k in sizes:
+        part = dict(header, s=seq, k=int(Kind.BUNDLE if k > 1 else Kind.BATCH))
+        if k > 1:
+            part["n"] = k
+        out.append([packb(part), *frames[at:at + k * per]])
+        seq, at = seq + k, at + k * per
+    return out

@@ -17,10 +17,11 @@ ProducerHello  P->B   register: id, session, next sequence number, largest batch
                       registration number (a repeated HELLO of one registration is a no-op),
                       and the supervisor that started it (``feedline fleet``), if any
 ConsumerHello  C->B   register: id, session, window (batches), byte budget, stream,
-                      registration number
+                      registration number, the most batches it takes in one delivery
+                      (feedline.bundle; 0 none: a broker splits bundles for it)
 Welcome        B->P,C registration accepted (echoes its number); the largest batch the
                       broker can ever take (its memory budget); the most batches it takes
-                      in one message (a direct-mode trainer: feedline.bundle; 0 none)
+                      in one message (feedline.bundle; 0 none)
 Grant          B->P   credit, absolute since the HELLO: may have sent ``batches`` batches
                       totalling ``nbytes`` bytes
 Want           P->B   "my next batch is ``size`` bytes and my credit does not cover it"
@@ -28,7 +29,8 @@ Revoke         B->P   "stop using the credit you hold; tell me what you sent"
 Returned       P->B   answer to Revoke: totals sent; the rest of the grant is given back
 Taken          C->B   batches taken by the model since the HELLO (absolute), and the time
                       the model waited for data (absolute: the demand estimate's input)
-Deliver        B->C   envelope in front of a forwarded batch: sequence gap seen upstream
+Deliver        B->C   envelope in front of a forwarded batch or bundle: sequence gap seen
+                      upstream
 Eos, Error     P->B->C end of a producer's dataflow; a pipeline failure with traceback
 UnitRequest    P->B   exact delivery: "give me a work unit" (``first``: this producer was
                       never given one: on a finished stream it starts the next run)
@@ -160,6 +162,8 @@ class ConsumerHello:
     stream: str = field(default=DEFAULT_STREAM, metadata=wire_key("st", stream))
     registration: int = field(default=0, metadata=wire_key("r", count))
     cursor: bytes = field(default=b"", metadata=wire_key("cr", blob))  # exact: resume here
+    # The most batches it takes in one delivery (feedline.bundle); 0 or 1: one each.
+    bundle: int = field(default=0, metadata=wire_key("bn", count))
 
 
 @message(Kind.WELCOME)

@@ -112,7 +112,9 @@ def test_a_consumer_that_stops_taking_holds_its_window_counted_by_bytes(
     """Via a broker, as in direct mode (test_direct_mode.py): a model that took one batch
     and stopped has at most its window of batches queued, counted by bytes: 32 tiny ones
     with a window of 2, 2 of 3 MiB. Before, the broker sent 2 tiny batches at a time and
-    the credit round trip set their rate."""
+    the credit round trip set their rate. Tiny batches come in bundles, and a broker sends a
+    consumer that holds half its window or more whole bundles only (feedline.broker.parts):
+    it may stop short of the window by less than half of it."""
     start_broker(broker_proc)
     cfg = tmp_path / "p.yaml"
     cfg.write_text(yaml.safe_dump({"source": {"fake": {
@@ -122,7 +124,7 @@ def test_a_consumer_that_stops_taking_holds_its_window_counted_by_bytes(
     with RemoteDataZMQ(endpoints.egress, window=2, timeout=30, link=FAST,
                        registry=registry) as src:
         samples = queue_when_settled(iter(src), registry)
-    assert max(samples) == most, samples
+    assert most // 2 < max(samples) <= most, samples
 
 
 def test_an_exact_streams_consumer_counts_its_window_in_batches(broker_proc, daemons,

@@ -19,16 +19,22 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from prometheus_client import CollectorRegistry
 
 from feedline import messages as m
 from feedline import wire
+from feedline.broker.buffer import Buffer
+from feedline.broker.egress import ConsumerSide
 from feedline.bundle import BUNDLE_BYTES, MAX_BUNDLE, bundle_frames, decode_bundle
 from feedline.codec import DecodeError, Limits
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender
+from feedline.serving.budget import Budget, depth
+from feedline.serving.held import Held
+from feedline.serving.metrics import BrokerMetrics
 from tests.flow_support import RawPeer, unpack
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
@@ -258,28 +264,210 @@ def test_a_bundle_beyond_its_credit_cuts_its_producer_off():
         ctx.destroy(linger=0)
 
 
-def test_a_broker_offers_no_bundles_and_refuses_one(broker_proc, endpoints):
-    """A broker forwards batches one by one (its WELCOME offers no bundles): a bundle sent to
-    it anyway is refused and counted as one batch, and the producer's next plain batch is
-    taken and forwarded."""
-    broker_proc()
+def _raw_consumer(ctx: zmq.Context, addr: str, cid: str, bundle: int) -> RawPeer:
+    peer = RawPeer(ctx, addr)
+    peer.sock.send(m.encode(m.ConsumerHello(consumer=cid, session=3, window=4,
+                                            max_bytes=1 << 30, registration=1, bundle=bundle)))
+    return peer
+
+
+def _deliveries(peer: RawPeer, batches: int, seconds: float = 10) -> list[list[bytes]]:
+    """The DELIVERs that arrive until they hold ``batches`` batches: [header, arrays...]."""
+    out: list[list[bytes]] = []
+    end = time.monotonic() + seconds
+    held = 0
+    while held < batches and time.monotonic() < end:
+        if not peer.sock.poll(100):
+            continue
+        frames = peer.sock.recv_multipart()
+        if unpack(frames[0])["k"] == wire.Kind.DELIVER:
+            out.append(frames[1:])
+            h = wire.header_map(frames[1])
+            held += h["n"] if h["k"] == wire.Kind.BUNDLE else 1
+    return out
+
+
+def test_a_broker_forwards_a_bundle_whole_or_split_as_each_consumer_takes_it(thread_broker,
+                                                                              endpoints):
+    """A broker offers bundles. One of 3 is forwarded whole to a consumer that takes bundles
+    (one DELIVER), and split into three plain batches, each with its own sequence number and
+    arrays, for one that takes none (an older consumer): split counted once."""
+    b = thread_broker()
     ctx = zmq.Context()
     try:
         peer, welcome = _registered(ctx, endpoints.ingress, "raw")
-        assert welcome.get("bn", 0) == 0
-        peer.send(_raw_bundle(3, 0))
-        assert _refused(peer) == ["bad_kind"]
-        peer.want(1 << 20)
-        assert peer.wait_credit(peer.sent, 10), "no credit after the refusal"
-        alone = wire.encode_batch(_datapoints(1, 7)[0], producer="raw", session=1, seq=1,
-                                  epoch=0)
+        assert welcome.get("bn") == MAX_BUNDLE
+        # Its first batch alone (a new registration holds one credit until it sent one).
+        alone = wire.encode_batch(_datapoints(1)[0], producer="raw", session=1, seq=0, epoch=0)
         peer.send([alone[0], *[a.tobytes() for a in alone[1:]]])
-        with RemoteDataZMQ(endpoints.egress, timeout=10, return_meta=True) as src:
-            b = next(iter(src))
-        assert (b.producer, b.seq, int(b.datapoint[0][0])) == ("raw", 1, 7)
+        for bundle, seq in ((MAX_BUNDLE, 1), (0, 4)):
+            consumer = _raw_consumer(ctx, endpoints.egress, f"c{bundle}", bundle)
+            if seq == 1:
+                assert len(_deliveries(consumer, 1)) == 1
+            peer.want(1 << 20)
+            assert peer.wait_credit(peer.sent + 2, 10), "no credit for a bundle of 3"
+            peer.send(_raw_bundle(3, seq))
+            got = _deliveries(consumer, 3)
+            if bundle:
+                assert len(got) == 1 and wire.header_map(got[0][0])["n"] == 3
+                batches = decode_bundle(got[0], wire.DEFAULT_LIMITS,
+                                        wire.header_map(got[0][0]), MAX_BUNDLE)
+            else:
+                assert len(got) == 3
+                batches = [wire.decode_batch(f) for f in got]
+            assert [x.seq for x in batches] == [seq, seq + 1, seq + 2]
+            assert [int(x.datapoint[0][0]) for x in batches] == [seq, seq + 1, seq + 2]
+            consumer.sock.send(m.encode(m.Bye()))
+            consumer.close()
+        reg = b.broker.registry
+        # Counted by the broker's thread just after it sent: perhaps after it arrived here.
+        wait_for(lambda: reg.get_sample_value("feedline_broker_forwarded_batches_total") == 7,
+                 5, what="7 batches counted forwarded")
+        assert reg.get_sample_value("feedline_broker_split_bundles_total") == 1
         peer.close()
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_producer_bundles_small_batches_through_a_broker_and_loses_nothing(thread_broker,
+                                                                               endpoints):
+    """A Sender sends 2,000 batches of 16 KB through a broker to a consumer that pauses after
+    its 50th: they go in bundles, and each arrives once, in order, with its own sequence
+    number; nothing is refused or cut off, and the broker holds nothing in flight at the end
+    (a bundle's batches taken one by one count as its whole)."""
+    from feedline.link import LinkConfig
+
+    n = 2000
+    b = thread_broker()
+    sreg, creg = CollectorRegistry(), CollectorRegistry()
+    link = LinkConfig(**FAST)
+    payload = np.zeros(16_000, np.uint8)
+    with RemoteDataZMQ(endpoints.egress, timeout=30, link=link, return_meta=True,
+                       registry=creg) as src:
+        taking = _Taking(src, pause_at=50, pause=0.5)
+        with Sender(endpoints.ingress, producer_id="bundler", link=link, registry=sreg) as s:
+            for i in range(n):
+                s.send([np.full(1, i, np.int64), payload])
+            got = taking.wait(n)
+        bundles = sreg.get_sample_value("feedline_producer_sent_bundles_total")
+        wait_for(lambda: b.broker.egress.inflight() == (0, 0), 10, what="nothing in flight")
+    assert [int(x.datapoint[0][0]) for x in got] == list(range(n))
+    assert [x.seq for x in got] == list(range(n))
+    assert bundles is not None and bundles >= 1, f"{bundles} bundles for {n} batches"
+    reg = b.broker.registry
+    assert reg.get_sample_value("feedline_broker_forwarded_batches_total") == n
+    for name in ("feedline_broker_refused_batches_total", "feedline_broker_rejected_messages_total",
+                 "feedline_broker_cut_off_connections_total"):
+        assert not any(s.value for metric in reg.collect() for s in metric.samples
+                       if s.name == name), name
+    assert not any(s.value for metric in creg.collect() for s in metric.samples
+                   if s.name == "feedline_consumer_rejected_messages_total")
+
+
+class EgressBundles(RuleBasedStateMachine):
+    """The broker's consumer side with bundles, a model: bundles and batches of three sizes
+    are buffered; consumers that take bundles of various sizes (or none) and have windows of
+    1..4 register, take, fill up and leave; after every step every batch was sent once, in
+    the order it was buffered; no delivery holds more batches than its consumer takes in one
+    or has room for; and what the broker counts in flight and buffered is what it holds."""
+
+    SIZES = (100, 20_000, 700_000)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[bytes, list]] = []
+        self.full: set[bytes] = set()
+        self.side = ConsumerSide(self._send, Buffer(), BrokerMetrics(CollectorRegistry()),
+                                 wire.DEFAULT_LIMITS, Budget(64, 1 << 26), 16, 5,
+                                 lambda *_: None)
+        self.pushed: list[int] = []
+        self.seqs: list[int] = []  # in the order they were sent
+        self.offer: dict[bytes, int] = {}
+        self.regs = 0
+
+    def _send(self, ident: bytes, frames: list) -> int:
+        if ident in self.full and unpack(frames[0])["k"] == wire.Kind.DELIVER:
+            return zmq.EAGAIN
+        self.sent.append((ident, frames))
+        return 0
+
+    @rule(ident=st.sampled_from([b"a", b"b", b"c"]), window=st.integers(1, 4),
+          bundle=st.sampled_from([0, 1, 2, 5, MAX_BUNDLE]))
+    def hello(self, ident: bytes, window: int, bundle: int) -> None:
+        self.regs += 1  # a minute apart: within the HELLO rate
+        self.side.on_message(ident, [zmq.Frame(m.encode(m.ConsumerHello(
+            consumer="c", session=1, window=window, max_bytes=1 << 30, registration=self.regs,
+            bundle=bundle)))], -1, 60.0 * self.regs)
+        self.offer[ident] = bundle
+
+    @rule(k=st.integers(1, 8), size=st.sampled_from(SIZES))
+    def push(self, k: int, size: int) -> None:
+        seq = len(self.pushed)
+        prepared = [wire.prepare_batch([np.full(size, seq + i % 256, np.uint8)])
+                    for i in range(k)]
+        if k == 1:
+            frames = prepared[0].frames(producer=PID, session=1, seq=seq, epoch=0)
+        else:
+            frames = bundle_frames(prepared, producer=PID, session=1, seq=seq, epoch=0)
+        frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]
+        self.side.buffer.push("default", Held(frames, sum(len(f) for f in frames), k * size,
+                                              1, 0, count=k))
+        self.pushed += range(seq, seq + k)
+
+    @rule(ident=st.sampled_from([b"a", b"b", b"c"]))
+    def fill_up(self, ident: bytes) -> None:
+        self.full ^= {ident}
+
+    @rule()
+    def dispatch(self) -> None:
+        before = len(self.sent)
+        self.side.dispatch(1.0)
+        for ident, frames in self.sent[before:]:
+            if unpack(frames[0])["k"] != wire.Kind.DELIVER:
+                continue
+            h = wire.header_map(frames[1])
+            n = h["n"] if h["k"] == wire.Kind.BUNDLE else 1
+            assert n <= max(1, self.offer[ident]), "more batches than it takes in one"
+            self.seqs += range(h["s"], h["s"] + n)
+        # Nothing waits for good: while no pipe is full (a full one ends the round), a consumer
+        # with nothing in flight and no orphan is always sent the next item.
+        idle = [c for c in self.side.consumers if c.delivered == c.taken
+                and not self.full and c.ident not in self.side.orphans]
+        assert not (idle and self.side.buffer.batches), "an item waits with an idle consumer"
+
+    @rule(data=st.data())
+    def take(self, data: st.DataObject) -> None:
+        consumers = list(self.side.consumers)
+        if not consumers:
+            return
+        c = data.draw(st.sampled_from(consumers))
+        more = data.draw(st.integers(0, c.delivered - c.taken))
+        self.side.on_message(c.ident, [zmq.Frame(m.encode(m.Taken(
+            taken=c.taken + more, registration=c.registration)))], -1, 0.0)
+
+    @rule(ident=st.sampled_from([b"a", b"b", b"c"]))
+    def bye(self, ident: bytes) -> None:
+        if self.side.consumers.get(ident) is not None:
+            self.side.on_message(ident, [zmq.Frame(m.encode(m.Bye()))], -1, 0.0)
+
+    @invariant()
+    def sent_once_in_order(self) -> None:
+        assert self.seqs == self.pushed[:len(self.seqs)]
+        assert self.side.buffer.batches == len(self.pushed) - len(self.seqs)
+
+    @invariant()
+    def counted_as_held(self) -> None:
+        side = self.side
+        items = side.buffer.items("default")
+        assert side.buffer.nbytes == sum(h.nbytes for h in items)
+        for c in side.consumers:
+            assert sum(h.count for h in c.inflight) - c.head_taken == c.delivered - c.taken
+            assert c.inflight_bytes == sum(h.nbytes for h in c.inflight)
+            assert c.delivered - c.taken <= depth(c.window, c.largest)
+
+
+TestEgressBundles = EgressBundles.TestCase
+TestEgressBundles.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 _LAYOUTS = {  # two layouts: one array of 1,000 bytes; two small ones

@@ -1,8 +1,9 @@
 """The broker's buffer: batches waiting for a consumer, per stream, with their bytes.
 
 A batch is held as the frames it arrived in (forwarded as they are: ``copy=False``) and its
-wire size (header included: bytes inline in a header are memory too). End-of-stream and error
-messages wait in line behind the batches their producer sent before them, and go to every
+wire size (header included: bytes inline in a header are memory too); a bundle of batches
+(:mod:`feedline.bundle`) as one item that counts as the batches it holds. End-of-stream and
+error messages wait in line behind the batches their producer sent before them, and go to every
 consumer of the stream; there are at most ``control_slack`` of them.
 """
 
@@ -35,8 +36,8 @@ class Buffer:
         return self.batches + self.controls
 
     def count(self, stream: str) -> int:
-        q = self._streams.get(stream)
-        return len(q) if q is not None else 0
+        """Batches of ``stream`` buffered (a bundle's each)."""
+        return self._totals.get(stream, (0, 0))[0]
 
     def push(self, stream: str, item: Held) -> bool:
         """Queue ``item``; False (not queued) for a control message beyond the slack."""
@@ -45,7 +46,7 @@ class Buffer:
                 return False
             self.controls += 1
         else:
-            self.batches += 1
+            self.batches += item.count
             self.nbytes += item.nbytes
         self._streams.setdefault(stream, deque()).append(item)
         self._add(stream, item, 1)
@@ -54,7 +55,7 @@ class Buffer:
     def _add(self, stream: str, item: Held, sign: int) -> None:
         b, y = self._totals.get(stream, (0, 0))
         if not item.broadcast:
-            b, y = b + sign, y + sign * item.nbytes
+            b, y = b + sign * item.count, y + sign * item.nbytes
         self._totals[stream] = (b, y)
 
     def peek(self, stream: str) -> Held | None:
@@ -72,7 +73,7 @@ class Buffer:
         if item.broadcast:
             self.controls -= 1
         else:
-            self.batches -= 1
+            self.batches -= item.count
             self.nbytes -= item.nbytes
         return item
 
@@ -92,8 +93,8 @@ class Buffer:
         for h in q:
             if not h.broadcast and (b > max_batches or y > max_bytes):
                 out.append(h)
-                b, y = b - 1, y - h.nbytes
-                self.batches -= 1
+                b, y = b - h.count, y - h.nbytes
+                self.batches -= h.count
                 self.nbytes -= h.nbytes
             else:
                 keep.append(h)
@@ -114,7 +115,7 @@ class Buffer:
             if h.broadcast:
                 self.controls -= 1
             else:
-                self.batches -= 1
+                self.batches -= h.count
                 self.nbytes -= h.nbytes
         self._keep(stream, keep)
         return len(dropped)
@@ -123,8 +124,9 @@ class Buffer:
         # An emptied stream goes: what is listed (by_stream) is what is held.
         if keep:
             self._streams[stream] = keep
-            batches = [h.nbytes for h in keep if not h.broadcast]
-            self._totals[stream] = (len(batches), sum(batches))
+            batches = [h for h in keep if not h.broadcast]
+            self._totals[stream] = (sum(h.count for h in batches),
+                                    sum(h.nbytes for h in batches))
         else:
             del self._streams[stream]
             del self._totals[stream]
@@ -136,5 +138,5 @@ class Buffer:
         if item.broadcast:
             self.controls += 1
         else:
-            self.batches += 1
+            self.batches += item.count
             self.nbytes += item.nbytes

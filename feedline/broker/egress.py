@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 
 from feedline import messages as m
+from feedline.broker import parts
 from feedline.broker.buffer import Buffer
 from feedline.broker.consumers import Consumer, Orphan
 from feedline.codec import DecodeError, Limits
@@ -149,7 +150,8 @@ class ConsumerSide:
         fd, ino = connection(fd)
         c = Consumer(ident=ident, name=msg.consumer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
-                     fd=fd, fd_ino=ino, window=msg.window, max_bytes=msg.max_bytes)
+                     fd=fd, fd_ino=ino, window=msg.window, max_bytes=msg.max_bytes,
+                     bundle=msg.bundle)
         c.envelope = self._envelope(c, 0)
         self.consumers.add(c)
         self._rr.setdefault(c.stream, deque()).append(ident)
@@ -233,13 +235,16 @@ class ConsumerSide:
         # keeps its room within its window all the same.
         taken = max(c.taken, min(msg.taken, c.delivered))
         coord = self.exact.get(c.stream)
-        for _ in range(taken - c.taken):
+        # A bundle leaves ``inflight`` (and its bytes the count) once all of it was taken.
+        left = taken - c.taken + c.head_taken
+        while c.inflight and left >= c.inflight[0].count:
             item = c.inflight.popleft()
+            left -= item.count
             c.inflight_bytes -= item.nbytes
             if coord is not None and item.batch is not None:
                 for epoch in coord.settle(item.batch.key):
                     self.epoch_end(c.stream, epoch)
-        c.taken = taken
+        c.taken, c.head_taken = taken, left
         if taken and c.ident in self.orphans:
             # It reads again: what it was sent before has left (and, exact, was dropped by
             # it as belonging to a registration it no longer has).
@@ -265,8 +270,13 @@ class ConsumerSide:
                     for ident in list(ring):
                         self._send(ident, [item.frames[0]])
                     continue
-                c = self._next(ring, item.nbytes, coord is None)
+                unit = item.nbytes - item.array_bytes + item.array_bytes // item.count
+                if item.count > 1 and self._split(stream, ring, item, unit, True):
+                    continue
+                c = self._next(ring, item, unit, coord is None)
                 if c is None:
+                    if item.count > 1 and self._split(stream, ring, item, unit, False):
+                        continue
                     break
                 self.buffer.pop(stream)
                 env = self._envelope(c, item.gap) if item.gap else c.envelope
@@ -277,34 +287,51 @@ class ConsumerSide:
                         self.drop(c.ident, "unreachable")
                         continue
                     break  # its pipe is full: try again next round
-                self._delivered(c, item, now, coord is None)
-                sent += 1
+                self._delivered(c, item, unit, now, coord is None)
+                sent += item.count
         return sent
+
+    def _split(self, stream: str, ring: deque[bytes], item: Held, unit: int,
+               whole: bool) -> bool:
+        """A bundle some consumer cannot be sent whole (``whole``), or else the part of it
+        that fills one (:mod:`feedline.broker.parts`), in parts at the front of the buffer;
+        True if split."""
+        consumers = [c for c in map(self.consumers.get, ring) if c is not None]
+        sizes = parts.split_for(consumers, item, unit, self.cap_batches) if whole else \
+            parts.fill_for([c for c in consumers if c.ident not in self.orphans], item, unit)
+        if sizes is None:
+            return False
+        self.buffer.pop(stream)
+        for part in reversed(parts.split(item, sizes, self.limits)):
+            self.buffer.requeue(stream, part)
+        self.metrics.split_bundles.inc()
+        return True
 
     def _envelope(self, c: Consumer, gap: int) -> bytes:
         """The DELIVER frame in front of a batch to ``c`` that follows ``gap`` lost ones."""
         return m.encode(m.Deliver(broker=self.instance, gap=gap, registration=c.registration))
 
-    def _next(self, ring: deque[bytes], size: int, deep: bool) -> Consumer | None:
+    def _next(self, ring: deque[bytes], item: Held, unit: int, deep: bool) -> Consumer | None:
         for _ in range(len(ring)):
             ident = ring[0]
             ring.rotate(-1)
             c = self.consumers.get(ident)
-            if c is not None and c.room(size, self.cap, self.cap_batches,
-                                        self.orphans.get(ident), deep):
+            if c is not None and c.room(item.nbytes, self.cap, self.cap_batches,
+                                        self.orphans.get(ident), deep, item.count, unit):
                 return c
         return None
 
-    def _delivered(self, c: Consumer, item: Held, now: float, deep: bool) -> None:
-        c.delivered += 1
+    def _delivered(self, c: Consumer, item: Held, unit: int, now: float, deep: bool) -> None:
+        c.delivered += item.count
         c.inflight.append(item)
         c.inflight_bytes += item.nbytes
-        if deep and item.nbytes > c.largest:
-            c.largest = item.nbytes
+        if deep and unit > c.largest:
+            c.largest = unit
         c.last_sent = now
-        self.metrics.forwarded_batches.inc()
+        self.metrics.forwarded_batches.inc(item.count)
         self.metrics.forwarded_bytes.inc(item.array_bytes)
-        self.metrics.stream_batches.labels(self.metrics.stream_label.label(c.stream)).inc()
+        self.metrics.stream_batches.labels(self.metrics.stream_label.label(c.stream)).inc(
+            item.count)
 
     # -- liveness -----------------------------------------------------------------------
     def liveness(self, now: float, interval: float, timeout: float) -> None:

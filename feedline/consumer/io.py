@@ -21,8 +21,9 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry
 
+from feedline import bundle, wire
 from feedline import messages as m
-from feedline import wire
+from feedline.bundle import MAX_BUNDLE
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.metrics import ConsumerMetrics
 from feedline.cursor import MAX_CURSOR_BYTES, Cursor
@@ -233,7 +234,7 @@ class ConsumerIO:
                 cursor = b""
         return m.ConsumerHello(consumer=s.consumer_id, session=s.session, window=s.window,
                                max_bytes=s.max_bytes, stream=s.stream,
-                               registration=registration, cursor=cursor)
+                               registration=registration, cursor=cursor, bundle=MAX_BUNDLE)
 
     def _on_register(self, registration: int) -> None:
         with self.shared.lock:
@@ -288,40 +289,53 @@ class ConsumerIO:
     def _deliver(self, env: m.Deliver, frames: list[zmq.Frame]) -> None:
         s = self.shared
         registration = env.registration or self.link.registration
-        if registration == self.link.registration:
-            self._arrived += 1
-            self._arrived_at = time.monotonic()
+        n = 1
         try:
-            batch = wire.decode_batch(frames, self.limits)
+            header = wire.header_map(frames[0], self.limits)
+            if header["k"] == wire.Kind.BUNDLE:  # several batches (feedline.bundle)
+                count = header.get("n")
+                n = count if type(count) is int and 1 <= count <= MAX_BUNDLE else 1
+                batches = bundle.decode_bundle(frames, self.limits, header, MAX_BUNDLE)
+            else:
+                batches = [wire.decode_batch(frames, self.limits, header=header)]
         except wire.DecodeError as e:
             self._count_reject(e.reason)
             self._reject_log.warning("refused a batch from the broker: %s", e)
-            self._refused += 1  # its credit returns all the same
+            batches = []
+        finally:
+            if registration == self.link.registration:
+                self._arrived += n
+                self._arrived_at = time.monotonic()
+        if not batches:
+            self._refused += n  # its credit returns all the same
             return
         # The window in force, as the broker counts it (Consumer.in_force): small batches by
-        # their bytes, an exact stream's one each.
-        if batch.wire_bytes > self._largest and batch.unit < 0:
-            self._largest = batch.wire_bytes
+        # their bytes, an exact stream's one each. A bundle's first batch is its largest.
+        first = batches[0]
+        if first.wire_bytes > self._largest and first.unit < 0:
+            self._largest = first.wire_bytes
             s.metrics.window.set(depth(s.window, self._largest))
         q = s.queue
-        if len(q) >= q.maxsize:  # only if the broker ignored our window
+        if len(q) + len(batches) > q.maxsize:  # only if the broker ignored our window
             self._count_reject("over_window")
-            self._refused += 1
+            self._refused += len(batches)
             return
+        nbytes = sum(b.nbytes for b in batches)
         with s.lock:
-            st = s.producer(batch.producer)
-            st.received += 1
-            st.bytes += batch.nbytes
+            st = s.producer(first.producer)
+            st.received += len(batches)
+            st.bytes += nbytes
             st.lost += env.gap
-            s.queued_bytes += batch.wire_bytes
-        s.metrics.received_batches.inc()
-        s.metrics.received_bytes.inc(batch.nbytes)
+            s.queued_bytes += sum(b.wire_bytes for b in batches)
+        s.metrics.received_batches.inc(len(batches))
+        s.metrics.received_bytes.inc(nbytes)
         if env.gap:
             s.metrics.lost_batches.inc(env.gap)
         # Tagged with the registration it was delivered under: a batch of an earlier one
         # (still in the pipe when we registered again) is data all the same, but its credit
         # belongs to a registration the broker no longer counts.
-        q.put_nowait(Delivery(registration, batch, batch.wire_bytes))
+        for batch in batches:
+            q.put_nowait(Delivery(registration, batch, batch.wire_bytes))
 
     def _put(self, item: Any) -> None:
         """A marker (an epoch's end, a producer's error), in order with the batches."""

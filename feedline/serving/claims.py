@@ -18,10 +18,16 @@ on with what they hold).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from feedline import messages as m
-from feedline.serving.coordinator import Assignment
+from feedline.errors import Refusal
+from feedline.serving.coordinator import Assignment, ExactPlan
+
+if TYPE_CHECKING:
+    from feedline.serving.exact_streams import ExactStreams
 
 MAX_STREAMS = 256  # claim tables kept; the oldest idle one goes first beyond that
 
@@ -111,3 +117,19 @@ class ClaimStreams:
         if c is not None and owner in c.members:
             c.members.discard(owner)
             c.release(owner)
+
+
+def admit(exact: ExactStreams, claims: ClaimStreams, ident: bytes,
+          msg: m.ProducerHello) -> None:
+    """A producer's delivery agrees with its stream's: a stream is exact or not, for every
+    producer of it, with one pipeline; the host has room for its state; a training producer
+    that claims shards declares the stream's shards. :class:`Refusal` if not."""
+    if msg.delivery == m.EXACT:
+        exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size, msg.epochs,
+                                         msg.pipeline), time.monotonic())
+        return
+    exact.training_may_join(msg.stream)
+    if msg.dataset_size > 0:  # a training producer that claims its shards
+        joined = claims.join(msg.stream, msg.dataset_size, msg.epochs, ident)
+        if isinstance(joined, str):
+            raise Refusal("delivery_mismatch", joined)

@@ -19,6 +19,9 @@ class Held:
     gap: int  # batches of its session lost upstream since the previous one
     broadcast: bool = False  # EOS / ERROR: to every consumer of the stream, in order
     batch: Batch | None = None  # decoded (views on the frames), for a sink that wants it
+    # Batches in it: a broker keeps a bundle (feedline.bundle) whole, [header, arrays...] of
+    # ``count`` batches, and forwards it whole to a consumer that takes bundles.
+    count: int = 1
 
 
 Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone

@@ -23,6 +23,10 @@ class BrokerMetrics:
             "feedline_broker_forwarded_batches", "Batches handed to consumers.", r)
         self.forwarded_bytes = OwnedCounter(
             "feedline_broker_forwarded_bytes", "Array bytes handed to consumers.", r)
+        self.split_bundles = OwnedCounter(
+            "feedline_broker_split_bundles",
+            "Bundles split into smaller parts for a consumer that takes fewer batches in one "
+            "delivery (an older consumer, or a small window).", r)
         self.lost_batches = Counter(
             "feedline_broker_lost_batches",
             "Batches missing from producer sequences (lost between producer and broker).",

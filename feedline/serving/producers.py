@@ -17,7 +17,6 @@ through :class:`feedline.serving.server.Server`: only the sink differs.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,8 +28,7 @@ from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
 from feedline.logs import RateLimitedLog
 from feedline.serving.budget import Budget
-from feedline.serving.claims import ClaimStreams
-from feedline.serving.coordinator import ExactPlan
+from feedline.serving.claims import ClaimStreams, admit
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.exact_streams import ExactStreams
 from feedline.serving.gaps import GapTracker
@@ -49,7 +47,8 @@ class IngressConfig:
     capacity: int  # registered producers, at most
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
     by_bytes: bool = False  # windows count small batches by their bytes (CreditPlanner)
-    bundle: int = 0  # the most batches in one message (feedline.bundle; a direct sink only)
+    bundle: int = 0  # the most batches in one message (feedline.bundle)
+    whole: bool = False  # a bundle goes to the sink as one item (a broker), not batch by batch
 
 
 class ProducerSide:
@@ -215,19 +214,9 @@ class ProducerSide:
         self._welcome(p)
 
     def _check_delivery(self, ident: bytes, msg: m.ProducerHello) -> None:
-        """A stream is exact or not, for every producer of it, with one pipeline; the
-        broker has room for its state. :class:`Refusal` (told to the producer) if not."""
+        """:func:`~feedline.serving.claims.admit`, its refusal told to the producer."""
         try:
-            if msg.delivery == m.EXACT:
-                self.exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size,
-                                                      msg.epochs, msg.pipeline),
-                                time.monotonic())
-                return
-            self.exact.training_may_join(msg.stream)
-            if msg.dataset_size > 0:  # a training producer that claims its shards
-                claims = self.claims.join(msg.stream, msg.dataset_size, msg.epochs, ident)
-                if isinstance(claims, str):
-                    raise Refusal("delivery_mismatch", claims)
+            admit(self.exact, self.claims, ident, msg)
         except Refusal as e:
             self._control(ident, m.Refused(broker=self.instance, reason=e.reason,
                                            detail=e.detail[: self.limits.max_text_len]))
@@ -265,11 +254,17 @@ class ProducerSide:
             s = header.get("s")
             self._refuse(p, e, s if type(s) is int and s >= 0 else -1)
             raise
+        for batch in batches:
+            self._charge(p, batch.wire_bytes, now)
+        self.dirty = self.dirty or self.planner.producers[ident].received == len(batches)
+        if self.cfg.whole:  # a broker: one item, forwarded whole (or split) to consumers
+            self._accept(p, Held(list(frames), sum(len(f) for f in frames),
+                                 sum(b.nbytes for b in batches), p.session, 0,
+                                 count=len(batches)), batches[0].seq, batches[-1].seq)
+            return
         per = (len(frames) - 1) // len(batches)
         for i, batch in enumerate(batches):
-            self._charge(p, batch.wire_bytes, now)
             self._take(p, batch, frames[1 + i * per:1 + (i + 1) * per], batch.wire_bytes)
-        self.dirty = self.dirty or self.planner.producers[ident].received == len(batches)
 
     def _batch(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
         p = self._sender(ident, "BATCH", now)
@@ -304,14 +299,20 @@ class ProducerSide:
                 self.dirty = True
                 self.gaps.batch(p.session, batch.seq)
                 return
-        gap = self.gaps.batch(p.session, batch.seq)
+        self._accept(p, Held(list(frames), nbytes, batch.nbytes, p.session, 0, batch=batch),
+                     batch.seq, batch.seq)
+
+    def _accept(self, p: Producer, item: Held, first: int, last: int) -> None:
+        """``item`` (batches ``first``..``last`` of its session) to the sink, gap included."""
+        gap = self.gaps.batch(p.session, first)
+        if last != first:
+            self.gaps.batch(p.session, last)
         if gap:
             self.metrics.lost_batches.labels(p.label).inc(gap)
-        gap, p.pending_gap = gap + p.pending_gap, 0  # consumers hear of both with this batch
-        p.counted[0].inc()
-        p.counted[1].inc(batch.nbytes)
-        self.sink.accept(p.stream, Held(list(frames), nbytes, batch.nbytes, p.session, gap,
-                                        batch=batch))
+        item.gap, p.pending_gap = gap + p.pending_gap, 0
+        p.counted[0].inc(item.count)
+        p.counted[1].inc(item.array_bytes)
+        self.sink.accept(p.stream, item)
 
     def _charge(self, p: Producer, nbytes: int, now: float) -> None:
         """Count a batch against its producer's credit; cut off one that had none left."""
