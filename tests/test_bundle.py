@@ -520,3 +520,17 @@ def test_a_bundle_takes_the_longest_fitting_run_behind_its_batch(queue, held, of
                 or nxt.prepared.tail != first.prepared.tail
                 or sum(sizes) + nxt.prepared.wire_bytes > min(room, BUNDLE_BYTES)), \
             "stopped before a batch that fits"
+
+
+def test_a_buffered_bundle_counts_as_its_batches_and_is_evicted_whole():
+    """In the broker's buffer a bundle weighs its batches (the budget, the shares and
+    eviction count them): one of 5 and a batch hold 6; evicting down to 1 batch drops the
+    bundle whole, the oldest, and leaves the batch."""
+    buf = Buffer()
+    buf.push("s", Held([b"h", b"x" * 50], 51, 50, 1, 0, count=5))
+    buf.push("s", Held([b"h", b"y" * 10], 11, 10, 1, 0))
+    assert (buf.batches, buf.nbytes, buf.count("s"), buf.by_stream()) == (6, 62, 6, {"s": (6, 62)})
+    dropped = buf.evict("s", 1, 1 << 20)
+    assert [h.count for h in dropped] == [5]
+    assert (buf.batches, buf.nbytes, buf.by_stream()) == (1, 11, {"s": (1, 11)})
+    assert buf.pop("s").count == 1 and buf.batches == 0

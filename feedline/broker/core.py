@@ -210,7 +210,7 @@ class Broker:
                 continue
             coord = self.exact.get(s)
             for item in self.buffer.evict(s, share.batches, share.nbytes):
-                self.metrics.evicted.labels(self.metrics.stream_label.label(s)).inc()
+                self.metrics.evicted.labels(self.metrics.stream_label.label(s)).inc(item.count)
                 if coord is not None and item.batch is not None:
                     coord.lost(item.batch.key)
 
