@@ -29,12 +29,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from feedline.codec import (
     CONTAINER_LIST,
     PROTOCOL_VERSION,
     DecodeError,
     Kind,
     Limits,
+    check_bools,
     packb,
     unpackb,
 )
@@ -67,12 +70,9 @@ def bundle_frames(prepared: Sequence[Prepared], *, producer: bytes, session: int
     return frames
 
 
-def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
-                  most: int) -> list[Batch]:
-    """The batches of ``[header, array frames...]`` (``header`` decoded already, kind
-    BUNDLE), each array a read-only view on its frame; raises DecodeError.
-
-    ``most``: the most batches the host takes in one (what its WELCOME said)."""
+def _parts(frames: Sequence[Any], limits: Limits, header: dict, most: int) -> tuple:
+    """The checks made once per bundle: its count (``2..most``), no exact fields, the frames
+    dividing into its batches, the header's specs, the sequence numbers' range."""
     n = header.get("n")
     if type(n) is not int or not 2 <= n <= most:
         raise DecodeError("bad_header", f"a bundle of {n!r} batches (this host takes 2..{most})")
@@ -83,22 +83,38 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
     if per < 0 or len(frames) - 1 != n * per:
         raise DecodeError("frame_count", f"{len(frames) - 1} frames for {n} batches")
     specs = check_batch_header(header, per, limits)
-    container = header.get("c", CONTAINER_LIST)  # checked with the first batch (datapoint)
-    structure = header.get("d")
-    in_order = _in_order(structure, per)
-    pid, session, seq0, epoch = header["p"], header["q"], header["s"], header["e"]
-    if seq0 + n - 1 > _U63:
+    if header["s"] + n - 1 > _U63:
         raise DecodeError("bad_header", "sequence numbers beyond 2**63 - 1")
+    return n, per, specs
+
+
+def _batch(frames: Sequence[Any], specs: Sequence[tuple], header: dict, limits: Limits,
+           in_order: bool) -> tuple[Any, int]:
+    """One batch's datapoint (array views on ``frames``, the structure checked) and bytes."""
+    arrays, nbytes = _arrays_from_frames(specs, frames, limits)
+    # The container is checked with the first batch (datapoint).
+    return datapoint(header.get("d"), arrays, header.get("c", CONTAINER_LIST), limits,
+                     in_order), nbytes
+
+
+def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
+                  most: int) -> list[Batch]:
+    """The batches of ``[header, array frames...]`` (``header`` decoded already, kind
+    BUNDLE), each array a read-only view on its frame; raises DecodeError.
+
+    ``most``: the most batches the host takes in one (what its WELCOME said)."""
+    n, per, specs = _parts(frames, limits, header, most)
+    in_order = _in_order(header.get("d"), per)
+    pid, session, seq0, epoch = header["p"], header["q"], header["s"], header["e"]
     header_bytes = len(_bytes_of(frames[0]))
     total = 0
     out = []
     for i in range(n):
-        arrays, nbytes = _arrays_from_frames(specs, frames[1 + i * per:1 + (i + 1) * per],
-                                             limits)
+        dp, nbytes = _batch(frames[1 + i * per:1 + (i + 1) * per], specs, header, limits,
+                            in_order)
         total += nbytes
         if total > limits.max_message_bytes:
             raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
-        dp = datapoint(structure, arrays, container, limits, in_order)
         batch = object.__new__(Batch)  # as decode_batch builds it: no frozen __init__
         batch.__dict__.update(
             producer=pid, session=session, seq=seq0 + i, epoch=epoch, datapoint=dp,
@@ -107,6 +123,28 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
         out.append(batch)
     return out
 
+
+def check_bundle(frames: Sequence[Any], limits: Limits, header: dict,
+                 most: int) -> tuple[int, int]:
+    """What :func:`decode_bundle` checks, for a host that forwards a bundle rather than
+    reading it (a broker): the first batch is decoded; every other one has the first's
+    layout, so only its frames' lengths (and a bool array's bytes) are left to check.
+    Returns (the batches, one batch's array bytes); raises DecodeError."""
+    n, per, specs = _parts(frames, limits, header, most)
+    _, nbytes = _batch(frames[1:1 + per], specs, header, limits, _in_order(header.get("d"),
+                                                                            per))
+    if n * nbytes > limits.max_message_bytes:
+        raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
+    lengths = [len(_bytes_of(f)) for f in frames]
+    if lengths[1:] != lengths[1:1 + per] * n:  # each batch's frames as long as the first's
+        i = next(i for i in range(1, len(frames)) if lengths[i] != lengths[1 + (i - 1) % per])
+        dt, shape = specs[(i - 1) % per]
+        raise DecodeError("shape_mismatch", f"{shape} {dt.str}: != {lengths[i]}")
+    for j, (dt, shape) in enumerate(specs):
+        if dt.kind == "b":
+            for i in range(1, n):
+                check_bools(np.ndarray(shape, dt, _bytes_of(frames[1 + i * per + j])))
+    return n, nbytes
 
 
 def split(frames: Sequence[Any], limits: Limits, sizes: Sequence[int]) -> list[list[Any]]:

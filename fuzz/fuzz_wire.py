@@ -297,14 +297,24 @@ def one_input(data: bytes) -> str:
 
 
 def _bundle_input(frames: list[Any], limits: wire.Limits) -> None:
-    """Mode 5: what a direct-mode trainer does with a producer's message."""
+    """Mode 5: what a direct-mode trainer does with a producer's message, and what a broker
+    checks of it before it forwards it (the two agree)."""
     if not frames:
         raise wire.DecodeError("empty")
     header = wire.decode_header(frames[0], limits)
     if header["k"] != wire.Kind.BUNDLE:
         _check_batch(wire.decode_batch(frames, limits, header=header), frames)
         return
-    batches = bundle.decode_bundle(frames, limits, header, bundle.MAX_BUNDLE)
+    try:
+        checked = bundle.check_bundle(frames, limits, header, bundle.MAX_BUNDLE)
+    except wire.DecodeError:
+        checked = None
+    try:
+        batches = bundle.decode_bundle(frames, limits, header, bundle.MAX_BUNDLE)
+    except wire.DecodeError:
+        assert checked is None, "a broker would forward what its consumers refuse"
+        raise
+    assert checked == (len(batches), batches[0].nbytes), "a broker refused a good bundle"
     per = (len(frames) - 1) // len(batches)
     for i, b in enumerate(batches):
         _check_batch(b, [frames[0], *frames[1 + i * per:1 + (i + 1) * per]])

@@ -26,7 +26,7 @@ from feedline import messages as m
 from feedline import wire
 from feedline.broker.buffer import Buffer
 from feedline.broker.egress import ConsumerSide
-from feedline.bundle import BUNDLE_BYTES, MAX_BUNDLE, bundle_frames, decode_bundle
+from feedline.bundle import BUNDLE_BYTES, MAX_BUNDLE, bundle_frames, check_bundle, decode_bundle
 from feedline.codec import DecodeError, Limits
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
@@ -99,10 +99,44 @@ def _bundle(count: int = 3, **header) -> list:
     (lambda: [*_bundle(3)[:-1], b"\0" * 63], MAX_BUNDLE, "shape_mismatch"),  # the last batch
 ])
 def test_a_malformed_bundle_is_refused_whole(make, most, reason):
+    """By the decoder (a direct-mode trainer, a consumer) and by the check a broker makes
+    before it forwards one (check_bundle), with the same reason."""
     frames = make()
-    with pytest.raises(DecodeError) as e:
-        decode_bundle(frames, wire.DEFAULT_LIMITS, wire.header_map(frames[0]), most)
-    assert e.value.reason == reason
+    for check in (decode_bundle, check_bundle):
+        with pytest.raises(DecodeError) as e:
+            check(frames, wire.DEFAULT_LIMITS, wire.header_map(frames[0]), most)
+        assert e.value.reason == reason, check.__name__
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 6), bools=st.booleans(), at=st.integers(0, 100),
+       cut=st.integers(-2, 2), byte=st.sampled_from([0, 1, 2, 255]))
+def test_a_broker_checks_a_bundle_as_its_consumers_decode_it(n, bools, at, cut, byte):
+    """check_bundle accepts exactly the bundles decode_bundle accepts, and weighs them
+    alike: one frame of a later batch made longer or shorter, or a bool byte changed."""
+    dps = [[np.full(3, i, np.int64), np.ones((2, 2), bool if bools else np.float32)]
+           for i in range(n)]
+    frames = [f if isinstance(f, bytes) else bytes(f) for f in bundle_frames(
+        [wire.prepare_batch(dp) for dp in dps], producer=PID, session=1, seq=0, epoch=0)]
+    i = 1 + at % (len(frames) - 1)
+    f = bytearray(frames[i])
+    if cut > 0:
+        f += b"\1" * cut
+    elif cut < 0:
+        del f[cut:]
+    elif f:
+        f[0] = byte
+    frames[i] = bytes(f)
+    header = wire.header_map(frames[0])
+    try:
+        batches = decode_bundle(frames, wire.DEFAULT_LIMITS, header, MAX_BUNDLE)
+    except DecodeError as e:
+        with pytest.raises(DecodeError) as e2:
+            check_bundle(frames, wire.DEFAULT_LIMITS, header, MAX_BUNDLE)
+        assert e2.value.reason == e.reason
+        return
+    assert check_bundle(frames, wire.DEFAULT_LIMITS, header, MAX_BUNDLE) == (
+        len(batches), batches[0].nbytes)
 
 
 def test_a_bundle_counts_its_batches_together_against_the_message_limit():

@@ -236,34 +236,34 @@ class ProducerSide:
         return p
 
     def _bundle(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
-        """Several batches in one message (feedline.bundle): each is counted against credit
-        and taken as if it had come alone."""
-        p = self._sender(ident, "BUNDLE", now)
+        """Several batches in one message (feedline.bundle), each counted as if alone."""
+        p, most = self._sender(ident, "BUNDLE", now), self.cfg.bundle
         try:
-            if self.cfg.bundle < 2 or self.exact.get(p.stream) is not None:
+            if most < 2 or self.exact.get(p.stream) is not None:
                 raise DecodeError("bad_kind", "a bundle, which this host did not offer")
-            batches = bundle.decode_bundle(frames, self.limits, header, self.cfg.bundle)
-            if batches[0].session != p.session:
+            # A broker forwards it: checked as consumers will read it, the batches not built.
+            n, per = bundle.check_bundle(frames, self.limits, header, most) \
+                if self.cfg.whole else (0, 0)
+            batches = [] if n else bundle.decode_bundle(frames, self.limits, header, most)
+            if header["q"] != p.session:
                 raise Refusal("bad_header", "session changed without HELLO")
         except Refusal as e:
             # Counted as the batches it says it holds, as its producer counted them.
             n = header.get("n")
-            n = n if type(n) is int and 1 <= n <= self.cfg.bundle else 1
-            for i in range(n):
+            for i in range(n if type(n) is int and 1 <= n <= most else 1):
                 self._charge(p, 0 if i else sum(len(f) for f in frames), now)
             s = header.get("s")
             self._refuse(p, e, s if type(s) is int and s >= 0 else -1)
             raise
-        for batch in batches:
-            self._charge(p, batch.wire_bytes, now)
-        self.dirty = self.dirty or self.planner.producers[ident].received == len(batches)
-        if self.cfg.whole:  # a broker: one item, forwarded whole (or split) to consumers
-            self._accept(p, Held(list(frames), sum(len(f) for f in frames),
-                                 sum(b.nbytes for b in batches), p.session, 0,
-                                 count=len(batches)), batches[0].seq, batches[-1].seq)
-            return
-        per = (len(frames) - 1) // len(batches)
+        sizes = [b.wire_bytes for b in batches] or [len(frames[0]) + per] + [per] * (n - 1)
+        for size in sizes:
+            self._charge(p, size, now)
+        self.dirty = self.dirty or self.planner.producers[ident].received == len(sizes)
+        if n:  # a broker: one item, forwarded whole (or split) to consumers
+            self._accept(p, Held(list(frames), sum(sizes), n * per, p.session, 0, count=n),
+                         header["s"], header["s"] + n - 1)
         for i, batch in enumerate(batches):
+            per = (len(frames) - 1) // len(batches)
             self._take(p, batch, frames[1 + i * per:1 + (i + 1) * per], batch.wire_bytes)
 
     def _batch(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
