@@ -40,6 +40,8 @@ from feedline.serving.sizing import SizingConfig
 
 log = logging.getLogger(__name__)
 
+PLAN_EVERY = 0.05  # seconds: the longest a credit plan waits (leases run on the clock)
+
 
 @dataclass
 class BrokerStats:
@@ -148,7 +150,7 @@ class Broker:
                  self.egress_endpoint,
                  f", tensorpack {self.tensorpack_endpoint}" if self.tensorpack_endpoint else "")
         tick = max(0.001, self.cfg.heartbeat_interval / 4)
-        next_tick = time.monotonic()
+        next_tick = next_plan = time.monotonic()
         poller = zmq.Poller()
         polled: tuple[zmq.Socket, ...] = ()
         try:
@@ -166,7 +168,15 @@ class Broker:
                     server.on_ready([s for s in events if isinstance(s, zmq.Socket)])
                 now = time.monotonic()
                 self.stats.forwarded += self.egress.dispatch(now)
-                self.ingress.plan(now)
+                # A plan when it may grant more (feedline.serving.credit: ``due``,
+                # ``blocked`` and room freed by a consumer), when something else happened
+                # (``dirty``), and on the clock; not every turn (a plan was 7 us a batch).
+                ing = self.ingress
+                if ing.dirty or ing.planner.due or now >= next_plan or ing.units.waiting() \
+                        or (ing.planner.blocked and self.egress.freed):
+                    ing.dirty = self.egress.freed = False
+                    next_plan = now + PLAN_EVERY
+                    ing.plan(now)
                 if now >= next_tick:
                     server.tick(now)
                     self._update_gauges()
@@ -209,6 +219,7 @@ class Broker:
             if share is None or (b <= share.batches and y <= share.nbytes):
                 continue
             coord = self.exact.get(s)
+            self.ingress.dirty = True  # room freed: a plan
             for item in self.buffer.evict(s, share.batches, share.nbytes):
                 self.metrics.evicted.labels(self.metrics.stream_label.label(s)).inc(item.count)
                 if coord is not None and item.batch is not None:

@@ -65,6 +65,9 @@ class ConsumerSide:
         self._log = RateLimitedLog(log, interval=5.0)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
         self._hellos = HelloRate(HELLO_RATE, 4 * capacity)
+        # A consumer came, took, or left since the loop last planned: what the producers
+        # may be granted may have changed (room freed, a stream read or no longer).
+        self.freed = True
         self.exact.refuse = self._refuse_cursor
         self.exact.applied = self._applied
 
@@ -103,6 +106,7 @@ class ConsumerSide:
             raise DecodeError("bad_envelope", "a consumer message with payload frames")
         msg = m.decode(frames[0], self.limits)
         cons = self.consumers.get(ident)
+        self.freed = True
         if isinstance(msg, m.ConsumerHello):
             self._hello(ident, msg, fd, now)
         elif isinstance(msg, m.ProducerHello):
@@ -187,6 +191,7 @@ class ConsumerSide:
 
     def _gone(self, ident: bytes) -> None:
         """``ident``'s connection is closed: whatever of it is left goes."""
+        self.freed = True
         self.drop(ident, "unreachable")
         o = self.orphans.pop(ident, None)
         if o is not None:
@@ -348,6 +353,7 @@ class ConsumerSide:
 
     def _release(self, o: Orphan) -> None:
         """An orphan's memory is free; an exact stream's batches in it are served again."""
+        self.freed = True
         items, o.items = o.items, []
         self._requeue(o.stream, items)
 
@@ -363,6 +369,7 @@ class ConsumerSide:
         c = self.consumers.remove(ident)
         if c is None:
             return
+        self.freed = True
         ring = self._rr.get(c.stream)
         if ring is not None and ident in ring:
             ring.remove(ident)

@@ -50,56 +50,10 @@ The rules, each a bound:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from feedline.serving.budget import TOP_UP, Budget, Share, depth, top_up
-
-
-@dataclass
-class ProducerCredit:
-    declared: int = 0  # largest batch it expects (HELLO), bytes
-    largest: int = 0  # largest batch received, bytes
-    granted: int = 0  # absolute totals since its HELLO
-    granted_bytes: int = 0
-    received: int = 0
-    received_bytes: int = 0
-    short_bytes: int = 0  # WANT: bytes its next batch needs beyond its byte credit
-    short_batch: bool = False  # WANT: ... and it has no batch credit either
-    revoking_since: float | None = None
-    idle: bool = False  # new, or gave its credit back: more only when it asks
-    held_since: float = 0.0  # when it last started holding credit, or last used it
-    held_seconds: float = 0.0  # time it held unused batch credit, up to held_since
-    stream: str = "default"
-
-    @property
-    def outstanding(self) -> int:
-        return max(0, self.granted - self.received)
-
-    def credit_seconds(self, now: float) -> float:
-        """Seconds it held unused batch credit since its HELLO, up to ``now``: the time it
-        was asked for a batch and had not sent it (what tells a producer that runs free from
-        one the trainers hold back; sizing reads it). Credit given back on a REVOKE (unused for
-        a lease: an idle producer) is not counted."""
-        return self.held_seconds + (max(0.0, now - self.held_since) if self.outstanding else 0.0)
-
-    @property
-    def reserved(self) -> int:
-        return max(0, self.granted_bytes - self.received_bytes)
-
-    @property
-    def unit(self) -> int:
-        return max(self.declared, self.largest)
-
-    @property
-    def wanting(self) -> bool:
-        return self.short_bytes > 0 or self.short_batch
-
-
-@dataclass(frozen=True)
-class Plan:
-    grants: list[bytes]  # producers whose totals grew: send them GRANT
-    revokes: list[bytes]  # producers to ask for unused credit: send them REVOKE
+from feedline.serving.producer_credit import Plan, ProducerCredit
 
 
 class CreditPlanner:
@@ -112,6 +66,10 @@ class CreditPlanner:
         self.producers: dict[bytes, ProducerCredit] = {}
         self._rr = 0
         self._unit = -1
+        # What tells a host that a plan may grant more (it plans when either holds, when
+        # something else happened, and on its clock): ``due``, an arrival left a producer
+        # room for a top-up; ``blocked``, the last plan left one without what it could use.
+        self.due = self.blocked = True
         # The deepest count the budget has had, and its shares: what may be kept (evicting).
         self.deepest: Budget = budget
         self._evict_per_stream: dict[tuple[int, bool], Share] = {}
@@ -153,6 +111,9 @@ class CreditPlanner:
         p.largest = max(p.largest, min(nbytes, self.max_bytes))
         p.short_bytes, p.short_batch, p.idle = 0, False, False
         p.held_since = now
+        if not self.due and p.revoking_since is None:
+            w = depth(self.window, p.unit) if self.by_bytes else self.window
+            self.due = w - p.outstanding >= top_up(w)  # its window may be topped up now
         if p.received > p.granted:
             return "no_credit"
         if p.received_bytes > p.granted_bytes:
@@ -280,6 +241,7 @@ class CreditPlanner:
         """Grant what the room allows; ask idle holders back if someone waits for room.
         ``by_stream``: what is held of each stream (one stream if not given); ``unread``:
         the streams no consumer reads now."""
+        self.due = False
         out_b, out_y, mine, produced, fresh_b, fresh_y = self._tally()
         free_b = self.budget.max_batches - held_batches - out_b
         free_y = self.budget.max_bytes - held_bytes - out_y
@@ -323,7 +285,7 @@ class CreditPlanner:
                 unit = p.unit
                 if p.idle or p.revoking_since is not None or unit == 0:
                     continue
-                window = depth(self.window, unit) if self.by_bytes else self.window
+                window = self._window(p)
                 if p.outstanding >= window:
                     continue
                 if window >= 2 * TOP_UP and key not in topping:  # else top_up is 1
@@ -359,8 +321,18 @@ class CreditPlanner:
                 progress = True
         if free_b <= 0 and any(self._could_use(p) for p in self.producers.values()):
             starving = True
+        # Room for more would be granted at once: some producer waits, or has room in its
+        # window for a top-up, that this plan could not cover.
+        self.blocked = starving or any(
+            not p.idle and p.revoking_since is None and p.unit > 0
+            and (p.received > 0 or p.outstanding == 0)
+            and self._window(p) - p.outstanding >= top_up(self._window(p))
+            for p in self.producers.values())
         revokes = self._revocations(now) if starving else []
         return Plan(list(grants), revokes)
+
+    def _window(self, p: ProducerCredit) -> int:
+        return depth(self.window, p.unit) if self.by_bytes else self.window
 
     def _fresh_room(self, b: int, y: int) -> list[int]:
         """[batches, bytes, holds nothing] left of the budget's share that producers which
