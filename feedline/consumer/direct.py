@@ -172,16 +172,21 @@ class DirectIO:
             self.shared.metrics.window.set(budget.max_batches)
             self.metrics.buffer_capacity_batches.set(budget.max_batches)
             self.metrics.buffer_capacity_bytes.set(budget.max_bytes)
-        # Plan when the model took a batch (room freed), when something else happened, and
-        # every 50 ms (credit leases run on the clock); not after every batch that arrives.
-        s = self.shared
+        # Plan when it may grant more (feedline.serving.credit): an arrival left a producer
+        # room for a top-up (``due``), or the model took a batch (room freed) while the last
+        # plan left one short (``blocked``); when something else happened; and every 50 ms
+        # (credit leases run on the clock). Not after every batch that arrives or is taken.
+        s, planner = self.shared, self.ingress.planner
         while True:
             taken = s.taken
-            if self.ingress.dirty or taken != self._planned_taken or now >= self._next_plan:
+            if taken != self._planned_taken:
+                self._settle()
+            if self.ingress.dirty or planner.due or now >= self._next_plan or \
+                    self.ingress.units.waiting() or \
+                    (planner.blocked and taken != self._planned_taken):
                 self.ingress.dirty = False
                 self._planned_taken = taken
                 self._next_plan = now + _PLAN_EVERY
-                self._settle()
                 self.ingress.plan(now)
             # Takes need not wake us while batches stream in (Shared.expecting); a take that
             # read the old flag is seen here, as ``taken`` has grown since.
