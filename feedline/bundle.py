@@ -1,4 +1,5 @@
-"""Several batches in one message: what a direct-mode trainer takes from its producers.
+"""Several batches in one message: what a broker or a direct-mode trainer takes from its
+producers, and what a broker forwards to a consumer that takes them.
 
 A batch of 16 KB costs both ends more in per-message work (a read, a header to decode and
 check, a turn of the loop) than in bytes. When a producer holds several batches of one layout
@@ -12,7 +13,12 @@ batches in one). The header is decoded and checked once for all of them::
      "n": 8,                      # batches in the bundle (2 .. the host's WELCOME.bundle)
      "c": ..., "d": ..., "a": ...}  # container, structure, array specs: one batch's
 
-followed by ``n x len(a)`` array frames, batch by batch. Every batch is the same layout; a
+followed by the arrays, in one of two layouts the frame count tells apart: *joined*
+(batches of at most :data:`JOIN_BYTES` of arrays), ``len(a)`` frames, the i-th holding the
+i-th array of every batch in turn; or ``n x len(a)`` frames, batch by batch (larger
+batches: joining them would copy them). A frame costs each end about as much as a small
+batch's bytes, so joined, a bundle of 64 batches of 16 KB is 3 frames, not 129. Every batch
+is the same layout; a
 bundle never carries exact delivery's batches (their unit fields differ), which go one by
 one. The host counts each batch of a bundle against the producer's credit as if it had come
 alone, the header's bytes with the first: ``len(header) + its arrays``, then each other's
@@ -21,7 +27,8 @@ arrays, which is what the producer counts as sent.
 Trust: :func:`decode_bundle` applies every check of :func:`feedline.wire.decode_batch` (the
 same limits, the header's checks once, every frame's length) and bounds ``n`` by the
 host's own maximum; a bundle beyond it, or with frames that do not divide into ``n``
-batches, is refused whole (:class:`~feedline.codec.DecodeError`).
+batches, is refused whole (:class:`~feedline.codec.DecodeError`). :func:`check_bundle` is
+what a broker checks before it forwards one: the same verdict, without building batches.
 """
 
 from __future__ import annotations
@@ -54,25 +61,35 @@ from feedline.wire import (
 MAX_BUNDLE = 64  # batches in one bundle, at most (a host may say fewer)
 _U63 = (1 << 63) - 1  # what a batch's sequence number may be, at most
 BUNDLE_BYTES = 4 << 20  # a producer fills a bundle up to this many wire bytes
+# A bundle of batches of at most this many array bytes is sent joined: each array of the
+# layout one frame, every batch's in turn (a frame costs each end as much as a small batch's
+# bytes); larger batches a frame per array each, as joining them would copy them.
+JOIN_BYTES = 64 << 10
 _V_K = packb("v") + packb(PROTOCOL_VERSION) + packb("k") + packb(int(Kind.BUNDLE))
 
 
 def bundle_frames(prepared: Sequence[Prepared], *, producer: bytes, session: int, seq: int,
                   epoch: int) -> list[Any]:
-    """``[header, arrays of the first batch..., arrays of the second..., ...]``; every
-    ``Prepared`` of one layout (the same header tail), ``producer`` packed (:func:`packb`)."""
+    """``[header, array frames...]``; every ``Prepared`` of one layout (the same header
+    tail), ``producer`` packed (:func:`packb`). Batches of at most :data:`JOIN_BYTES` travel
+    joined (one frame per array of the layout); larger ones a frame per array each."""
     first = prepared[0]
     head = b"\x8a" + _V_K + sender_fields(producer, session, seq, epoch) + b"\xa1n" \
         + uint(len(prepared))
     frames: list[Any] = [head + first.tail]
-    for p in prepared:
-        frames.extend(p.arrays)
+    if first.nbytes <= JOIN_BYTES:
+        for j in range(len(first.arrays)):
+            frames.append(b"".join([p.arrays[j] for p in prepared]))
+    else:
+        for p in prepared:
+            frames.extend(p.arrays)
     return frames
 
 
 def _parts(frames: Sequence[Any], limits: Limits, header: dict, most: int) -> tuple:
     """The checks made once per bundle: its count (``2..most``), no exact fields, the frames
-    dividing into its batches, the header's specs, the sequence numbers' range."""
+    (one per array of the layout, or one per array of each batch), the header's specs, the
+    sequence numbers' range. Returns (count, arrays per batch, specs, joined)."""
     n = header.get("n")
     if type(n) is not int or not 2 <= n <= most:
         raise DecodeError("bad_header", f"a bundle of {n!r} batches (this host takes 2..{most})")
@@ -80,12 +97,36 @@ def _parts(frames: Sequence[Any], limits: Limits, header: dict, most: int) -> tu
         raise DecodeError("bad_header", "exact delivery's batches travel one by one")
     specs_in = header.get("a")
     per = len(specs_in) if type(specs_in) is list else -1
-    if per < 0 or len(frames) - 1 != n * per:
+    if per < 0 or len(frames) - 1 not in (per, n * per):
         raise DecodeError("frame_count", f"{len(frames) - 1} frames for {n} batches")
     specs = check_batch_header(header, per, limits)
     if header["s"] + n - 1 > _U63:
         raise DecodeError("bad_header", "sequence numbers beyond 2**63 - 1")
-    return n, per, specs
+    return n, per, specs, len(frames) - 1 == per and per > 0
+
+
+def _slots(frames: Sequence[Any], specs: Sequence[tuple], n: int) -> list[tuple[Any, int]]:
+    """A joined bundle's frames as (a view of the frame, one batch's bytes of it); each
+    frame ``n`` times its array's bytes, or DecodeError."""
+    out = []
+    for (dt, shape), f in zip(specs, frames[1:], strict=True):
+        size = dt.itemsize
+        for d in shape:
+            size *= d
+        buf = memoryview(_bytes_of(f))
+        if len(buf) != n * size:
+            raise DecodeError("shape_mismatch", f"{n} x {shape} {dt.str} != {len(buf)} bytes")
+        out.append((buf, size))
+    return out
+
+
+def _batch_frames(frames: Sequence[Any], specs: Sequence[tuple], n: int, per: int,
+                  joined: bool) -> list[Sequence[Any]]:
+    """Each batch's array frames (views of a joined bundle's frames)."""
+    if not joined:
+        return [frames[1 + i * per:1 + (i + 1) * per] for i in range(n)]
+    slots = _slots(frames, specs, n)
+    return [[buf[i * size:(i + 1) * size] for buf, size in slots] for i in range(n)]
 
 
 def _batch(frames: Sequence[Any], specs: Sequence[tuple], header: dict, limits: Limits,
@@ -103,15 +144,14 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
     BUNDLE), each array a read-only view on its frame; raises DecodeError.
 
     ``most``: the most batches the host takes in one (what its WELCOME said)."""
-    n, per, specs = _parts(frames, limits, header, most)
+    n, per, specs, joined = _parts(frames, limits, header, most)
     in_order = _in_order(header.get("d"), per)
     pid, session, seq0, epoch = header["p"], header["q"], header["s"], header["e"]
     header_bytes = len(_bytes_of(frames[0]))
     total = 0
     out = []
-    for i in range(n):
-        dp, nbytes = _batch(frames[1 + i * per:1 + (i + 1) * per], specs, header, limits,
-                            in_order)
+    for i, mine in enumerate(_batch_frames(frames, specs, n, per, joined)):
+        dp, nbytes = _batch(mine, specs, header, limits, in_order)
         total += nbytes
         if total > limits.max_message_bytes:
             raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
@@ -130,9 +170,19 @@ def check_bundle(frames: Sequence[Any], limits: Limits, header: dict,
     reading it (a broker): the first batch is decoded; every other one has the first's
     layout, so only its frames' lengths (and a bool array's bytes) are left to check.
     Returns (the batches, one batch's array bytes); raises DecodeError."""
-    n, per, specs = _parts(frames, limits, header, most)
-    _, nbytes = _batch(frames[1:1 + per], specs, header, limits, _in_order(header.get("d"),
-                                                                            per))
+    n, per, specs, joined = _parts(frames, limits, header, most)
+    in_order = _in_order(header.get("d"), per)
+    if joined:
+        slots = _slots(frames, specs, n)
+        _, nbytes = _batch([buf[:size] for buf, size in slots], specs, header, limits,
+                           in_order)
+        if n * nbytes > limits.max_message_bytes:
+            raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
+        for (dt, _), (buf, _) in zip(specs, slots, strict=True):
+            if dt.kind == "b":  # every batch's at once
+                check_bools(np.frombuffer(buf, np.bool_))
+        return n, nbytes
+    _, nbytes = _batch(frames[1:1 + per], specs, header, limits, in_order)
     if n * nbytes > limits.max_message_bytes:
         raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
     lengths = [len(_bytes_of(f)) for f in frames]
@@ -150,18 +200,25 @@ def check_bundle(frames: Sequence[Any], limits: Limits, header: dict,
 def split(frames: Sequence[Any], limits: Limits, sizes: Sequence[int]) -> list[list[Any]]:
     """A bundle (checked already: a broker's) as messages of ``sizes`` batches each, in
     order (``sizes`` sums to its count): ``[header, arrays...]`` per part, a part of one
-    batch a plain batch. A broker splits a bundle for a consumer that takes fewer batches in
-    one delivery than it holds (an older one: none), or that has room for fewer."""
+    batch a plain batch; a joined bundle's parts are views of its frames (no copy). A broker
+    splits a bundle for a consumer that takes fewer batches in one delivery than it holds
+    (an older one: none), or that has room for fewer."""
     # Re-packed as it came (ext types as they are): the broker checked it at its ingress.
     header = unpackb(_bytes_of(frames[0]), raw=False, strict_map_key=False)
-    del header["n"]
+    n = header.pop("n")
     seq, per = header["s"], len(header["a"])
+    joined = len(frames) - 1 == per and per > 0
+    slots = [memoryview(_bytes_of(f)) for f in frames[1:]] if joined else []
     out = []
-    at = 1
+    at = 0
     for k in sizes:
         part = dict(header, s=seq, k=int(Kind.BUNDLE if k > 1 else Kind.BATCH))
         if k > 1:
             part["n"] = k
-        out.append([packb(part), *frames[at:at + k * per]])
-        seq, at = seq + k, at + k * per
+        if joined:
+            arrays = [buf[at * (len(buf) // n):(at + k) * (len(buf) // n)] for buf in slots]
+        else:
+            arrays = list(frames[1 + at * per:1 + (at + k) * per])
+        out.append([packb(part), *arrays])
+        seq, at = seq + k, at + k
     return out

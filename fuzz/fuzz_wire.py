@@ -315,9 +315,13 @@ def _bundle_input(frames: list[Any], limits: wire.Limits) -> None:
         assert checked is None, "a broker would forward what its consumers refuse"
         raise
     assert checked == (len(batches), batches[0].nbytes), "a broker refused a good bundle"
-    per = (len(frames) - 1) // len(batches)
+    n, per = len(batches), len(header["a"])
     for i, b in enumerate(batches):
-        _check_batch(b, [frames[0], *frames[1 + i * per:1 + (i + 1) * per]])
+        if len(frames) - 1 == per and per > 0:  # joined: each frame holds every batch's
+            mine = [memoryview(f)[i * len(f) // n:(i + 1) * len(f) // n] for f in frames[1:]]
+        else:
+            mine = frames[1 + i * per:1 + (i + 1) * per]
+        _check_batch(b, [frames[0], *mine])
     assert [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
 
 

@@ -26,7 +26,14 @@ from feedline import messages as m
 from feedline import wire
 from feedline.broker.buffer import Buffer
 from feedline.broker.egress import ConsumerSide
-from feedline.bundle import BUNDLE_BYTES, MAX_BUNDLE, bundle_frames, check_bundle, decode_bundle
+from feedline.bundle import (
+    BUNDLE_BYTES,
+    JOIN_BYTES,
+    MAX_BUNDLE,
+    bundle_frames,
+    check_bundle,
+    decode_bundle,
+)
 from feedline.codec import DecodeError, Limits
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
@@ -75,8 +82,13 @@ def test_a_bundle_decodes_to_what_each_batch_alone_decodes_to(shape):
     assert sum(b.wire_bytes for b in got) == len(frames[0]) + sum(p.nbytes for p in prepared)
 
 
-def _bundle(count: int = 3, **header) -> list:
-    frames = bundle_frames([wire.prepare_batch(dp) for dp in _datapoints(count)], producer=PID,
+def _bundle(count: int = 3, big: bool = False, **header) -> list:
+    """A bundle of ``count`` batches: joined, or (``big``: batches over JOIN_BYTES) a frame
+    per array of each batch; ``header`` entries replaced."""
+    dps = _datapoints(count)
+    if big:
+        dps = [[dp[0], np.zeros(JOIN_BYTES // 4 + 1, np.float32)] for dp in dps]
+    frames = bundle_frames([wire.prepare_batch(dp) for dp in dps], producer=PID,
                            session=1, seq=0, epoch=0)
     if header:
         h = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
@@ -90,13 +102,16 @@ def _bundle(count: int = 3, **header) -> list:
     (lambda: _bundle(5), 4, "bad_header"),  # ... than this host said
     (lambda: _bundle(3, n=1), MAX_BUNDLE, "bad_header"),  # a bundle of one
     (lambda: _bundle(3, n=True), MAX_BUNDLE, "bad_header"),  # a bool is no count
-    (lambda: _bundle(3, n=4), MAX_BUNDLE, "frame_count"),  # says 4, carries 3
+    (lambda: _bundle(3, n=4), MAX_BUNDLE, "shape_mismatch"),  # says 4, joined frames of 3
+    (lambda: _bundle(3, big=True, n=4), MAX_BUNDLE, "frame_count"),  # ... a frame per array
     (lambda: _bundle(3)[:-1], MAX_BUNDLE, "frame_count"),  # one frame short
     (lambda: _bundle(3, u=0, i=0, l=False), MAX_BUNDLE, "bad_header"),  # exact batches
     (lambda: _bundle(3, s=(1 << 63) - 2), MAX_BUNDLE, "bad_header"),  # seqs past 2**63 - 1
     (lambda: _bundle(3, c=9), MAX_BUNDLE, "bad_structure"),
     (lambda: _bundle(3, a=[["|O", [1]], ["<f4", [4, 4]]]), MAX_BUNDLE, "bad_dtype"),
     (lambda: [*_bundle(3)[:-1], b"\0" * 63], MAX_BUNDLE, "shape_mismatch"),  # the last batch
+    (lambda: _bundle(3, big=True)[:-1], MAX_BUNDLE, "frame_count"),
+    (lambda: [*_bundle(3, big=True)[:-1], b"\0" * 63], MAX_BUNDLE, "shape_mismatch"),
 ])
 def test_a_malformed_bundle_is_refused_whole(make, most, reason):
     """By the decoder (a direct-mode trainer, a consumer) and by the check a broker makes
@@ -109,12 +124,14 @@ def test_a_malformed_bundle_is_refused_whole(make, most, reason):
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(2, 6), bools=st.booleans(), at=st.integers(0, 100),
+@given(n=st.integers(2, 6), bools=st.booleans(), big=st.booleans(), at=st.integers(0, 100),
        cut=st.integers(-2, 2), byte=st.sampled_from([0, 1, 2, 255]))
-def test_a_broker_checks_a_bundle_as_its_consumers_decode_it(n, bools, at, cut, byte):
+def test_a_broker_checks_a_bundle_as_its_consumers_decode_it(n, bools, big, at, cut, byte):
     """check_bundle accepts exactly the bundles decode_bundle accepts, and weighs them
-    alike: one frame of a later batch made longer or shorter, or a bool byte changed."""
-    dps = [[np.full(3, i, np.int64), np.ones((2, 2), bool if bools else np.float32)]
+    alike, joined or not (``big``: batches over JOIN_BYTES): one frame made longer or
+    shorter, or a byte changed (a bool's, or a number's)."""
+    rows = JOIN_BYTES // 4 + 1 if big else 2
+    dps = [[np.full(3, i, np.int64), np.ones((rows, 2), bool if bools else np.float32)]
            for i in range(n)]
     frames = [f if isinstance(f, bytes) else bytes(f) for f in bundle_frames(
         [wire.prepare_batch(dp) for dp in dps], producer=PID, session=1, seq=0, epoch=0)]

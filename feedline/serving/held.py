@@ -12,7 +12,7 @@ from feedline.wire import Batch
 
 @dataclass(slots=True)  # one per batch: slots make it 0.2 us cheaper
 class Held:
-    frames: list[Any]  # [header, arrays...] as received (a bundled batch: its arrays only)
+    frames: list[Any]  # [header, arrays...] as received (a batch of a bundle: none)
     nbytes: int  # wire bytes: what the memory budget counts
     array_bytes: int
     session: int

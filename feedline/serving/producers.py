@@ -262,9 +262,8 @@ class ProducerSide:
         if n:  # a broker: one item, forwarded whole (or split) to consumers
             self._accept(p, Held(list(frames), sum(sizes), n * per, p.session, 0, count=n),
                          header["s"], header["s"] + n - 1)
-        for i, batch in enumerate(batches):
-            per = (len(frames) - 1) // len(batches)
-            self._take(p, batch, frames[1 + i * per:1 + (i + 1) * per], batch.wire_bytes)
+        for batch in batches:  # a direct-mode trainer: each batch holds views of the frames
+            self._take(p, batch, [], batch.wire_bytes)
 
     def _batch(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
         p = self._sender(ident, "BATCH", now)
