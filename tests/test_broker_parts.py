@@ -8,7 +8,7 @@ import pytest
 
 from feedline.broker.buffer import Buffer
 from feedline.errors import Refusal
-from feedline.serving.budget import Budget, top_up
+from feedline.serving.budget import Budget, depth, top_up
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
@@ -56,10 +56,11 @@ def test_what_is_held_already_counts_against_the_budget():
 
 
 def test_a_trainers_planner_counts_small_batches_by_their_bytes():
-    """by_bytes (direct mode): a producer of 16 KB batches may hold 64 where a broker's
-    planner gives 4; the budget's batches count the same way, by the largest batches of the
-    producers registered; a producer of large batches brings both back, and the count stays
-    when the producers leave (what was granted under it may still be queued)."""
+    """by_bytes (direct mode): a producer of 16 KB batches may hold 512 (4 x 2 MiB) where a
+    planner counting batches gives 4; the budget's batches count the same way, by the
+    largest batches of the producers registered; a producer of large batches brings both
+    back, and the count stays when the producers leave (what was granted under it may still
+    be queued)."""
     broker = planner(max_batches=8)
     start(broker, b"small", 16_000)
     broker.plan(0.0, 0, 0)
@@ -67,39 +68,41 @@ def test_a_trainers_planner_counts_small_batches_by_their_bytes():
     cp = CreditPlanner(Budget(8, 64 * MiB), 4, 2.0, by_bytes=True)
     start(cp, b"small", 16_000)
     cp.plan(0.0, 0, 0)
-    assert totals(cp)[0] == 64 and cp.budget.max_batches == 128
+    window, count = depth(4, 16_000), depth(8, 16_000)
+    assert totals(cp)[0] == window == 512 and cp.budget.max_batches == count == 1024
     start(cp, b"large", 4 * MiB)
     cp.plan(0.0, 0, 0)
     assert cp.budget == Budget(8, 64 * MiB)
-    assert cp.producers[b"large"].outstanding == 0, "64 outstanding: nothing is free"
-    for _ in range(60):  # the small producer's batches arrive and are taken
+    assert cp.producers[b"large"].outstanding == 0, "512 outstanding: nothing is free"
+    for _ in range(window - 4):  # the small producer's batches arrive and are taken
         cp.batch(b"small", 16_000, 0.0)
     cp.plan(0.0, 0, 0)
     assert cp.producers[b"large"].outstanding >= 1
-    assert cp.producers[b"small"].outstanding <= 64 and totals(cp)[0] <= 8
+    assert cp.producers[b"small"].outstanding <= window and totals(cp)[0] <= 8
     cp.leave(b"large")
     cp.plan(0.0, 4, 64_000)
-    assert cp.budget.max_batches == 128, "small batches alone again"
+    assert cp.budget.max_batches == count, "small batches alone again"
     cp.leave(b"small")
     cp.plan(0.0, 4, 64_000)
-    assert cp.budget.max_batches == 128, "no producer: the count its batches came under stays"
+    assert cp.budget.max_batches == count, "no producer: the count its batches came under stays"
 
 
 def test_a_deep_window_is_topped_up_by_parts_not_a_grant_per_batch():
-    """A producer's window of 64 small batches (a direct-mode trainer's count by bytes) gets
-    more credit once 8 of it are free, all 8 in one GRANT; a window of 4 (large batches, a
-    broker's) gets each batch's credit back at once, as ever."""
+    """A producer's window of 512 small batches (the count by bytes) gets more credit once 64
+    of it are free, all 64 in one GRANT; a window of 4 (large batches) gets each batch's
+    credit back at once, as ever."""
     cp = CreditPlanner(Budget(8, 64 * MiB), 4, 2.0, by_bytes=True)
     start(cp, b"small", 16_000)
     cp.plan(0.0, 0, 0)
-    assert cp.producers[b"small"].outstanding == 64 and top_up(64) == 8
-    for n in range(1, 8):
+    window = depth(4, 16_000)
+    assert cp.producers[b"small"].outstanding == window == 512 and top_up(window) == 64
+    for n in range(1, 64):
         cp.batch(b"small", 16_000, 0.0)
-        assert cp.plan(0.0, 0, 0).grants == [], f"a GRANT after {n} of 64 arrived"
+        assert cp.plan(0.0, 0, 0).grants == [], f"a GRANT after {n} of 512 arrived"
     cp.batch(b"small", 16_000, 0.0)
     assert cp.plan(0.0, 0, 0).grants == [b"small"]
-    assert cp.producers[b"small"].outstanding == 64, "filled again in one GRANT"
-    for _ in range(64):  # the whole window arrives before the next plan
+    assert cp.producers[b"small"].outstanding == window, "filled again in one GRANT"
+    for _ in range(window):  # the whole window arrives before the next plan
         cp.batch(b"small", 16_000, 0.0)
     assert cp.plan(0.0, 0, 0).grants == [b"small"], "a producer with nothing left is never held"
     large = planner(max_batches=8, window=4)

@@ -1,7 +1,7 @@
 """A broker counts small batches by their bytes, as a direct-mode trainer does.
 
 A window of ``n`` batches holds ``n`` batches of 2 MiB or more and as many smaller ones as fit
-in ``n`` x 2 MiB, at most 16 ``n`` (:func:`feedline.serving.budget.depth`): each producer's
+in ``n`` x 2 MiB, at most 128 ``n`` (:func:`feedline.serving.budget.depth`): each producer's
 window, the budget's batches, a consumer's window and the per-consumer share. What a broker
 may keep of an unread stream is counted for the deepest count its budget has had, so that a
 producer of large batches joining cannot make it evict batches it granted to small ones.
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from feedline.broker.consumers import Consumer
 from feedline.consumer import RemoteDataZMQ
 from feedline.procs import wait_for
-from feedline.serving.budget import DEPTH, Budget
+from feedline.serving.budget import DEPTH, Budget, depth, top_up
 from feedline.serving.credit import CreditPlanner
 from tests.flow_support import (
     FAST,
@@ -35,36 +35,40 @@ MiB = 1 << 20
 
 
 def test_a_consumers_window_counts_small_batches_by_the_largest_it_was_sent():
-    """Window 4, caps of 16 batches and 64 MiB: 64 batches of 16 KB fit, not 65; a 4 MiB batch
-    then waits until fewer than 4 are in flight (the count for the largest batch, this one
-    included: the consumer, counting the same batches, never finds more than its window)."""
+    """Window 4, caps of 16 batches and 64 MiB: 512 batches of 16 KB fit (4 x 2 MiB), not
+    513; a 4 MiB batch then waits until fewer than 4 are in flight (the count for the largest
+    batch, this one included: the consumer, counting the same batches, never finds more than
+    its window)."""
     c = Consumer(ident=b"c", name="c", session=1, registration=1, stream="default",
                  window=4, max_bytes=64 * MiB)
-    for _ in range(64):
+    held = depth(4, 16_000)
+    assert held == 512
+    for _ in range(held):
         assert c.room(16_000, 64 * MiB, 16)
         c.delivered += 1
         c.inflight_bytes += 16_000
         c.largest = 16_000
-    assert not c.room(16_000, 64 * MiB, 16), "65 batches of 16 KB in a window of 4"
+    assert not c.room(16_000, 64 * MiB, 16), "513 batches of 16 KB in a window of 4"
     assert not c.room(4 * MiB, 64 * MiB, 16)
-    c.taken = 61  # 3 in flight
+    c.taken = held - 3  # 3 in flight
     c.inflight_bytes = 3 * 16_000
     assert c.room(4 * MiB, 64 * MiB, 16)
     c.largest = 4 * MiB
-    c.taken = 60  # 4 in flight: a window of 4 large batches is full
+    c.taken = held - 4  # 4 in flight: a window of 4 large batches is full
     assert not c.room(16_000, 64 * MiB, 16), "the count stays for the largest batch sent"
 
 
 def test_a_brokers_eviction_share_never_shrinks_under_what_it_granted():
     """A broker's planner (by bytes): 50 tiny batches of an unread stream are held under a
-    count of 512; a producer of 4 MiB batches joins and the count for granting falls back to
-    32, but what the broker may keep of the stream stays counted for 512 (before: its share
-    fell to 32 and the broker evicted 18 of the 50 it had granted)."""
+    count of 4,096 (DEPTH x 32); a producer of 4 MiB batches joins and the count for
+    granting falls back to 32, but what the broker may keep of the stream stays counted for
+    4,096 (before: its share fell to 32 and the broker evicted 18 of the 50 it had
+    granted)."""
     cp = CreditPlanner(Budget(32, 1 << 30), 4, 2.0, by_bytes=True)
     cp.join(b"tiny", declared=100)
     cp.want(b"tiny", sent=0, sent_bytes=0, size=100)
     cp.plan(0.0, 0, 0, {}, unread={"default"})
-    assert cp.budget.max_batches == 16 * 32
+    assert cp.budget.max_batches == DEPTH * 32
     cp.leave(b"tiny")
     cp.join(b"large", declared=4 * MiB)
     cp.want(b"large", sent=0, sent_bytes=0, size=4 * MiB)
@@ -73,7 +77,7 @@ def test_a_brokers_eviction_share_never_shrinks_under_what_it_granted():
     assert cp.budget.max_batches == 32, "granting counts for the large batches now"
     assert cp.producers[b"large"].outstanding == 0, "50 held: no room under 32"
     share = cp.shares(held, {"default"})["default"]
-    assert share.batches == 16 * 32, share
+    assert share.batches == DEPTH * 32, share
 
 
 def test_a_producer_of_large_batches_joining_evicts_nothing_granted(broker_proc, daemons,
@@ -112,9 +116,9 @@ def test_a_consumer_that_stops_taking_holds_its_window_counted_by_bytes(
     """Via a broker, as in direct mode (test_direct_mode.py): a model that took one batch
     and stopped has at most its window of batches queued, counted by bytes: 32 tiny ones
     with a window of 2, 2 of 3 MiB. Before, the broker sent 2 tiny batches at a time and
-    the credit round trip set their rate. Tiny batches come in bundles, and a broker sends a
-    consumer that holds half its window or more whole bundles only (feedline.broker.parts):
-    it may stop short of the window by less than half of it."""
+    the credit round trip set their rate. Tiny batches come in bundles, and a broker splits
+    one to fill a window only once an eighth of it is free (feedline.broker.parts): the
+    consumer may hold less than its window by less than an eighth of it."""
     start_broker(broker_proc)
     cfg = tmp_path / "p.yaml"
     cfg.write_text(yaml.safe_dump({"source": {"fake": {
@@ -124,7 +128,7 @@ def test_a_consumer_that_stops_taking_holds_its_window_counted_by_bytes(
     with RemoteDataZMQ(endpoints.egress, window=2, timeout=30, link=FAST,
                        registry=registry) as src:
         samples = queue_when_settled(iter(src), registry)
-    assert most // 2 < max(samples) <= most, samples
+    assert most - top_up(most) < max(samples) <= most, samples
 
 
 def test_an_exact_streams_consumer_counts_its_window_in_batches(broker_proc, daemons,

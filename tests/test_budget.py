@@ -28,18 +28,18 @@ def test_the_shares_are_named_fractions_of_one_budget():
 
 def test_a_window_counts_batches_under_2_mib_by_their_bytes():
     """A direct-mode trainer's windows (docs/architecture.md): n batches of 2 MiB or more,
-    else as many as fit in n x 2 MiB, never fewer than n nor more than 16 n."""
+    else as many as fit in n x 2 MiB, never fewer than n nor more than DEPTH (128) n."""
     assert depth(4, 0) == 4, "a size not known yet: counted in batches"
     assert depth(4, SMALL_BATCH) == depth(4, 9_633_792) == 4
     assert depth(4, SMALL_BATCH - 1) == 4
     assert depth(4, 150_528) == 55  # one 224x224x3 image
     assert depth(4, 1_053_724) == 7  # seven of them
-    assert depth(4, 16_000) == depth(4, 1) == DEPTH * 4 == 64
+    assert depth(4, 16_000) == depth(4, 1) == DEPTH * 4 == 512
     b = Budget(32, 64 * MiB)
     assert b.for_unit(10 * MiB) is b and b.for_unit(0) is b
     small = b.for_unit(16_000)
-    assert small == Budget(512, 64 * MiB), "the bytes stay the bound"
-    assert small.new_producers == Share(128, 16 * MiB)
+    assert small == Budget(DEPTH * 32, 64 * MiB), "the bytes stay the bound"
+    assert small.new_producers == Share(DEPTH * 8, 16 * MiB)
 
 
 def test_a_tiny_budget_still_has_room_for_one_batch_everywhere():

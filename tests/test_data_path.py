@@ -67,7 +67,7 @@ def test_n_producers_m_consumers_every_batch_once_intact(broker_proc, daemons, e
     for t in threads:
         t.start()
     try:
-        # Both registered before the data flows: a window of 64 KB batches holds 64 of them
+        # Both registered before the data flows: a window of 64 KB batches holds 128 of them
         # (counted by bytes), so one consumer alone could take the whole stream.
         wait_for(lambda: scrape(port).total("feedline_broker_peers", role="consumer") >= 2,
                  20, what="both consumers registered")

@@ -46,8 +46,8 @@ PRODUCERS = ("p1", "p2", "p3")
 RATE = 40.0  # batches/s offered by each producer
 WINDOW = 4  # the broker's producer window, and each consumer's window
 MAX_BATCHES = 32
-# Batches of 32 KiB (the cluster's default) count by their bytes: each window of 4 holds 64
-# of them, the broker's 32 batches 512 (feedline.serving.budget.depth; docs/reliability.md).
+# Batches of 32 KiB (the cluster's default) count by their bytes: each window of 4 holds 256
+# of them, the broker's 32 batches 2048 (feedline.serving.budget.depth; docs/reliability.md).
 SIZE = 32768
 HELD = depth(WINDOW, SIZE)
 BUDGET = depth(MAX_BATCHES, SIZE)
@@ -302,7 +302,7 @@ def test_latency_100ms_each_way_on_a_producer_link(cluster: Cluster, tmp_path: P
                        lambda: proxy.signal(signal.SIGUSR2), 10.0,
                        guarantee="nothing lost; throughput <= window / round trip")
         # Credit flow control caps a producer at window / RTT: its window of 4 counted for
-        # batches of 32 KiB holds 64, so 320 batches/s, above the 40 it offers: the delay
+        # batches of 32 KiB holds 256, so 1,280 batches/s, above the 40 it offers: the delay
         # costs it nothing (4 / 0.2 s = 20 batches/s when windows counted batches).
         res["window_over_rtt"] = HELD / 0.2
         assert RATE * 0.75 <= res["rate_during_fault"] <= min(RATE, HELD / 0.2) * 1.1, res

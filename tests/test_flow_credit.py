@@ -158,7 +158,7 @@ def test_idle_producers_do_not_keep_the_credit(host, daemons, tmp_path):
     within 10 s), and what they hold stays within the quarter of --max-batches that producers
     which have not sent yet may hold (one each: their own counts say 8 in all; credit
     outstanding <= 8 + the busy one's window, which a broker and a direct-mode trainer count
-    by bytes: up to 16 x 4 of its 1 KB batches).
+    by bytes: up to DEPTH (128) x 4 of its 1 KB batches).
 
     Before: the idle ones hold all 32 credits (8 x window 4 = --max-batches): 0 batches
     delivered in 10 s, credit outstanding stays 32."""

@@ -32,6 +32,7 @@ from feedline import security
 from feedline.commands import top
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.scrape import Scrape, parse
+from feedline.serving.budget import DEPTH
 from tests.ops_support import (
     COMPOSE,
     PROMETHEUS,
@@ -400,8 +401,8 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
     endpoints = [line for line in screen.splitlines() if line.strip().startswith("127.0.0.1:")]
     assert len(endpoints) == 3, screen  # two producer endpoints and the trainer
     # The trainer's queue: "n.n/W", W the compose demo's window of 4 in force (its batches
-    # of 6 KB count by their bytes: 64), and its rate.
-    (consumer,) = [line for line in endpoints if re.search(r"\d\.\d/64 ", line)]
+    # of 6 KB count by their bytes: DEPTH x 4), and its rate.
+    (consumer,) = [line for line in endpoints if re.search(rf"\d\.\d/{DEPTH * 4} ", line)]
     assert float(consumer.split()[1]) > 0, screen
     assert "VERDICT" in screen and "unknown" not in screen
 

@@ -30,6 +30,7 @@ from feedline.link import LinkConfig
 from feedline.metrics import serve_metrics
 from feedline.procs import free_port, wait_for
 from feedline.scrape import Scrape, scrape
+from feedline.serving.budget import DEPTH
 from tests.conftest import ROOT
 from tests.ops_support import Prometheus, needs_prometheus, scrape_config
 
@@ -161,7 +162,7 @@ def test_top_shows_each_stream_and_each_consumers_stream(two_streams: TwoStreams
     assert set(rows) == {"default", "val"}, screen
     # The broker's batch limit in force: its 32, small batches counted by their bytes.
     cap = second[two_streams.broker_url].get("feedline_broker_buffer_capacity_batches")
-    assert cap is not None and 32 <= cap <= 16 * 32, cap
+    assert cap is not None and 32 <= cap <= DEPTH * 32, cap
     # batches/s, buffered, producers, consumers, exact epoch, units done, duplicates
     for name, producers in (("default", 1), ("val", 2)):
         rate, buffered, prods, cons, *_ = rows[name]
@@ -200,13 +201,13 @@ def test_top_lists_a_direct_mode_trainer_as_broker_and_consumer(tmp_path: Path,
         screen = out.stdout
         assert f"PRODUCERS (as direct-mode trainer {direct.url}" in screen, screen
         assert re.search(r"^\s+to-direct\s+[\d.]+", screen, re.M), screen
-        assert re.search(r"BROKER \(direct mode\)  buffer \d+/64 batches", screen), screen
+        assert re.search(rf"BROKER \(direct mode\)  buffer \d+/{DEPTH * 4} batches", screen), screen
         assert "CONSUMERS" in screen, screen
         (row,) = [line for line in screen.splitlines()
                   if line.strip().startswith(f"127.0.0.1:{direct.port}")]
         # Its queue over the window in force: the default 4, its small batches counted by
         # their bytes (64; before, the queue read "64.0/4").
-        assert re.search(r"\d\.\d/64 ", row) and row.split()[-1] == "default", screen
+        assert re.search(rf"\d\.\d/{DEPTH * 4} ", row) and row.split()[-1] == "default", screen
         verdict = next(line for line in screen.splitlines() if line.startswith("VERDICT"))
         assert "unknown" not in verdict, screen
     finally:

@@ -292,7 +292,9 @@ def test_two_ranks_share_the_stream_without_overlap(thread_broker, endpoints, tm
                                                      caplog):
     thread_broker()
     caplog.set_level(logging.INFO, logger="feedline.broker")
-    n = 60
+    # More than a rank's window holds (2, counted by bytes: 256 of these), so that the rank
+    # that registers first cannot take them all before the other registers.
+    n = 600
     _send([(np.full((4, 4), i, np.float32), np.full(4, i, np.int64)) for i in range(n)],
           endpoints.ingress)
     script = tmp_path / "rank.py"

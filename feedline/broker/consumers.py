@@ -2,7 +2,7 @@
 
 A :class:`Consumer`'s window counts small batches by their bytes
 (:func:`feedline.serving.budget.depth`), for the largest batch delivered to it: a window of 4
-holds 64 batches of 16 KB and 4 of 9.6 MB. An :class:`Orphan` is what a consumer that is gone
+holds 512 batches of 16 KB and 4 of 9.6 MB. An :class:`Orphan` is what a consumer that is gone
 (dropped, or registered again on its connection) still has in flight
 (:mod:`feedline.broker.egress`).
 """

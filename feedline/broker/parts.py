@@ -4,11 +4,14 @@ A broker keeps a bundle (:mod:`feedline.bundle`) as it arrived and sends it whol
 consumer that takes bundles and has room for all of it. It splits one:
 
 - for a consumer that takes fewer batches in one delivery (an older one: none, so plain
-  batches), or whose whole window is smaller than the bundle: into parts every consumer of
-  the stream can be sent (:func:`split_for`);
-- for a consumer that holds less than half its window and has room for part of it: the part
-  that fills its window goes first (:func:`fill_for`). One that holds more waits for room
-  for the whole bundle: splitting at every batch it takes would send it a batch at a time.
+  batches), or whose whole window is smaller than the bundle, and when a stream has several
+  consumers (the ranks of a job: each gets an equal part, as it would get its batches in
+  turn one by one): into parts every consumer of the stream can be sent (:func:`split_for`);
+- for a consumer that has room for part of it, and holds less than half its window or has
+  an eighth of it free: the part that fills its window goes first (:func:`fill_for`). One
+  with less room waits for room for more: splitting at every batch it takes would send it a
+  batch at a time (a consumer slower than its producers reports every take). So a consumer
+  that stops taking holds its window, or less by under an eighth of it.
 
 Each part gets a header of its own (its first sequence number, its count; a part of one is
 a plain batch); the array frames are the bundle's own (no copy). The parts weigh what they
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 from feedline import bundle
 from feedline.broker.consumers import Consumer
 from feedline.codec import Limits
-from feedline.serving.budget import depth
+from feedline.serving.budget import depth, top_up
 from feedline.serving.held import Held
 
 
@@ -30,7 +33,9 @@ def split_for(consumers: Sequence[Consumer], item: Held, unit: int,
               cap_batches: int) -> list[int] | None:
     """The part sizes of ``item`` every one of ``consumers`` can be sent whole (batches of
     ``unit`` bytes each), or None if each can be sent it whole."""
-    most = item.count
+    # Several consumers of a stream (the ranks of a job) get an equal part of it each, as
+    # they would get its batches in turn one by one.
+    most = -(-item.count // len(consumers)) if consumers else item.count
     for c in consumers:
         most = min(most, c.whole(unit, cap_batches))
     if most >= item.count:
@@ -40,13 +45,15 @@ def split_for(consumers: Sequence[Consumer], item: Held, unit: int,
 
 
 def fill_for(consumers: Sequence[Consumer], item: Held, unit: int) -> list[int] | None:
-    """The part of ``item`` that fills the window of the first of ``consumers`` holding less
-    than half of it, and the rest; None if there is none."""
+    """The part of ``item`` that fills the window of the first of ``consumers`` that holds
+    less than half of it or has an eighth of it free (budget.top_up, as a producer's window
+    is topped up), and the rest; None if there is none."""
     for c in consumers:
         held = c.delivered - c.taken
         most = depth(c.window, unit if unit > c.largest else c.largest)
-        if 0 < most - held < item.count and 2 * held < most:
-            return [most - held, item.count - most + held]
+        room = most - held
+        if 0 < room < item.count and (2 * held < most or room >= top_up(most)):
+            return [room, item.count - room]
     return None
 
 

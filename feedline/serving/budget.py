@@ -25,10 +25,12 @@ planner (:mod:`feedline.serving.tensorpack`), within the same shares.
 A broker's and a direct-mode trainer's windows count small batches by their bytes
 (:func:`depth`; the credit planner's ``by_bytes``): a window of ``n`` batches holds ``n`` batches of
 :data:`SMALL_BATCH` (2 MiB) or more, and as many smaller ones as fit in ``n`` x 2 MiB, at most
-:data:`DEPTH` x ``n``. A 16 KB batch costs its credit's round trip (two thread wake-ups) more
-than its copy: four of them in flight leave the wire idle, while four 9.6 MB batches keep it
-busy. The bytes bound is unchanged; what a window's count of small batches costs beyond
-their bytes is a Python object each.
+:data:`DEPTH` x ``n`` (so batches of 16 KB and more count by their bytes alone). A 16 KB
+batch costs its credit's round trip (two thread wake-ups) more than its copy: four of them in
+flight leave the wire idle, while four 9.6 MB batches keep it busy; and a bundle of them
+(:mod:`feedline.bundle`) is only as large as the credit a producer holds. The bytes bound is
+unchanged; what a window's count of small batches costs beyond their bytes is a Python
+object each.
 
 Pure values: no clock, no sockets. Batches and bytes always come in that order.
 """
@@ -41,7 +43,7 @@ from feedline.codec import Limits
 from feedline.errors import ConfigError
 
 SMALL_BATCH = 2 << 20  # bytes: a batch this large or larger counts as one in a window
-DEPTH = 16  # a window of n batches holds at most DEPTH x n small batches
+DEPTH = 128  # a window of n batches holds at most DEPTH x n small batches (was 16)
 
 
 def depth(batches: int, unit: int) -> int:

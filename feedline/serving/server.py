@@ -35,7 +35,7 @@ from feedline import endpoints, security
 from feedline.codec import Limits
 from feedline.errors import ConfigError
 from feedline.security import ServerKeys
-from feedline.serving.budget import DEPTH, Budget
+from feedline.serving.budget import Budget
 from feedline.serving.endpoint import Endpoint, Refusals, Side
 from feedline.serving.exact_streams import ExactConfig, ExactStreams
 from feedline.serving.metrics import BrokerMetrics
@@ -112,6 +112,9 @@ class ServingConfig:
     whole: bool = False  # the sink takes a bundle as one item (a broker: IngressConfig.whole)
 
 
+PIPE_DEPTH = 16  # messages a connection's pipe holds per batch of a producer's window
+
+
 class Server:
     """The core of one host, used from the host's loop thread only (a socket belongs to one
     thread). A constructor that fails (an address in use, bad keys, an exposed address)
@@ -136,8 +139,11 @@ class Server:
                 denied = metrics.curve_denied
                 self._auth = cfg.curve.authenticator(ctx, on_denied=lambda _a, _k: denied.inc())
             # A producer has at most its window of batches in flight (small ones counted by
-            # bytes if ``by_bytes``: budget.depth), plus a few controls.
-            window = DEPTH * cfg.producer_window if cfg.by_bytes else cfg.producer_window
+            # bytes if ``by_bytes``: budget.depth), plus a few controls; small batches mostly
+            # in bundles, so the pipe holds 16 messages a window's batch, not DEPTH: a
+            # connection that floods cannot make libzmq hold more (one that sends small
+            # batches one by one is slowed by TCP, not refused).
+            window = PIPE_DEPTH * cfg.producer_window if cfg.by_bytes else cfg.producer_window
             self.ingress = self.bind(cfg.ingress, "ingress", cfg.how.ingress, zmq.ROUTER,
                                      rcvhwm=window + 16,
                                      max_message=cfg.budget.max_message(cfg.limits))
