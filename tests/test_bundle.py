@@ -585,3 +585,31 @@ def test_a_buffered_bundle_counts_as_its_batches_and_is_evicted_whole():
     assert [h.count for h in dropped] == [5]
     assert (buf.batches, buf.nbytes, buf.by_stream()) == (1, 11, {"s": (1, 11)})
     assert buf.pop("s").count == 1 and buf.batches == 0
+
+
+def test_the_consumers_of_a_stream_get_equal_parts_of_a_bundle_once():
+    """Two consumers (ranks) that take bundles: one of 8 goes as two parts of 4, one to each;
+    the parts are not split again (halving a part at every turn would end in single
+    batches)."""
+    sent: list[tuple[bytes, list]] = []
+
+    def send(ident: bytes, frames: list) -> int:
+        sent.append((ident, frames))
+        return 0
+
+    side = ConsumerSide(send, Buffer(), BrokerMetrics(CollectorRegistry()), wire.DEFAULT_LIMITS,
+                        Budget(64, 1 << 26), 16, 5, lambda *_: None)
+    for reg, ident in enumerate((b"r0", b"r1"), 1):
+        side.on_message(ident, [zmq.Frame(m.encode(m.ConsumerHello(
+            consumer=ident.decode(), session=reg, window=4, max_bytes=1 << 30,
+            registration=reg, bundle=MAX_BUNDLE)))], -1, 0.0)
+    frames = bundle_frames([wire.prepare_batch(dp) for dp in _datapoints(8)], producer=PID,
+                           session=1, seq=0, epoch=0)
+    side.buffer.push("default", Held(frames, sum(len(f) for f in frames), 8 * 72, 1, 0,
+                                     count=8))
+    sent.clear()
+    assert side.dispatch(1.0) == 8
+    got = {ident: wire.header_map(f[1]) for ident, f in sent}
+    assert {ident: (h["s"], h["n"]) for ident, h in got.items()} == {b"r0": (0, 4),
+                                                                      b"r1": (4, 4)}
+    assert side.metrics.split_bundles.value == 1

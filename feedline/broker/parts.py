@@ -34,8 +34,11 @@ def split_for(consumers: Sequence[Consumer], item: Held, unit: int,
     """The part sizes of ``item`` every one of ``consumers`` can be sent whole (batches of
     ``unit`` bytes each), or None if each can be sent it whole."""
     # Several consumers of a stream (the ranks of a job) get an equal part of it each, as
-    # they would get its batches in turn one by one.
-    most = -(-item.count // len(consumers)) if consumers else item.count
+    # they would get its batches in turn one by one (of a bundle as it came: not again of a
+    # part, which would halve it down to single batches).
+    most = item.count
+    if len(consumers) > 1 and not item.part:
+        most = -(-item.count // len(consumers))
     for c in consumers:
         most = min(most, c.whole(unit, cap_batches))
     if most >= item.count:
@@ -63,5 +66,5 @@ def split(item: Held, sizes: list[int], limits: Limits) -> list[Held]:
     out = []
     for i, frames in enumerate(bundle.split(item.frames, limits, sizes)):
         out.append(Held(frames, sum(len(f) for f in frames), sizes[i] * per, item.session,
-                        item.gap if i == 0 else 0, count=sizes[i]))
+                        item.gap if i == 0 else 0, count=sizes[i], part=True))
     return out

@@ -22,6 +22,7 @@ class Held:
     # Batches in it: a broker keeps a bundle (feedline.bundle) whole, [header, arrays...] of
     # ``count`` batches, and forwards it whole to a consumer that takes bundles.
     count: int = 1
+    part: bool = False  # a part of a bundle the broker split (feedline.broker.parts)
 
 
 Send = Callable[[bytes, list[Any]], int]  # 0 sent, zmq.EAGAIN full, zmq.EHOSTUNREACH gone
