@@ -131,11 +131,16 @@ def start_fleet(daemons, cfg: Path, ingress: str, metrics: str, fleet: str, lo: 
 def test_fleet_follows_fast_slow_fast_demand(daemons, tmp_path: Path) -> None:
     cfg = tmp_path / "paced.yaml"
     cfg.write_text(yaml.safe_dump(PACED))
-    ingress, egress, metrics, _ = start_broker(daemons, tmp_path)
+    # The broker's budget of 4 holds 512 of these 10 KB batches and the trainer's window of 1
+    # holds 128 (counted by bytes: budget.depth): what 32 and 8 held before the count went
+    # to 128 per batch of a window. What is buffered hides a rise in demand from the broker's
+    # sizer until the trainer has drained it (32 and 8 hold 4,096 and 1,024 of them now:
+    # with the defaults, the fleet followed 24 s into the fast phase, past the 20 s asked).
+    ingress, egress, metrics, _ = start_broker(daemons, tmp_path, "--max-batches", "4")
     fleet = start_fleet(daemons, cfg, ingress, metrics, "A", 1, 6)
     trainer_port = free_port()
     phase = 35.0
-    daemons("feedline.commands", "drain", "--broker", egress, "--window", "8",
+    daemons("feedline.commands", "drain", "--broker", egress, "--window", "1",
             "--schedule", f"{phase}:{FAST},{phase}:{SLOW},{phase}:{FAST}",
             "--metrics-port", trainer_port, "--log-interval", "5", name="trainer")
     watch = Watch(metrics, f"http://127.0.0.1:{trainer_port}/metrics")
