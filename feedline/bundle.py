@@ -79,7 +79,7 @@ def bundle_frames(prepared: Sequence[Prepared], *, producer: bytes, session: int
     frames: list[Any] = [head + first.tail]
     if first.nbytes <= JOIN_BYTES:
         for j in range(len(first.arrays)):
-            frames.append(b"".join([p.arrays[j] for p in prepared]))
+            frames.append(b"".join([p.arrays[j].data for p in prepared]))
     else:
         for p in prepared:
             frames.extend(p.arrays)

@@ -135,7 +135,8 @@ def test_fleet_follows_fast_slow_fast_demand(daemons, tmp_path: Path) -> None:
     # holds 128 (counted by bytes: budget.depth): what 32 and 8 held before the count went
     # to 128 per batch of a window. What is buffered hides a rise in demand from the broker's
     # sizer until the trainer has drained it (32 and 8 hold 4,096 and 1,024 of them now:
-    # with the defaults, the fleet followed 24 s into the fast phase, past the 20 s asked).
+    # with the broker's default budget the fleet followed 21-24 s into the fast phase, past
+    # the 20 s asked).
     ingress, egress, metrics, _ = start_broker(daemons, tmp_path, "--max-batches", "4")
     fleet = start_fleet(daemons, cfg, ingress, metrics, "A", 1, 6)
     trainer_port = free_port()

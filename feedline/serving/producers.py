@@ -249,8 +249,8 @@ class ProducerSide:
                 raise Refusal("bad_header", "session changed without HELLO")
         except Refusal as e:
             # Counted as the batches it says it holds, as its producer counted them.
-            n = header.get("n")
-            for i in range(n if type(n) is int and 1 <= n <= most else 1):
+            said = header.get("n")
+            for i in range(said if type(said) is int and 1 <= said <= most else 1):
                 self._charge(p, 0 if i else sum(len(f) for f in frames), now)
             s = header.get("s")
             self._refuse(p, e, s if type(s) is int and s >= 0 else -1)
