@@ -386,9 +386,10 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
     assert all(s.error is None for s in first.values()), first
     second: dict[str, Scrape] = {}
 
-    def moved_on() -> bool:
+    def moved_on() -> bool:  # and half a second apart: rates over no time read 0
         second.update(top.snapshot(urls))
-        return forwarded(second) >= forwarded(first) + 20
+        return forwarded(second) >= forwarded(first) + 20 and \
+            min(s.time for s in second.values()) - max(s.time for s in first.values()) >= 0.5
     wait_for(moved_on, 30, interval=0.2, what="20 more batches")
     screen = top.render(first, second)
 
