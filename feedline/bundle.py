@@ -171,20 +171,16 @@ def check_bundle(frames: Sequence[Any], limits: Limits, header: dict,
     layout, so only its frames' lengths (and a bool array's bytes) are left to check.
     Returns (the batches, one batch's array bytes); raises DecodeError."""
     n, per, specs, joined = _parts(frames, limits, header, most)
-    in_order = _in_order(header.get("d"), per)
+    slots = _slots(frames, specs, n) if joined else []
+    first = [buf[:size] for buf, size in slots] if joined else frames[1:1 + per]
+    _, nbytes = _batch(first, specs, header, limits, _in_order(header.get("d"), per))
+    if n * nbytes > limits.max_message_bytes:
+        raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
     if joined:
-        slots = _slots(frames, specs, n)
-        _, nbytes = _batch([buf[:size] for buf, size in slots], specs, header, limits,
-                           in_order)
-        if n * nbytes > limits.max_message_bytes:
-            raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
         for (dt, _), (buf, _) in zip(specs, slots, strict=True):
             if dt.kind == "b":  # every batch's at once
                 check_bools(np.frombuffer(buf, np.bool_))
         return n, nbytes
-    _, nbytes = _batch(frames[1:1 + per], specs, header, limits, in_order)
-    if n * nbytes > limits.max_message_bytes:
-        raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
     lengths = [len(_bytes_of(f)) for f in frames]
     if lengths[1:] != lengths[1:1 + per] * n:  # each batch's frames as long as the first's
         i = next(i for i in range(1, len(frames)) if lengths[i] != lengths[1 + (i - 1) % per])
