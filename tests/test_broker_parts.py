@@ -8,7 +8,7 @@ import pytest
 
 from feedline.broker.buffer import Buffer
 from feedline.errors import Refusal
-from feedline.serving.budget import Budget, depth, top_up
+from feedline.serving.budget import SMALL_BATCH, Budget, depth, top_up
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
@@ -56,7 +56,7 @@ def test_what_is_held_already_counts_against_the_budget():
 
 
 def test_a_trainers_planner_counts_small_batches_by_their_bytes():
-    """by_bytes (direct mode): a producer of 16 KB batches may hold 512 (4 x 2 MiB) where a
+    """by_bytes (direct mode): a producer of 16 KB batches may hold 512 (128 x 4) where a
     planner counting batches gives 4; the budget's batches count the same way, by the
     largest batches of the producers registered; a producer of large batches brings both
     back, and the count stays when the producers leave (what was granted under it may still
@@ -70,7 +70,7 @@ def test_a_trainers_planner_counts_small_batches_by_their_bytes():
     cp.plan(0.0, 0, 0)
     window, count = depth(4, 16_000), depth(8, 16_000)
     assert totals(cp)[0] == window == 512 and cp.budget.max_batches == count == 1024
-    start(cp, b"large", 4 * MiB)
+    start(cp, b"large", SMALL_BATCH)
     cp.plan(0.0, 0, 0)
     assert cp.budget == Budget(8, 64 * MiB)
     assert cp.producers[b"large"].outstanding == 0, "512 outstanding: nothing is free"

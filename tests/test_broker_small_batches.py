@@ -1,7 +1,7 @@
 """A broker counts small batches by their bytes, as a direct-mode trainer does.
 
-A window of ``n`` batches holds ``n`` batches of 2 MiB or more and as many smaller ones as fit
-in ``n`` x 2 MiB, at most 128 ``n`` (:func:`feedline.serving.budget.depth`): each producer's
+A window of ``n`` batches holds ``n`` batches of 8 MiB or more and as many smaller ones as fit
+in ``n`` x 8 MiB, at most 128 ``n`` (:func:`feedline.serving.budget.depth`): each producer's
 window, the budget's batches, a consumer's window and the per-consumer share. What a broker
 may keep of an unread stream is counted for the deepest count its budget has had, so that a
 producer of large batches joining cannot make it evict batches it granted to small ones.
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from feedline.broker.consumers import Consumer
 from feedline.consumer import RemoteDataZMQ
 from feedline.procs import wait_for
-from feedline.serving.budget import DEPTH, Budget, depth, top_up
+from feedline.serving.budget import DEPTH, SMALL_BATCH, Budget, depth, top_up
 from feedline.serving.credit import CreditPlanner
 from tests.flow_support import (
     FAST,
@@ -35,8 +35,8 @@ MiB = 1 << 20
 
 
 def test_a_consumers_window_counts_small_batches_by_the_largest_it_was_sent():
-    """Window 4, caps of 16 batches and 64 MiB: 512 batches of 16 KB fit (4 x 2 MiB), not
-    513; a 4 MiB batch then waits until fewer than 4 are in flight (the count for the largest
+    """Window 4, caps of 16 batches and 64 MiB: 512 batches of 16 KB fit (128 x 4), not
+    513; an 8 MiB batch then waits until fewer than 4 are in flight (the count for the largest
     batch, this one included: the consumer, counting the same batches, never finds more than
     its window)."""
     c = Consumer(ident=b"c", name="c", session=1, registration=1, stream="default",
@@ -49,18 +49,18 @@ def test_a_consumers_window_counts_small_batches_by_the_largest_it_was_sent():
         c.inflight_bytes += 16_000
         c.largest = 16_000
     assert not c.room(16_000, 64 * MiB, 16), "513 batches of 16 KB in a window of 4"
-    assert not c.room(4 * MiB, 64 * MiB, 16)
+    assert not c.room(SMALL_BATCH, 64 * MiB, 16)
     c.taken = held - 3  # 3 in flight
     c.inflight_bytes = 3 * 16_000
-    assert c.room(4 * MiB, 64 * MiB, 16)
-    c.largest = 4 * MiB
+    assert c.room(SMALL_BATCH, 64 * MiB, 16)
+    c.largest = SMALL_BATCH
     c.taken = held - 4  # 4 in flight: a window of 4 large batches is full
     assert not c.room(16_000, 64 * MiB, 16), "the count stays for the largest batch sent"
 
 
 def test_a_brokers_eviction_share_never_shrinks_under_what_it_granted():
     """A broker's planner (by bytes): 50 tiny batches of an unread stream are held under a
-    count of 4,096 (DEPTH x 32); a producer of 4 MiB batches joins and the count for
+    count of 4,096 (DEPTH x 32); a producer of 8 MiB batches joins and the count for
     granting falls back to 32, but what the broker may keep of the stream stays counted for
     4,096 (before: its share fell to 32 and the broker evicted 18 of the 50 it had
     granted)."""
@@ -70,8 +70,8 @@ def test_a_brokers_eviction_share_never_shrinks_under_what_it_granted():
     cp.plan(0.0, 0, 0, {}, unread={"default"})
     assert cp.budget.max_batches == DEPTH * 32
     cp.leave(b"tiny")
-    cp.join(b"large", declared=4 * MiB)
-    cp.want(b"large", sent=0, sent_bytes=0, size=4 * MiB)
+    cp.join(b"large", declared=SMALL_BATCH)
+    cp.want(b"large", sent=0, sent_bytes=0, size=SMALL_BATCH)
     held = {"default": (50, 50 * 100)}
     cp.plan(0.0, 50, 50 * 100, held, unread={"default"})
     assert cp.budget.max_batches == 32, "granting counts for the large batches now"
@@ -83,7 +83,7 @@ def test_a_brokers_eviction_share_never_shrinks_under_what_it_granted():
 def test_a_producer_of_large_batches_joining_evicts_nothing_granted(broker_proc, daemons,
                                                                      tmp_path, endpoints):
     """End to end: 50 tiny batches arrive while nobody reads their stream (their producer
-    is done and gone), then a producer of 4 MiB batches registers. A consumer that comes
+    is done and gone), then a producer of 8 MiB batches registers. A consumer that comes
     later gets all 50 and the large ones; the broker evicted none (the same with the eviction
     share counted for the budget now: 18 evicted)."""
     _, metrics = start_broker(broker_proc)
@@ -93,7 +93,7 @@ def test_a_producer_of_large_batches_joining_evicts_nothing_granted(broker_proc,
              what="the 50 tiny batches")
     wait_for(lambda: not tiny.alive(), 20, what="the tiny producer's exit")
     start_producer(daemons, endpoints.ingress, fake_yaml(
-        tmp_path, "large", [[1024, 1024]], ["float32"], size=3, epochs=1), "large")
+        tmp_path, "large", [[2048, 1024]], ["float32"], size=3, epochs=1), "large")
     wait_for(lambda: metrics.value("feedline_broker_peers", role="producer") >= 1, 20,
              what="the large producer's registration")
     time.sleep(1.0)  # shares are enforced on the broker's tick (0.2 s here): five of them
@@ -109,13 +109,13 @@ def test_a_producer_of_large_batches_joining_evicts_nothing_granted(broker_proc,
 
 @pytest.mark.parametrize("shape, most", [
     ([1], DEPTH * 2),  # tiny batches: the window of 2 counts them by bytes
-    ([3 * MiB], 2),  # batches over 2 MiB: 2, one by one
+    ([9 * MiB], 2),  # batches over 8 MiB: 2, one by one
 ])
 def test_a_consumer_that_stops_taking_holds_its_window_counted_by_bytes(
         broker_proc, daemons, tmp_path, endpoints, shape, most):
     """Via a broker, as in direct mode (test_direct_mode.py): a model that took one batch
-    and stopped has at most its window of batches queued, counted by bytes: 32 tiny ones
-    with a window of 2, 2 of 3 MiB. Before, the broker sent 2 tiny batches at a time and
+    and stopped has at most its window of batches queued, counted by bytes: 256 tiny ones
+    with a window of 2, 2 of 9 MiB. Before, the broker sent 2 tiny batches at a time and
     the credit round trip set their rate. Tiny batches come in bundles, and a broker splits
     one to fill a window only once an eighth of it is free (feedline.broker.parts): the
     consumer may hold less than its window by less than an eighth of it."""

@@ -26,14 +26,16 @@ def test_the_shares_are_named_fractions_of_one_budget():
     assert b.per_stream(100, read=False) == Share(1, 64 * MiB // 200)
 
 
-def test_a_window_counts_batches_under_2_mib_by_their_bytes():
-    """A direct-mode trainer's windows (docs/architecture.md): n batches of 2 MiB or more,
-    else as many as fit in n x 2 MiB, never fewer than n nor more than DEPTH (128) n."""
+def test_a_window_counts_batches_under_8_mib_by_their_bytes():
+    """A direct-mode trainer's windows (docs/architecture.md): n batches of 8 MiB or more,
+    else as many as fit in n x 8 MiB, never fewer than n nor more than DEPTH (128) n."""
     assert depth(4, 0) == 4, "a size not known yet: counted in batches"
     assert depth(4, SMALL_BATCH) == depth(4, 9_633_792) == 4
     assert depth(4, SMALL_BATCH - 1) == 4
-    assert depth(4, 150_528) == 55  # one 224x224x3 image
-    assert depth(4, 1_053_724) == 7  # seven of them
+    assert depth(4, 150_528) == 222  # one 224x224x3 image
+    assert depth(4, 1_053_724) == 31  # seven of them
+    assert depth(4, 65_536) == DEPTH * 4, "64 KiB and more: counted by bytes alone"
+    assert depth(4, 65_537) < DEPTH * 4
     assert depth(4, 16_000) == depth(4, 1) == DEPTH * 4 == 512
     b = Budget(32, 64 * MiB)
     assert b.for_unit(10 * MiB) is b and b.for_unit(0) is b

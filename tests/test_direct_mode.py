@@ -65,13 +65,13 @@ def test_the_same_producer_and_yaml_feed_a_trainer_directly(daemons, tmp_path):
 
 @pytest.mark.parametrize("shape, most", [
     ([1], DEPTH * 2),  # tiny batches: the window of 2 counts them by bytes
-    ([3 * MiB], 2),  # batches over 2 MiB: 2, one by one
+    ([9 * MiB], 2),  # batches over 8 MiB: 2, one by one
 ])
 def test_a_trainer_that_stops_taking_holds_its_window_counted_by_bytes(daemons, tmp_path,
                                                                       shape, most):
     """A model that took one batch and stopped: what the trainer queues (and has granted)
     stays within its window, counted by bytes (budget.depth): up to DEPTH (128) x window of tiny
-    batches, the window itself of batches over 2 MiB. Before the bytes count, tiny batches
+    batches, the window itself of batches over 8 MiB. Before the bytes count, tiny batches
     stopped at 2 too, and the credit round trip, not the wire, set their rate."""
     addr = f"tcp://127.0.0.1:{free_port()}"
     cfg = tmp_path / "p.yaml"

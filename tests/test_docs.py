@@ -215,11 +215,11 @@ def test_tensorflow_blocks_run(session: Session):
 
 def test_tensorflow_small_batches_block_states_the_windows_the_planner_uses():
     """The "Small batches" block of docs/tensorflow.md asserts how many batches a window of 4
-    holds at three sizes: it runs against the rule the credit planner applies
+    holds at four sizes: it runs against the rule the credit planner applies
     (feedline.serving.budget.depth; the planner's own use of it is tested in
     tests/test_broker_parts.py and end to end in tests/test_direct_mode.py)."""
     (b,) = [b for b in runnable("tensorflow.md") if "depth(" in b.code]
-    assert b.code.count("assert ") == 3, b.code
+    assert b.code.count("assert ") == 4, b.code
     exec(compile(b.code, b.where, "exec"), {})  # noqa: S102 - the repository's own docs
 
 

@@ -23,7 +23,7 @@ from feedline import wire
 from feedline.procs import wait_for
 from feedline.producer import Sender
 from feedline.producer.outbox import BACKLOG_BYTES, BACKLOG_ITEMS
-from feedline.serving.budget import DEPTH
+from feedline.serving.budget import DEPTH, depth
 from tests.flow_support import (
     ARRAY,
     BATCH,
@@ -31,6 +31,7 @@ from tests.flow_support import (
     HELLO,
     WANT,
     FakeBroker,
+    RAW_BATCH_BYTES,
     RawPeer,
     batch_header,
     broker_credit,
@@ -105,9 +106,10 @@ def test_sender_send_raises_for_a_batch_over_the_limits(host):
 def test_a_refused_batch_returns_its_credit(host, daemons, tmp_path):
     """Claim: eight producers (hand-played) hold the credit they are given and spend it on
     batches the broker refuses (a datapoint of 3000 scalars). The credit comes back: the
-    outstanding-credit gauge does not grow past what it was, a healthy producer next to them
-    delivers its 20 batches within 20 s, and a refused producer that asks (WANT) is granted
-    credit again and its next, valid, batch is delivered.
+    outstanding-credit gauge ends within the window of the one refused producer whose next
+    batch was valid (the other seven hold nothing), a healthy producer next to them delivers
+    its 20 batches within 20 s, and a refused producer that asks (WANT) is granted credit
+    again and its next, valid, batch is delivered.
 
     Before: the refused batches' credit stays outstanding while their senders heartbeat:
     0 of the healthy producer's 20 batches in 10 s, and no new credit for the refused ones.
@@ -149,7 +151,10 @@ def test_a_refused_batch_returns_its_credit(host, daemons, tmp_path):
     assert healthy == 20, f"healthy producer: {healthy} of 20 batches in 20 s"
     assert again, f"refused producer granted {peers[0].granted} in all, never more"
     assert consumer.counts.get("refused0") == 1, consumer.counts
-    assert gauge <= baseline, (gauge, baseline)
+    # refused0's valid batch earned it its window, counted for the 1 MiB it declared: 32
+    # batches (budget.depth), as many as the baseline's 8 credits when windows held 2 MiB each.
+    assert gauge <= max(baseline, depth(WINDOW, RAW_BATCH_BYTES)), (gauge, baseline)
+    assert [p.granted - p.sent for p in peers[1:]] == [0] * (PRODUCERS - 1)
 
 
 def test_idle_producers_do_not_keep_the_credit(host, daemons, tmp_path):

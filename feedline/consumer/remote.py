@@ -69,7 +69,7 @@ class RemoteDataZMQ:
 
     ``window``: batches this process may hold ahead of the model; ``max_bytes``: bytes it
     may hold (the broker delivers while both allow, and at least one batch at a time).
-    Batches under 2 MiB are counted by their bytes: up to 128 x ``window`` of them
+    Batches under 8 MiB are counted by their bytes: up to 128 x ``window`` of them
     (:func:`feedline.serving.budget.depth`; docs/tensorflow.md, "Small batches"), except an
     exact stream's (one each: its ranks split each epoch).
     ``timeout``: seconds to wait for a batch before raising :class:`ReceiveTimeout`

@@ -24,13 +24,15 @@ planner (:mod:`feedline.serving.tensorpack`), within the same shares.
 
 A broker's and a direct-mode trainer's windows count small batches by their bytes
 (:func:`depth`; the credit planner's ``by_bytes``): a window of ``n`` batches holds ``n`` batches of
-:data:`SMALL_BATCH` (2 MiB) or more, and as many smaller ones as fit in ``n`` x 2 MiB, at most
-:data:`DEPTH` x ``n`` (so batches of 16 KB and more count by their bytes alone). A 16 KB
+:data:`SMALL_BATCH` (8 MiB) or more, and as many smaller ones as fit in ``n`` x 8 MiB, at most
+:data:`DEPTH` x ``n`` (so batches of 64 KiB and more count by their bytes alone). A 16 KB
 batch costs its credit's round trip (two thread wake-ups) more than its copy: four of them in
 flight leave the wire idle, while four 9.6 MB batches keep it busy; and a bundle of them
-(:mod:`feedline.bundle`) is only as large as the credit a producer holds. The bytes bound is
-unchanged; what a window's count of small batches costs beyond their bytes is a Python
-object each.
+(:mod:`feedline.bundle`) is only as large as the credit a producer holds. Batches of 150 KB
+to 1 MB still waited for credit with windows of ``n`` x 2 MiB (55 and 8 batches in flight at
+the default 4): ``n`` x 8 MiB holds no more bytes than a window of 8 MiB batches, and less
+than one of the 9.6 MB batches of 64 images. The bytes bound is unchanged; what a window's
+count of small batches costs beyond their bytes is a Python object each.
 
 Pure values: no clock, no sockets. Batches and bytes always come in that order.
 """
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from feedline.codec import Limits
 from feedline.errors import ConfigError
 
-SMALL_BATCH = 2 << 20  # bytes: a batch this large or larger counts as one in a window
+SMALL_BATCH = 8 << 20  # bytes: a batch this large or larger counts as one in a window (was 2 MiB)
 DEPTH = 128  # a window of n batches holds at most DEPTH x n small batches (was 16)
 
 
