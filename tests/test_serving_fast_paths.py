@@ -4,6 +4,9 @@
   remembers the budget's per-stream shares: after every step of a random history the tally,
   each stream's room and the new producers' room equal what the per-producer properties and
   ``Budget.per_stream`` say, computed here from scratch the way the planner did before.
+- The planner grants a top-up in bulk once a single producer is left that can take more
+  (:meth:`CreditPlanner._more_of`): the same grants, in every plan of a random history, as
+  giving it one credit per pass over the producers.
 - The broker sends a batch without a gap behind the DELIVER envelope it built once for the
   consumer's registration: the same bytes as encoding that Deliver, for every registration;
   a batch after a gap gets its own.
@@ -209,10 +212,10 @@ _MODEL = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPlannerTally = planner_model(Budget(12, 12_000), st.integers(1, 3000), 6000,
                                  by_bytes=False).TestCase
 TestPlannerTally.settings = _MODEL
-# A broker's and a direct-mode trainer's: batches on both sides of 2 MiB, small ones counted
-# by bytes, and a producer of large batches joining and leaving changes the count.
+# A broker's and a direct-mode trainer's: batches on both sides of 8 MiB (SMALL_BATCH), small
+# ones counted by bytes, and a producer of large batches joining and leaving changes the count.
 TestPlannerTallyByBytes = planner_model(
-    Budget(12, 60 << 20), st.one_of(st.integers(1, 3000), st.integers(1 << 20, 5 << 20)),
+    Budget(12, 60 << 20), st.one_of(st.integers(1, 3000), st.integers(1 << 20, 10 << 20)),
     24 << 20, by_bytes=True, first=st.integers(1, 3000)).TestCase
 TestPlannerTallyByBytes.settings = settings(_MODEL, max_examples=200)  # top-ups are rarer
 
@@ -357,3 +360,64 @@ def test_the_buffers_kept_totals_are_what_a_walk_of_it_counts(ops) -> None:
         assert buf.by_stream() == _walked(buf)
         assert buf.batches == sum(b for b, _ in _walked(buf).values())
         assert buf.nbytes == sum(y for _, y in _walked(buf).values())
+
+
+class OneAtATime(CreditPlanner):
+    """The planner without its bulk top-up: one credit per producer per pass, to the end."""
+
+    BULK = False
+
+
+SIZES = st.sampled_from([100, 16_000, 150_528, 1 << 20, 9 << 20])
+# Batches arrive most often, as they do, of a part of the bytes of credit their producer
+# holds (a whole one can be more than its unit: the bytes it asked for). held: what the host
+# holds, as a part of the budget.
+OPS = st.lists(st.tuples(st.sampled_from(["batch"] * 6 + ["want", "rejoin", "returned"]),
+                         st.sampled_from(KEYS[:3]), SIZES,
+                         st.sampled_from([0.1, 0.5, 1.0]),
+                         st.sampled_from([0.0, 0.0, 0.25, 0.5, 0.9])), min_size=10, max_size=150)
+
+
+@settings(max_examples=300, deadline=None)
+@given(max_batches=st.sampled_from([4, 32, 128]),
+       max_bytes=st.sampled_from([1 << 20, 64 << 20, 1 << 30]),
+       window=st.sampled_from([1, 4, 16]), by_bytes=st.booleans(),
+       joins=st.lists(st.tuples(SIZES, st.sampled_from(STREAMS[:2])), min_size=3, max_size=3),
+       ops=OPS)
+def test_a_bulk_top_up_grants_what_one_credit_per_pass_grants(
+        max_batches: int, max_bytes: int, window: int, by_bytes: bool,
+        joins: list[tuple[int, str]], ops: list[tuple[str, bytes, int, float, float]]) -> None:
+    budget = Budget(max_batches, max_bytes)
+    bulk = CreditPlanner(budget, window, 1.0, by_bytes=by_bytes)
+    ref = OneAtATime(budget, window, 1.0, by_bytes=by_bytes)
+    streams = {key: stream for key, (_, stream) in zip(KEYS[:3], joins, strict=True)}
+    for key, (size, stream) in zip(KEYS[:3], joins, strict=True):
+        for cp in (bulk, ref):
+            cp.join(key, size, stream)
+            cp.want(key, 0, 0, size)
+    now = 0.0
+    for op, key, size, part, held in ops:
+        now += 0.1
+        p = ref.producers[key]
+        if op == "want":
+            assert bulk.want(key, p.received, p.received_bytes, size) \
+                == ref.want(key, p.received, p.received_bytes, size)
+        elif op == "batch" and p.outstanding > 0:
+            nbytes = max(1, int(part * p.reserved))
+            assert bulk.batch(key, nbytes, now) == ref.batch(key, nbytes, now)
+        elif op == "rejoin":  # a new registration of it, which asks for credit
+            for cp in (bulk, ref):
+                cp.leave(key)
+                cp.join(key, size, streams[key])
+                cp.want(key, 0, 0, size)
+        elif op == "returned":
+            sent, sent_bytes = p.received, p.received_bytes
+            assert bulk.returned(key, sent, sent_bytes) == ref.returned(key, sent, sent_bytes)
+        hb, hy = int(held * max_batches), int(held * max_bytes)
+        by_stream = {"a": (hb, hy)}
+        unread = {"b"} if held == 0.25 else set()
+        got, want = (cp.plan(now, hb, hy, by_stream, unread) for cp in (bulk, ref))
+        assert sorted(got.grants) == sorted(want.grants) and got.revokes == want.revokes
+        assert {k: (q.granted, q.granted_bytes) for k, q in bulk.producers.items()} \
+            == {k: (q.granted, q.granted_bytes) for k, q in ref.producers.items()}
+        assert (bulk.blocked, bulk.due) == (ref.blocked, ref.due)

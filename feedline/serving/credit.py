@@ -53,11 +53,15 @@ from __future__ import annotations
 from typing import Any
 
 from feedline.serving.budget import TOP_UP, Budget, Share, depth, top_up
-from feedline.serving.producer_credit import Plan, ProducerCredit
+from feedline.serving.producer_credit import Plan, ProducerCredit, fits_fresh
 
 
 class CreditPlanner:
     """Credit of every registered producer, by key (the broker uses ROUTER identities)."""
+
+    # A top-up given at once to the last producer that can take more, rather than one credit
+    # per pass (the same grants: tests/test_serving_fast_paths.py compares with False).
+    BULK = True
 
     def __init__(self, budget: Budget, window: int, lease: float,
                  by_bytes: bool = False) -> None:
@@ -263,7 +267,7 @@ class CreditPlanner:
             need_b = 1 if p.short_batch else 0
             sr = room[p.stream]
             if need_b <= min(free_b, sr[0]) and p.short_bytes <= min(free_y, sr[1]) \
-                    and self._fits_fresh(p, fresh, need_b, p.short_bytes):
+                    and fits_fresh(p, fresh, need_b, p.short_bytes):
                 p.granted += need_b
                 p.granted_bytes += p.short_bytes
                 free_b, free_y = free_b - need_b, free_y - p.short_bytes
@@ -274,12 +278,14 @@ class CreditPlanner:
                 grants[key] = None
             else:
                 starving = True
-        # Then one credit at a time, fewest outstanding first.
+        # Then one credit at a time, fewest outstanding first (in bulk once a single
+        # producer is left that can take more: _more_of).
         order = sorted(keys, key=lambda k: self.producers[k].outstanding)
         topping: set[bytes] = set()
         progress = True
         while progress and free_b > 0:
             progress = False
+            passed: list[bytes] = []  # granted a credit in this pass
             for key in order:
                 p = self.producers[key]
                 unit = p.unit
@@ -309,7 +315,7 @@ class CreditPlanner:
                 if more > min(free_y, sr[1]):
                     starving = starving or p.outstanding == 0
                     continue
-                if not self._fits_fresh(p, fresh, 1, more):
+                if not fits_fresh(p, fresh, 1, more):
                     continue
                 if p.outstanding == 0:
                     p.held_since = now
@@ -318,7 +324,22 @@ class CreditPlanner:
                 free_b, free_y = free_b - 1, free_y - more
                 sr[0], sr[1] = sr[0] - 1, sr[1] - more
                 grants[key] = None
+                passed.append(key)
                 progress = True
+            if self.BULK and len(passed) == 1 and self.producers[passed[0]].received > 0:
+                # Only one producer could take a credit in this pass (and it is past its slow
+                # start); the others' reasons only grow (less room), so every later pass would
+                # give it one more: what those passes would give, at once (a top-up of a deep
+                # window is tens).
+                p = self.producers[passed[0]]
+                sr = room[p.stream]
+                n = self._more_of(p, min(free_b, sr[0]), min(free_y, sr[1]))
+                more = max(0, (p.outstanding + n) * p.unit - p.reserved) if n else 0
+                p.granted += n
+                p.granted_bytes += more
+                free_b, free_y = free_b - n, free_y - more
+                sr[0], sr[1] = sr[0] - n, sr[1] - more
+                progress = False  # it can take no more, and the others no more than before
         if free_b <= 0 and any(self._could_use(p) for p in self.producers.values()):
             starving = True
         # Room for more would be granted at once: some producer waits, or has room in its
@@ -331,6 +352,13 @@ class CreditPlanner:
         revokes = self._revocations(now) if starving else []
         return Plan(list(grants), revokes)
 
+    def _more_of(self, p: ProducerCredit, batches: int, nbytes: int) -> int:
+        """How many more credits ``p`` may take, given ``batches`` and ``nbytes`` of room:
+        up to its window, and while its bytes, ``(outstanding + n) x unit`` beyond what it
+        has reserved, fit."""
+        by_bytes = (nbytes + p.reserved) // p.unit - p.outstanding
+        return max(0, min(self._window(p) - p.outstanding, batches, by_bytes))
+
     def _window(self, p: ProducerCredit) -> int:
         return depth(self.window, p.unit) if self.by_bytes else self.window
 
@@ -339,17 +367,6 @@ class CreditPlanner:
         have not sent a batch yet may hold together, given what they hold (``b``, ``y``)."""
         share = self._new
         return [share.batches - b, share.nbytes - y, int(b == y == 0)]
-
-    @staticmethod
-    def _fits_fresh(p: ProducerCredit, fresh: list[int], batches: int, nbytes: int) -> bool:
-        """Take ``batches``/``nbytes`` from the fresh room if ``p`` has not sent yet; one
-        batch of any size fits while no fresh producer holds anything."""
-        if p.received > 0:
-            return True
-        if batches > fresh[0] or (nbytes > fresh[1] and not fresh[2]):
-            return False
-        fresh[0], fresh[1], fresh[2] = fresh[0] - batches, fresh[1] - nbytes, 0
-        return True
 
     def _could_use(self, p: ProducerCredit) -> bool:
         return (p.outstanding == 0 and not p.idle and p.revoking_since is None
