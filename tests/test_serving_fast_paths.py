@@ -251,6 +251,30 @@ def test_the_broker_sends_the_envelope_its_registration_would_encode() -> None:
         for (ident, _), gap in zip(sent, gaps, strict=True)], "and they decode as sent"
 
 
+def test_a_taken_counts_the_batches_it_frees_and_plans_only_past_the_wake() -> None:
+    """A consumer's TAKEN (one per delivery) adds the batches it took to ``taken_since``,
+    a bundle's as its batches, and does not set ``freed``: a broker whose last plan was short
+    of room plans again once ``wake`` batches were taken (feedline.broker.core), not at
+    every TAKEN. A HELLO (a consumer came) still sets ``freed``."""
+    sent: list[tuple[bytes, list]] = []
+    side = _consumer_side(sent)
+    side.on_message(b"c", [zmq.Frame(m.encode(m.ConsumerHello(
+        consumer="c", session=5, window=8, max_bytes=1 << 24, registration=1, bundle=8)))],
+        -1, 0.0)
+    assert side.freed
+    for _ in range(3):
+        side.buffer.push("default", Held([b"h", b"x" * 10], 12, 10, 5, 0))
+    side.buffer.push("default", Held([b"h", b"x" * 40], 42, 40, 5, 0, count=4))
+    assert side.dispatch(1.0) == 7
+    side.freed, side.taken_since = False, 0
+    for taken, since in ((2, 2), (3, 3), (7, 7), (7, 7)):
+        side.on_message(b"c", [zmq.Frame(m.encode(m.Taken(taken=taken, waited=0,
+                                                            registration=1)))], -1, 1.0)
+        assert side.taken_since == since and not side.freed
+    c = side.consumers.get(b"c")
+    assert c is not None and c.inflight_bytes == 0, "the bundle left once all taken"
+
+
 class _Sink:
     def __init__(self) -> None:
         self.items: list[Held] = []

@@ -168,13 +168,16 @@ class Broker:
                     server.on_ready([s for s in events if isinstance(s, zmq.Socket)])
                 now = time.monotonic()
                 self.stats.forwarded += self.egress.dispatch(now)
-                # A plan when it may grant more (feedline.serving.credit: ``due``,
-                # ``blocked`` and room freed by a consumer), when something else happened
-                # (``dirty``), and on the clock; not every turn (a plan was 7 us a batch).
-                ing = self.ingress
+                # A plan when it may grant more (feedline.serving.credit: ``due``, and
+                # ``blocked`` with room freed by a consumer: once it took ``wake`` batches, or
+                # came or left), when something else happened (``dirty``), and on the clock;
+                # not every turn (a plan was 7 us a batch).
+                ing, eg = self.ingress, self.egress
                 if ing.dirty or ing.planner.due or now >= next_plan or ing.units.waiting() \
-                        or (ing.planner.blocked and self.egress.freed):
-                    ing.dirty = self.egress.freed = False
+                        or (ing.planner.blocked
+                            and (eg.freed or eg.taken_since >= ing.planner.wake)):
+                    ing.dirty = eg.freed = False
+                    eg.taken_since = 0
                     next_plan = now + PLAN_EVERY
                     ing.plan(now)
                 if now >= next_tick:

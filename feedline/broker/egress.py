@@ -65,9 +65,11 @@ class ConsumerSide:
         self._log = RateLimitedLog(log, interval=5.0)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
         self._hellos = HelloRate(HELLO_RATE, 4 * capacity)
-        # A consumer came, took, or left since the loop last planned: what the producers
-        # may be granted may have changed (room freed, a stream read or no longer).
+        # A consumer came or left since the loop last planned (room freed, a stream read or
+        # no longer); batches taken since (a plan short of room is made again once enough
+        # of it was freed: feedline.broker.core).
         self.freed = True
+        self.taken_since = 0
         self.exact.refuse = self._refuse_cursor
         self.exact.applied = self._applied
 
@@ -106,6 +108,10 @@ class ConsumerSide:
             raise DecodeError("bad_envelope", "a consumer message with payload frames")
         msg = m.decode(frames[0], self.limits)
         cons = self.consumers.get(ident)
+        if cons is not None and isinstance(msg, m.Taken):  # the message of every delivery
+            cons.last_seen = now
+            self._taken(cons, msg)
+            return
         self.freed = True
         if isinstance(msg, m.ConsumerHello):
             self._hello(ident, msg, fd, now)
@@ -120,9 +126,7 @@ class ConsumerSide:
                 raise Refusal("unknown_peer", type(msg).__name__)
         else:
             cons.last_seen = now
-            if isinstance(msg, m.Taken):
-                self._taken(cons, msg)
-            elif isinstance(msg, m.Bye):
+            if isinstance(msg, m.Bye):
                 self.drop(ident, "bye")
             elif not isinstance(msg, m.Heartbeat):
                 raise Refusal("bad_kind", f"{type(msg).__name__} from a consumer")
@@ -239,6 +243,7 @@ class ConsumerSide:
         # registration as taken is ahead of us. Refusing it would stall both sides; clamping
         # keeps its room within its window all the same.
         taken = max(c.taken, min(msg.taken, c.delivered))
+        self.taken_since += taken - c.taken
         coord = self.exact.get(c.stream)
         # A bundle leaves ``inflight`` (and its bytes the count) once all of it was taken.
         left = taken - c.taken + c.head_taken

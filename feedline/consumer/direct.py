@@ -173,9 +173,10 @@ class DirectIO:
             self.metrics.buffer_capacity_batches.set(budget.max_batches)
             self.metrics.buffer_capacity_bytes.set(budget.max_bytes)
         # Plan when it may grant more (feedline.serving.credit): an arrival left a producer
-        # room for a top-up (``due``), or the model took a batch (room freed) while the last
-        # plan left one short (``blocked``); when something else happened; and every 50 ms
-        # (credit leases run on the clock). Not after every batch that arrives or is taken.
+        # room for a top-up (``due``), or the model took ``wake`` batches (room freed) while
+        # the last plan left one short (``blocked``); when something else happened; and every
+        # 50 ms (credit leases run on the clock). Not after every batch that arrives or is
+        # taken.
         s, planner = self.shared, self.ingress.planner
         while True:
             taken = s.taken
@@ -183,7 +184,7 @@ class DirectIO:
                 self._settle()
             if self.ingress.dirty or planner.due or now >= self._next_plan or \
                     self.ingress.units.waiting() or \
-                    (planner.blocked and taken != self._planned_taken):
+                    (planner.blocked and taken - self._planned_taken >= planner.wake):
                 self.ingress.dirty = False
                 self._planned_taken = taken
                 self._next_plan = now + _PLAN_EVERY

@@ -115,9 +115,11 @@ class CreditPlanner:
         p.largest = max(p.largest, min(nbytes, self.max_bytes))
         p.short_bytes, p.short_batch, p.idle = 0, False, False
         p.held_since = now
-        if not self.due and p.revoking_since is None:
+        if not self.due and not self.blocked and p.revoking_since is None:
+            # Its window may be topped up now; not while the last plan was short of room (an
+            # arrival frees none: batches taken do, ``wake``).
             w = depth(self.window, p.unit) if self.by_bytes else self.window
-            self.due = w - p.outstanding >= top_up(w)  # its window may be topped up now
+            self.due = w - p.outstanding >= top_up(w)
         if p.received > p.granted:
             return "no_credit"
         if p.received_bytes > p.granted_bytes:
@@ -358,6 +360,14 @@ class CreditPlanner:
         has reserved, fit."""
         by_bytes = (nbytes + p.reserved) // p.unit - p.outstanding
         return max(0, min(self._window(p) - p.outstanding, batches, by_bytes))
+
+    @property
+    def wake(self) -> int:
+        """After a plan that left a producer short (``blocked``), batches taken from what the
+        host holds before another plan is worth making: an eighth of the budget's count (1
+        under 16), as a deep window is topped up. The rest of the budget is still held, and
+        the host's clock plans anyway."""
+        return top_up(self.budget.max_batches)
 
     def _window(self, p: ProducerCredit) -> int:
         return depth(self.window, p.unit) if self.by_bytes else self.window
