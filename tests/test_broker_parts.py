@@ -112,32 +112,40 @@ def test_a_deep_window_is_topped_up_by_parts_not_a_grant_per_batch():
     assert large.plan(0.0, 1, 4 * MiB).grants == [b"large"] and top_up(4) == 1
 
 
-def test_a_plan_short_of_room_waits_for_an_eighth_of_the_budget_to_be_taken():
+def test_a_plan_short_of_room_waits_for_a_top_up_to_be_taken():
     """A producer of 1 MB batches whose window (31) the budget cannot fill (a broker's 254
     for them, 250 held): its arrivals leave the planner ``blocked``, not ``due`` (an arrival
-    frees no room), and a plan is worth making again once ``wake`` (an eighth of the
-    budget's count, 31) batches were taken from what is held; then it gets what they freed
-    in one GRANT. Before: a plan, and a GRANT of a credit or two, at every batch taken."""
+    frees no room), and a plan is worth making again once ``wake`` batches were taken from
+    what is held (a top-up of a window of 1 MB batches: 3); then it gets what they freed in
+    one GRANT. Before: a plan at every batch that arrived or was taken, and a GRANT of a credit
+    or two."""
     mb = 1_053_696
     cp = CreditPlanner(Budget(32, 1 << 30), 4, 2.0, by_bytes=True)
     start(cp, b"p", mb)
-    count = cp.plan(0.0, 250, 250 * mb) and cp.budget.max_batches
-    assert count == depth(32, mb) == 254 and cp.wake == top_up(254) == 31
+    cp.plan(0.0, 250, 250 * mb)
+    assert cp.budget.max_batches == depth(32, mb) == 254
+    assert cp.wake == top_up(depth(4, mb)) == 3
     p = cp.producers[b"p"]
     assert p.outstanding == 4 and cp.blocked
     for _ in range(4):  # its credit arrives: held 254, nothing free
         cp.batch(b"p", mb, 0.0)
         assert not cp.due, "an arrival while the budget is full: no plan to make"
-    assert cp.plan(0.0, 223, 223 * mb).grants == [b"p"], "31 taken: room for 31"
+    assert cp.plan(0.0, 251, 251 * mb).grants == [b"p"], "3 taken: room for 3"
+    assert p.outstanding == 3 and cp.blocked
+    cp.plan(0.0, 0, 0)  # taken: its window fills
     assert p.outstanding == 31 and not cp.blocked
     cp.batch(b"p", mb, 0.0)
     assert not cp.due, "1 of 31 free: less than a top-up"
     cp.batch(b"p", mb, 0.0)
     cp.batch(b"p", mb, 0.0)
     assert cp.due, "3 free (a top-up of its window) and room in the budget"
-    small = planner(max_batches=8)
-    start(small, b"q", MiB)
-    assert small.wake == 1, "a budget under 16 is planned again at every batch taken"
+    small = planner(max_batches=32)
+    start(small, b"q", 16_000)
+    assert small.wake == 1, "windows counted in batches, under 16: at every batch taken"
+    deep = CreditPlanner(Budget(32, 1 << 30), 4, 2.0, by_bytes=True)
+    start(deep, b"r", 16_000)
+    deep.plan(0.0, 0, 0)
+    assert deep.wake == top_up(512) == 64, "16 KB: a top-up of a window of 512"
 
 
 def test_a_new_registration_holds_no_credit_until_it_asks():
