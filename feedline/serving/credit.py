@@ -118,7 +118,7 @@ class CreditPlanner:
         if not self.due and not self.blocked and p.revoking_since is None:
             # Its window may be topped up now; not while the last plan was short of room (an
             # arrival frees none: batches taken do, ``wake``).
-            w = depth(self.window, p.unit) if self.by_bytes else self.window
+            w = self._window_of(p.unit)
             self.due = w - p.outstanding >= top_up(w)
         if p.received > p.granted:
             return "no_credit"
@@ -293,7 +293,7 @@ class CreditPlanner:
                 unit = p.unit
                 if p.idle or p.revoking_since is not None or unit == 0:
                     continue
-                window = self._window(p)
+                window = self._window_of(p.unit)
                 if p.outstanding >= window:
                     continue
                 if window >= 2 * TOP_UP and key not in topping:  # else top_up is 1
@@ -329,10 +329,8 @@ class CreditPlanner:
                 passed.append(key)
                 progress = True
             if self.BULK and len(passed) == 1 and self.producers[passed[0]].received > 0:
-                # Only one producer could take a credit in this pass (and it is past its slow
-                # start); the others' reasons only grow (less room), so every later pass would
-                # give it one more: what those passes would give, at once (a top-up of a deep
-                # window is tens).
+                # Only one producer (past its slow start) took a credit in this pass; the
+                # others' reasons only grow, so every later pass would give it one more: at once.
                 p = self.producers[passed[0]]
                 sr = room[p.stream]
                 n = self._more_of(p, min(free_b, sr[0]), min(free_y, sr[1]))
@@ -349,7 +347,7 @@ class CreditPlanner:
         self.blocked = starving or any(
             not p.idle and p.revoking_since is None and p.unit > 0
             and (p.received > 0 or p.outstanding == 0)
-            and self._window(p) - p.outstanding >= top_up(self._window(p))
+            and self._window_of(p.unit) - p.outstanding >= top_up(self._window_of(p.unit))
             for p in self.producers.values())
         revokes = self._revocations(now) if starving else []
         return Plan(list(grants), revokes)
@@ -359,7 +357,7 @@ class CreditPlanner:
         up to its window, and while its bytes, ``(outstanding + n) x unit`` beyond what it
         has reserved, fit."""
         by_bytes = (nbytes + p.reserved) // p.unit - p.outstanding
-        return max(0, min(self._window(p) - p.outstanding, batches, by_bytes))
+        return max(0, min(self._window_of(p.unit) - p.outstanding, batches, by_bytes))
 
     @property
     def wake(self) -> int:
@@ -368,10 +366,11 @@ class CreditPlanner:
         batches (an eighth of it, 1 under 16), the least a GRANT gives a producer with room.
         (An eighth of the budget's count, 8x more, let a producer of 16 KB batches run dry:
         -10% through a broker.) The host's clock plans anyway."""
-        return top_up(depth(self.window, self._unit) if self.by_bytes else self.window)
+        return top_up(self._window_of(self._unit))
 
-    def _window(self, p: ProducerCredit) -> int:
-        return depth(self.window, p.unit) if self.by_bytes else self.window
+    def _window_of(self, unit: int) -> int:
+        """A producer's window for batches of ``unit`` bytes (by bytes, or in batches)."""
+        return depth(self.window, unit) if self.by_bytes else self.window
 
     def _fresh_room(self, b: int, y: int) -> list[int]:
         """[batches, bytes, holds nothing] left of the budget's share that producers which
