@@ -8,7 +8,6 @@ The byte layout is :mod:`feedline.wire`'s docstring. A datapoint is checked and 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -104,19 +103,28 @@ def _container(dp: Any) -> int:
 _HEADER_SLACK = 112  # the map header, "v" ... "e" (and "u", "i", "l", "f"), their largest values
 
 
-@dataclass(frozen=True)
 class Prepared:
     """A datapoint checked against the limits and flattened, ready to be framed for any
     producer session and sequence number (the I/O thread picks those when it sends).
 
     ``wire_bytes`` is an upper bound of the message's size (header and arrays) whatever the
-    session and sequence numbers: what credit must cover.
+    session and sequence numbers: what credit must cover. Not changed once made (a plain
+    class with slots, not a frozen dataclass: one is made for every batch, and a frozen
+    dataclass's ``__init__`` cost 1.6 us of the 6.9 that preparing a batch took).
     """
 
-    tail: bytes  # the header's "c", "d" and "a" entries, packed once
-    arrays: tuple[np.ndarray, ...]
-    nbytes: int  # array bytes
-    wire_bytes: int
+    __slots__ = ("tail", "arrays", "nbytes", "wire_bytes")
+
+    def __init__(self, tail: bytes, arrays: tuple[np.ndarray, ...], nbytes: int,
+                 wire_bytes: int) -> None:
+        self.tail = tail  # the header's "c", "d" and "a" entries, packed once
+        self.arrays = arrays
+        self.nbytes = nbytes  # array bytes
+        self.wire_bytes = wire_bytes
+
+    def __repr__(self) -> str:
+        return (f"Prepared(arrays={len(self.arrays)}, nbytes={self.nbytes}, "
+                f"wire_bytes={self.wire_bytes})")
 
     def frames(self, *, producer: bytes, session: int, seq: int, epoch: int,
                unit: int = -1, index: int = 0, last: bool = False,
@@ -167,44 +175,47 @@ def prepare_batch(datapoint: Any, limits: Limits = DEFAULT_LIMITS,
     anything a receiver applying ``limits`` would refuse.
 
     A list or tuple of C-contiguous arrays (what a batching pipeline yields) is checked once
-    per layout (dtypes, shapes, limits): its header tail is remembered (:data:`_TAILS`), and a
-    batch of a known layout checks only what can differ between two batches of it (its
-    bool bytes). Anything else is walked whole.
+    per layout (dtypes, shapes, limits): its header tail, array bytes and bool arrays are
+    remembered (:data:`_TAILS`), and a batch of a known layout checks only what can differ
+    between two batches of it (its bool bytes). Anything else is walked whole.
     """
     if type(datapoint) is list or type(datapoint) is tuple:
         key = _layout(datapoint, limits, producer_id_len)
         if key is not None:
             hit = _TAILS.get(key)
             if hit is not None and hit[0] is limits:
-                for a in datapoint:
-                    if a.dtype.kind == "b":
-                        _check_bools(a)
-                nbytes = sum([a.nbytes for a in datapoint])
-                if nbytes <= limits.max_message_bytes:
-                    return Prepared(hit[1], tuple(datapoint), nbytes, nbytes + hit[2])
+                for i in hit[3]:
+                    _check_bools(datapoint[i])
+                nbytes = hit[4]
+                return Prepared(hit[1], tuple(datapoint), nbytes, nbytes + hit[2])
             prepared = _prepare(datapoint, limits, producer_id_len)
             if len(_TAILS) >= _MAX_TAILS:
                 _TAILS.clear()
-            _TAILS[key] = (limits, prepared.tail, prepared.wire_bytes - prepared.nbytes)
+            bools = tuple(i for i, a in enumerate(datapoint) if a.dtype.kind == "b")
+            _TAILS[key] = (limits, prepared.tail, prepared.wire_bytes - prepared.nbytes, bools,
+                           prepared.nbytes)
             return prepared
     return _prepare(datapoint, limits, producer_id_len)
 
 
 _MAX_TAILS = 64  # layouts remembered; a pipeline has one or a few
 # (limits id, producer id length, container, (dtype, shape) of each array) -> (limits, the
-# header's tail, the header's bytes): what prepare_batch found for that layout.
-_TAILS: dict[tuple, tuple[Limits, bytes, int]] = {}
+# header's tail, the header's bytes, the indices of bool arrays, the array bytes): what
+# prepare_batch found for that layout (which _prepare accepted: within max_message_bytes).
+_TAILS: dict[tuple, tuple[Limits, bytes, int, tuple[int, ...], int]] = {}
 
 
 def _layout(dp: list | tuple, limits: Limits, id_len: int) -> tuple | None:
-    """The key of a list or tuple of C-contiguous arrays, or None (walked whole)."""
+    """The key of a list or tuple of C-contiguous arrays, or None (walked whole). Dtypes
+    are keyed as themselves: equal dtypes have one ``str`` (what the header carries), and
+    ``dtype.str`` builds a new string each time (0.65 us an array)."""
     if not 0 < len(dp) <= 64:
         return None
     sig = []
     for a in dp:
         if type(a) is not np.ndarray or not a.flags.c_contiguous:
             return None
-        sig.append((a.dtype.str, a.shape))
+        sig.append((a.dtype, a.shape))
     return (id(limits), id_len, type(dp) is tuple, *sig)
 
 

@@ -40,12 +40,24 @@ def test_a_remembered_layout_prepares_what_a_walk_prepares(dp, id_len):
         assert all(a is b for a, b in zip(p.arrays, dp, strict=True))
 
 
+def test_a_layout_of_the_other_byte_order_is_another_layout():
+    # Layouts are keyed by dtype objects: equal dtypes have one ``str``, unequal ones
+    # (another byte order) must not share a remembered header.
+    for order in ("<", ">", "<", "="):
+        dp = [np.zeros(3, order + "f8"), np.zeros(2, order + "i4")]
+        assert wire.prepare_batch(dp).tail == encode._prepare(dp, DEFAULT_LIMITS, 0).tail
+
+
 def test_a_remembered_layout_still_checks_what_differs_between_batches():
     good = [np.array([True, False])]
     wire.prepare_batch(good)
     bad = [np.array([1, 2], np.uint8).view(np.bool_)]  # the same layout, a byte 2
     with pytest.raises(wire.EncodeError, match="bool"):
         wire.prepare_batch(bad)
+    labels = np.zeros(2, np.int32)  # a bool array after another: its place is remembered
+    wire.prepare_batch([labels, np.array([True, False])])
+    with pytest.raises(wire.EncodeError, match="bool"):
+        wire.prepare_batch([labels, np.array([1, 3], np.uint8).view(np.bool_)])
     small = Limits(max_message_bytes=64)
     wire.prepare_batch([np.zeros(8, np.uint8)], small)
     with pytest.raises(wire.EncodeError, match="max_message_bytes"):
