@@ -39,6 +39,9 @@ def _close_fds(*fds: int) -> None:
             pass
 
 
+_DRAIN = 4096  # bytes one read of a Waker's pipe takes: a wake writes one
+
+
 class Waker:
     """Wakes a poll loop from any thread: a non-blocking pipe whose read end is polled.
 
@@ -62,10 +65,13 @@ class Waker:
         return self._r
 
     def drain(self) -> None:
+        """Read the wakes written so far. A read shorter than asked for emptied the pipe:
+        the read after it, which raised BlockingIOError, was a syscall and an exception for
+        every wake (two wakes a batch in a running transport)."""
         try:
-            while os.read(self._r, 4096):
+            while len(os.read(self._r, _DRAIN)) == _DRAIN:
                 pass
-        except (BlockingIOError, OSError):
+        except OSError:  # BlockingIOError: empty after all
             pass
 
 
@@ -106,15 +112,23 @@ class ClientLoop:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._running = False  # from start() until the thread's last step
 
     def start(self, timeout: float = 10.0) -> None:
-        self._thread.start()
+        self._running = True
+        try:
+            self._thread.start()
+        except BaseException:
+            self._running = self._thread.is_alive()  # started before (a second start)
+            raise
         self.ready.wait(timeout)
         if self.error is not None:
             raise self.error
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """The loop's thread runs: a flag its last step clears (``Thread.is_alive`` takes a
+        lock, and a producer asks before every batch)."""
+        return self._running
 
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -146,7 +160,10 @@ class ClientLoop:
                     for link in role.links():
                         link.close(flush=True)
             finally:
-                ctx.term()
+                try:
+                    ctx.term()
+                finally:
+                    self._running = False
 
     def _loop(self, role: Role) -> None:
         poller = zmq.Poller()

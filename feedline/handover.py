@@ -60,8 +60,7 @@ class Sleeper:
         try:
             if ready():
                 return True
-            if timeout > 0:
-                select.select([self._pipe.fileno()], [], [], timeout)
+            if timeout > 0 and select.select([self._pipe.fileno()], [], [], timeout)[0]:
                 self._pipe.drain()
             return ready()
         finally:
