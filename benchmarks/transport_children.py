@@ -104,7 +104,7 @@ TP_SENDER = textwrap.dedent("""
 # print {"bytes": B, "batches": N, "seconds": S, "cpu": C}: C is this process's CPU-seconds
 # (user + system, all its threads) over the measured S seconds.
 CONSUMER = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, resource, sys, time
     DEEP = 64  # the "-deep" variants' windows: consumer, producer (and broker budget 2x)
     import numpy as np, psutil
     kind, addr, shape, nlabels, seconds, warmup = sys.argv[1:7]
@@ -188,15 +188,17 @@ CONSUMER = textwrap.dedent("""
         n += 1
     me = psutil.Process()
     print("MARK", n, flush=True)  # measuring from now (benchmarks/message_cost.py samples here)
-    c0 = me.cpu_times()
+    c0, r0 = me.cpu_times(), resource.getrusage(resource.RUSAGE_SELF)
     count, nbytes, t0 = 0, 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         nbytes += one()
         count += 1
     dt = time.perf_counter() - t0
-    c1 = me.cpu_times()
+    c1, r1 = me.cpu_times(), resource.getrusage(resource.RUSAGE_SELF)
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
-    print(json.dumps({"bytes": nbytes, "batches": count, "seconds": dt, "cpu": cpu}),
+    print(json.dumps({"bytes": nbytes, "batches": count, "seconds": dt, "cpu": cpu,
+                      "sys": c1.system - c0.system, "faults": r1.ru_minflt - r0.ru_minflt,
+                      "switches": (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw)}),
           flush=True)
     if sys.argv[7:] == ["hold"]:  # until told: message_cost.py reads our threads' times first
         sys.stdin.readline()
