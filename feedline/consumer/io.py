@@ -29,6 +29,7 @@ from feedline.consumer.metrics import ConsumerMetrics
 from feedline.cursor import MAX_CURSOR_BYTES, Cursor
 from feedline.errors import FeedlineError, ProducerError
 from feedline.handover import Inbox
+from feedline.heap import keep_freed_memory
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
@@ -220,6 +221,11 @@ class ConsumerIO:
         self.link = Link(ctx, addr, self._hello, cfg, curve=curve,
                          on_register=self._on_register, on_reject=self._count_reject,
                          rcvhwm=2 * shared.slots + 64, what=f"consumer {shared.consumer_id}")
+        # What libzmq's I/O thread receives comes from glibc's heap, which gave its free top
+        # back and faulted it in again for the next batches (17-29 page faults a batch of
+        # 1 MB through a broker): keep it, as the daemons and a direct-mode trainer do
+        # (feedline.heap; the environment's MALLOC_* settings win).
+        log.info("reading from %s; %s", addr, keep_freed_memory())
 
     def _hello(self, registration: int) -> m.ConsumerHello:
         s = self.shared
