@@ -118,8 +118,7 @@ class CreditPlanner:
         if not self.due and not self.blocked and p.revoking_since is None:
             # Its window may be topped up now; not while the last plan was short of room (an
             # arrival frees none: batches taken do, ``wake``).
-            w = self._window_of(p.unit)
-            self.due = w - p.outstanding >= top_up(w)
+            self.due = self._room_for_top_up(p)
         if p.received > p.granted:
             return "no_credit"
         if p.received_bytes > p.granted_bytes:
@@ -293,7 +292,7 @@ class CreditPlanner:
                 unit = p.unit
                 if p.idle or p.revoking_since is not None or unit == 0:
                     continue
-                window = self._window_of(p.unit)
+                window = self._window_of(unit)
                 if p.outstanding >= window:
                     continue
                 if window >= 2 * TOP_UP and key not in topping:  # else top_up is 1
@@ -347,7 +346,7 @@ class CreditPlanner:
         self.blocked = starving or any(
             not p.idle and p.revoking_since is None and p.unit > 0
             and (p.received > 0 or p.outstanding == 0)
-            and self._window_of(p.unit) - p.outstanding >= top_up(self._window_of(p.unit))
+            and self._room_for_top_up(p)
             for p in self.producers.values())
         revokes = self._revocations(now) if starving else []
         return Plan(list(grants), revokes)
@@ -361,16 +360,18 @@ class CreditPlanner:
 
     @property
     def wake(self) -> int:
-        """After a plan that left a producer short (``blocked``), batches taken from what the
-        host holds before another plan is worth making: a top-up of a window of the largest
-        batches (an eighth of it, 1 under 16), the least a GRANT gives a producer with room.
-        (An eighth of the budget's count, 8x more, let a producer of 16 KB batches run dry:
-        -10% through a broker.) The host's clock plans anyway."""
+        """After a plan that left a producer short (``blocked``), batches taken before another
+        plan is worth making: a top-up of a window of the largest batches, the least a GRANT
+        gives (an eighth of the budget's count let 16 KB batches run dry: -10%)."""
         return top_up(self._window_of(self._unit))
 
     def _window_of(self, unit: int) -> int:
         """A producer's window for batches of ``unit`` bytes (by bytes, or in batches)."""
         return depth(self.window, unit) if self.by_bytes else self.window
+
+    def _room_for_top_up(self, p: ProducerCredit) -> bool:
+        """``p``'s window has a top-up's room free (what a GRANT to it would give, at least)."""
+        return (window := self._window_of(p.unit)) - p.outstanding >= top_up(window)
 
     def _fresh_room(self, b: int, y: int) -> list[int]:
         """[batches, bytes, holds nothing] left of the budget's share that producers which
