@@ -118,11 +118,10 @@ def result(r: dict[str, float]) -> Result:
     """GB/s, batches/s and CPU-seconds per GB of a consumer's report."""
     return {"gbps": r["bytes"] / r["seconds"] / 1e9, "batches_per_s": r["batches"] / r["seconds"],
             "cpu_s_per_gb": r["cpu"] / (r["bytes"] / 1e9),
-            # where the CPU goes (absent in a --tree that predates them): the kernel's share,
-            # page faults and context switches per batch
-            **({"sys_share": r["sys"] / max(r["cpu"], 1e-9),
-                "faults_per_batch": r["faults"] / max(r["batches"], 1),
-                "switches_per_batch": r["switches"] / max(r["batches"], 1)} if "sys" in r else {})}
+            # where the CPU goes: the kernel's share, page faults and switches a batch
+            "sys_share": r["sys"] / max(r["cpu"], 1e-9),
+            "faults_per_batch": r["faults"] / max(r["batches"], 1),
+            "switches_per_batch": r["switches"] / max(r["batches"], 1)}
 
 
 class Run:
@@ -342,9 +341,9 @@ def main() -> None:
                     print(f"  [{done}/{total}] round {r + 1} {size.name:>5} {name:<13} "
                           f"{res['gbps']:6.2f} GB/s {res['batches_per_s']:8.0f} batches/s "
                           f"{res['cpu_s_per_gb']:6.3f} CPU-s/GB "
-                          f"({res.get('sys_share', 0):.0%} kernel, "
-                          f"{res.get('faults_per_batch', 0):.0f} faults and "
-                          f"{res.get('switches_per_batch', 0):.1f} switches a batch)",
+                          f"({res['sys_share']:.0%} kernel, "
+                          f"{res['faults_per_batch']:.0f} faults and "
+                          f"{res['switches_per_batch']:.1f} switches a batch)",
                           flush=True)
                     time.sleep(0.3)  # let the previous run's sockets go
     out: dict[str, dict[str, object]] = {"sizes": {}}
