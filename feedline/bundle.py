@@ -120,13 +120,26 @@ def _slots(frames: Sequence[Any], specs: Sequence[tuple], n: int) -> list[tuple[
     return out
 
 
-def _batch_frames(frames: Sequence[Any], specs: Sequence[tuple], n: int, per: int,
-                  joined: bool) -> list[Sequence[Any]]:
-    """Each batch's array frames (views of a joined bundle's frames)."""
-    if not joined:
-        return [frames[1 + i * per:1 + (i + 1) * per] for i in range(n)]
+def _joined_arrays(frames: Sequence[Any], specs: Sequence[tuple], n: int,
+                   limits: Limits) -> tuple[list[list[np.ndarray]], int]:
+    """A joined bundle's arrays, batch by batch, and one batch's array bytes. Each frame is
+    made one read-only array of the ``n`` batches' (its length checked by :func:`_slots`,
+    all ``n`` batches' bytes within the message limit, a bool array's bytes checked at once)
+    and indexed, a view for each batch: what :func:`_arrays_from_frames` gives for each
+    batch's slices of the frames, for one ndarray and one check per array of the layout, not
+    per array of each batch."""
     slots = _slots(frames, specs, n)
-    return [[buf[i * size:(i + 1) * size] for buf, size in slots] for i in range(n)]
+    nbytes = sum(size for _, size in slots)
+    if n * nbytes > limits.max_message_bytes:
+        raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")
+    columns = []
+    for (dt, shape), (buf, _) in zip(specs, slots, strict=True):
+        arr = np.ndarray((n, *shape), dt, buf)
+        arr.flags.writeable = False  # a view on a received frame: never written through
+        if dt.kind == "b":
+            check_bools(arr)
+        columns.append(arr)
+    return [[c[i, ...] for c in columns] for i in range(n)], nbytes
 
 
 def _batch(frames: Sequence[Any], specs: Sequence[tuple], header: dict, limits: Limits,
@@ -150,8 +163,15 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
     header_bytes = len(_bytes_of(frames[0]))
     total = 0
     out = []
-    for i, mine in enumerate(_batch_frames(frames, specs, n, per, joined)):
-        dp, nbytes = _batch(mine, specs, header, limits, in_order)
+    structure, container = header.get("d"), header.get("c", CONTAINER_LIST)
+    by_batch, nbytes = _joined_arrays(frames, specs, n, limits) if joined else ([], 0)
+    for i in range(n):
+        if joined:
+            # The container is checked with the first batch (datapoint).
+            dp = datapoint(structure, by_batch[i], container, limits, in_order)
+        else:
+            dp, nbytes = _batch(frames[1 + i * per:1 + (i + 1) * per], specs, header, limits,
+                                in_order)
         total += nbytes
         if total > limits.max_message_bytes:
             raise DecodeError("message_too_large", f"> {limits.max_message_bytes} bytes")

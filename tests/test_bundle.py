@@ -57,9 +57,11 @@ def _alone(dp, seq: int) -> wire.Batch:
     return wire.decode_batch(wire.encode_batch(dp, producer="p", session=7, seq=seq, epoch=2))
 
 
-@pytest.mark.parametrize("shape", ["list", "tuple", "dict"])
+@pytest.mark.parametrize("shape", ["list", "tuple", "dict", "scalars"])
 def test_a_bundle_decodes_to_what_each_batch_alone_decodes_to(shape):
     dps: list = _datapoints(5)
+    if shape == "scalars":  # a 0-d array and bools: a view of each, not a numpy scalar
+        dps = [[np.array(i, np.int64), np.array([i % 2, 1, 0], bool)] for i in range(5)]
     if shape == "tuple":
         dps = [tuple(dp) for dp in dps]
     elif shape == "dict":  # a structure that is not the arrays in order: rebuilt per batch
@@ -78,6 +80,7 @@ def test_a_bundle_decodes_to_what_each_batch_alone_decodes_to(shape):
         for (k, a), (k2, a2) in zip(items, sorted(alone.datapoint.items()) if shape == "dict"
                                     else enumerate(alone.datapoint), strict=True):
             assert k == k2 and np.array_equal(a, a2) and not a.flags.writeable
+            assert type(a) is np.ndarray and (a.dtype, a.shape) == (a2.dtype, a2.shape)
     # The header's bytes are counted with the first batch: what the producer counts as sent.
     assert sum(b.wire_bytes for b in got) == len(frames[0]) + sum(p.nbytes for p in prepared)
 
