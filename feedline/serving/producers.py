@@ -69,7 +69,7 @@ class ProducerSide:
         self.gaps = GapTracker(4 * cfg.capacity)
         self._info = RateLimitedLog(log, interval=10.0, burst=20)
         self._hellos = HelloRate(HELLO_RATE, 4 * cfg.capacity)
-        self.units = Units(self.exact, self._control, instance, sink.epoch_end)
+        self.units = Units(self.exact, self._control, instance, sink.epoch_end, self.claims)
         self._warn = RateLimitedLog(log, interval=10.0, burst=5)
         # Something happened that a plan may answer with credit (a control message, a refused
         # or duplicate batch, a producer's first batch, a departure). An accepted batch of a
@@ -151,21 +151,9 @@ class ProducerSide:
             # has it, with nothing unread (feedline.producer.leaving says why).
             self._control(p.ident, m.Bye())
         elif isinstance(msg, (m.UnitRequest, m.UnitDone)):
-            self._unit_message(p, msg)
+            self.units.route(p, msg)
         elif not isinstance(msg, m.Heartbeat):
             raise Refusal("bad_kind", f"{type(msg).__name__} from a producer")
-
-    def _unit_message(self, p: Producer, msg: m.UnitRequest | m.UnitDone) -> None:
-        c = self.exact.get(p.stream)
-        claims = self.claims.get(p.stream) if c is None else None
-        if claims is not None:  # a training producer claims a shard, or starts one
-            reply = claims.answer(p.ident, msg, self.instance, p.registration)
-            if reply is not None:
-                self._control(p.ident, reply)
-            return
-        if c is None:
-            raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
-        self.units.message(p, c, msg)
 
     def _hello(self, ident: bytes, msg: m.ProducerHello, fd: int, now: float) -> None:
         old = self.producers.get(ident)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from feedline import messages as m
+from feedline.errors import Refusal
+from feedline.serving.claims import ClaimStreams
 from feedline.serving.coordinator import Coordinator
 from feedline.serving.exact_streams import ExactStreams
 from feedline.serving.peers import Peer
@@ -27,11 +29,28 @@ class Units:
     ``epoch_end(stream, epoch)`` tells a stream's consumers an epoch is complete)."""
 
     def __init__(self, exact: ExactStreams, control: Control, instance: int,
-                 epoch_end: Callable[[str, int], None]) -> None:
+                 epoch_end: Callable[[str, int], None],
+                 claims: ClaimStreams | None = None) -> None:
         self.exact, self._control, self.instance = exact, control, instance
+        self.claims = claims if claims is not None else ClaimStreams()
         self._epoch_end = epoch_end
         # producers told "busy": ident -> (the coordinator's progress then, request, first)
         self._waiting: dict[bytes, tuple[int, int, bool]] = {}
+
+    def route(self, p: Peer, msg: m.UnitRequest | m.UnitDone) -> None:
+        """A producer's UNIT_REQUEST or UNIT_DONE: answered by its training stream's shard
+        claims, or by its exact stream's coordinator (:meth:`message`); refused on a stream
+        that is neither."""
+        c = self.exact.get(p.stream)
+        claims = self.claims.get(p.stream) if c is None else None
+        if claims is not None:  # a training producer claims a shard, or starts one
+            reply = claims.answer(p.ident, msg, self.instance, p.registration)
+            if reply is not None:
+                self._control(p.ident, reply)
+            return
+        if c is None:
+            raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
+        self.message(p, c, msg)
 
     def message(self, p: Peer, c: Coordinator, msg: m.UnitRequest | m.UnitDone) -> None:
         """A producer of ``c``'s stream asks for a unit or says one is done."""
