@@ -12,6 +12,10 @@
   a batch after a gap gets its own.
 - A producer's received batches and bytes go to the series of its label, looked up once:
   the exposition counts every batch, shared "other" label included.
+- A direct-mode trainer counts a bundle's batches against the producer's credit, and hands
+  them to its queue, all at once: the credit, the gaps, the metrics, the producer's stats and
+  the queue are what counting and taking each batch alone makes them, after every bundle of
+  a random history (lost batches, a bundle beyond its credit included).
 """
 
 from __future__ import annotations
@@ -30,10 +34,15 @@ from hypothesis.stateful import (
 from prometheus_client import CollectorRegistry
 
 from feedline import messages as m
+from feedline import wire
 from feedline.broker.buffer import Buffer
 from feedline.broker.egress import ConsumerSide
+from feedline.bundle import MAX_BUNDLE, bundle_frames, decode_bundle
 from feedline.codec import DEFAULT_LIMITS, packb
+from feedline.consumer.direct import _LocalSink
+from feedline.consumer.io import Shared
 from feedline.encode import prepare_batch
+from feedline.errors import Refusal
 from feedline.serving.budget import Budget, Share, depth, top_up
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.held import Held
@@ -292,6 +301,9 @@ class _Sink:
         self.items.append(item)
         return True
 
+    def accept_batches(self, stream: str, batches: list, gap: int) -> None:
+        raise AssertionError("a broker's ingress keeps a bundle whole")
+
     def epoch_end(self, stream: str, epoch: int) -> None:
         pass
 
@@ -445,3 +457,80 @@ def test_a_bulk_top_up_grants_what_one_credit_per_pass_grants(
         assert {k: (q.granted, q.granted_bytes) for k, q in bulk.producers.items()} \
             == {k: (q.granted, q.granted_bytes) for k, q in ref.producers.items()}
         assert (bulk.blocked, bulk.due) == (ref.blocked, ref.due)
+
+
+def _direct_side() -> tuple[ProducerSide, Shared, CollectorRegistry]:
+    shared = Shared("c", 1, 8, 1 << 30, "default", "raise", CollectorRegistry(), slots=4096)
+    registry = CollectorRegistry()
+    side = ProducerSide(lambda ident, frames: 0, _LocalSink(shared), BrokerMetrics(registry),
+                        DEFAULT_LIMITS, IngressConfig(Budget(64, 1 << 30), 8, 2.0, 16,
+                                                      stream="default", by_bytes=True,
+                                                      bundle=MAX_BUNDLE), 1, lambda *_: None)
+    return side, shared, registry
+
+
+def _on_message(side: ProducerSide, ident: bytes, frames: list, now: float) -> None:
+    side.on_message(ident, frames, -1, now)
+
+
+def _one_by_one(side: ProducerSide, ident: bytes, frames: list, now: float) -> None:
+    """What a direct-mode trainer did with a bundle before it took its batches at once: each
+    batch charged, then taken, alone."""
+    header = wire.header_map(frames[0])
+    p = side._sender(ident, "BUNDLE", now)
+    batches = decode_bundle(frames, DEFAULT_LIMITS, header, MAX_BUNDLE)
+    for b in batches:
+        side._charge(p, b.wire_bytes, now)
+    side.dirty = side.dirty or side.planner.producers[ident].received == len(batches)
+    for b in batches:
+        side._take(p, b, [], b.wire_bytes)
+
+
+def _samples(registry: CollectorRegistry) -> list:
+    return [(s.name, s.labels, s.value) for f in registry.collect() for s in f.samples
+            if not s.name.endswith("_created")]
+
+
+def _state(side: ProducerSide, shared: Shared, registry: CollectorRegistry,
+           ident: bytes) -> tuple:
+    c = side.planner.producers.get(ident)
+    credit = None if c is None else (vars(c).copy(), side.planner.due, side.planner.blocked)
+    queued = [(d.batch.seq, d.batch.nbytes, d.batch.wire_bytes, d.nbytes,
+               [a.tobytes() for a in d.batch.datapoint]) for d in shared.queue._items]
+    return (credit, side.dirty, dict(side.gaps._last), shared.queued_bytes,
+            {k: vars(v) for k, v in shared.stats.items()}, queued, _samples(registry),
+            _samples(shared.registry))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 9), st.integers(0, 3), st.booleans(),
+                          st.integers(1, 300)), min_size=1, max_size=8))
+def test_a_bundle_is_taken_at_once_as_its_batches_one_by_one(steps) -> None:
+    """``steps``: (batches in the bundle, batches lost before it, credit one batch short,
+    bytes per batch). Each side gets the same credit and the same bundles."""
+    ident = b"i1"
+    sides = [_direct_side(), _direct_side()]
+    hello = m.encode(m.ProducerHello(producer="p", session=7, max_batch_bytes=400))
+    for side, _, _ in sides:
+        side.on_message(ident, [zmq.Frame(hello)], -1, 0.0)
+    seq, now = 0, 0.0
+    for count, lost, short, nbytes in steps:
+        now += 0.25
+        seq += lost
+        prepared = [prepare_batch([np.full(nbytes, seq + i, np.uint8)], DEFAULT_LIMITS, 2)
+                    for i in range(count)]
+        frames = bundle_frames(prepared, producer=packb("p"), session=7, seq=seq, epoch=0)
+        seq += count
+        outcomes: list[str | None] = []
+        for (side, _, _), take in zip(sides, (_on_message, _one_by_one), strict=True):
+            c = side.planner.producers.get(ident)
+            if c is not None:  # the credit its plans gave: enough, or one batch short
+                c.granted = c.received + count - short
+                c.granted_bytes = c.received_bytes + count * (nbytes + 400)
+            try:
+                take(side, ident, [zmq.Frame(f) for f in frames], now)
+                outcomes.append(None)
+            except Refusal as e:
+                outcomes.append(e.reason)
+        assert outcomes[0] == outcomes[1]
+        assert _state(*sides[0], ident) == _state(*sides[1], ident)

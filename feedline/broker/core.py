@@ -37,6 +37,7 @@ from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.server import Server, ServingConfig
 from feedline.serving.sizing import SizingConfig
+from feedline.wire import Batch
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ class _Sink:
         if ok and not item.broadcast:
             self._b.stats.received += item.count
         return ok
+
+    def accept_batches(self, stream: str, batches: list[Batch], gap: int) -> None:
+        raise NotImplementedError("a broker's ingress keeps a bundle whole, frames and all "
+                                  "(IngressConfig.whole): it never hands over its batches")
 
     def epoch_end(self, stream: str, epoch: int) -> None:
         self._b.egress.epoch_end(stream, epoch)

@@ -85,6 +85,24 @@ class _LocalSink:
         s.queue.put_nowait(Delivery(0, batch, item.nbytes))  # credit made the room
         return True
 
+    def accept_batches(self, stream: str, batches: list[wire.Batch], gap: int) -> None:
+        """A bundle's batches: counted and queued as :meth:`accept` would each, at once."""
+        s = self.shared
+        nbytes = sum([b.nbytes for b in batches])
+        with s.lock:
+            st = s.producer(batches[0].producer)
+            st.received += len(batches)
+            st.bytes += nbytes
+            st.lost += gap
+            s.queued_bytes += sum([b.wire_bytes for b in batches])
+        s.metrics.received_batches.inc(len(batches))
+        s.metrics.received_bytes.inc(nbytes)
+        if gap:
+            s.metrics.lost_batches.inc(gap)
+        put = s.queue.put_nowait
+        for b in batches:
+            put(Delivery(0, b, b.wire_bytes))  # credit made the room
+
     def epoch_end(self, stream: str, epoch: int) -> None:
         self.shared.queue.put_nowait(EpochMark(epoch))
 

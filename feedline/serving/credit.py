@@ -105,16 +105,17 @@ class CreditPlanner:
     def leave(self, key: bytes) -> ProducerCredit | None:
         return self.producers.pop(key, None)
 
-    def batch(self, key: bytes, nbytes: int, now: float) -> str | None:
-        """A batch of ``nbytes`` arrived. Returns a breach (``no_credit``, ``over_credit``)
-        if the producer sent beyond its grant; the caller cuts it off."""
+    def batch(self, key: bytes, nbytes: int, now: float, count: int = 1,
+              largest: int = 0) -> str | None:
+        """A batch of ``nbytes`` arrived (or ``count``, ``nbytes`` in all, the largest
+        ``largest``: a bundle's within its credit). Returns a breach (``no_credit``,
+        ``over_credit``) if the producer sent beyond its grant; the caller cuts it off."""
         p = self.producers[key]
         p.held_seconds = p.credit_seconds(now)
-        p.received += 1
+        p.received += count
         p.received_bytes += nbytes
-        p.largest = max(p.largest, min(nbytes, self.max_bytes))
-        p.short_bytes, p.short_batch, p.idle = 0, False, False
-        p.held_since = now
+        p.largest = max(p.largest, min(largest or nbytes, self.max_bytes))
+        p.short_bytes, p.short_batch, p.idle, p.held_since = 0, False, False, now
         if not self.due and not self.blocked and p.revoking_since is None:
             # Its window may be topped up now; not while the last plan was short of room (an
             # arrival frees none: batches taken do, ``wake``).
@@ -126,11 +127,10 @@ class CreditPlanner:
         return None
 
     def refused(self, key: bytes) -> None:
-        """The batch just counted (:meth:`batch`) was refused: its room is planned anew for
-        whoever needs it, and this producer gets more credit only when it asks (WANT), as
-        after a REVOKE. An honest encoder never sends a batch the host refuses; one that does
-        must not hold a window of credit it only spends on refusals (the producer side asks
-        again after a REFUSED: feedline/producer/channel.py)."""
+        """The batch just counted (:meth:`batch`) was refused: its room is planned anew, and
+        this producer gets more credit only when it asks (WANT), as after a REVOKE. An honest
+        encoder never sends a batch the host refuses; one that does must not hold a window of
+        credit it spends on refusals (feedline/producer/channel.py asks after a REFUSED)."""
         self.producers[key].idle = True
 
     def want(self, key: bytes, sent: int, sent_bytes: int, size: int) -> str | None:

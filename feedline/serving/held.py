@@ -48,6 +48,12 @@ class Sink(Protocol):
         there is no room for it)."""
         ...
 
+    def accept_batches(self, stream: str, batches: list[Batch], gap: int) -> None:
+        """Take a bundle's batches (decoded; credit reserved their room) as :meth:`accept`
+        would each alone, ``gap`` (the batches lost before them) with the first. Called
+        where an ingress does not keep a bundle whole (``IngressConfig.whole``)."""
+        ...
+
     def epoch_end(self, stream: str, epoch: int) -> None:
         """Exact delivery: every batch of ``epoch`` was taken; tell the stream's consumers."""
         ...

@@ -244,14 +244,21 @@ class ProducerSide:
             self._refuse(p, e, s if type(s) is int and s >= 0 else -1)
             raise
         sizes = [b.wire_bytes for b in batches] or [len(frames[0]) + per] + [per] * (n - 1)
-        for size in sizes:
-            self._charge(p, size, now)
-        self.dirty = self.dirty or self.planner.producers[ident].received == len(sizes)
+        c, total = self.planner.producers[ident], sum(sizes)
+        if c.received + len(sizes) <= c.granted and c.received_bytes + total <= c.granted_bytes:
+            self.planner.batch(ident, total, now, len(sizes), max(sizes))  # all at once
+        else:  # one by one: the breach found at the batch where it lies
+            for size in sizes:
+                self._charge(p, size, now)
+        self.dirty = self.dirty or c.received == len(sizes)
         if n:  # a broker: one item, forwarded whole (or split) to consumers
-            self._accept(p, Held(list(frames), sum(sizes), n * per, p.session, 0, count=n),
+            self._accept(p, Held(list(frames), total, n * per, p.session, 0, count=n),
                          header["s"], header["s"] + n - 1)
-        for batch in batches:  # a direct-mode trainer: each batch holds views of the frames
-            self._take(p, batch, [], batch.wire_bytes)
+        elif batches:  # a direct-mode trainer: each batch holds views of the frames
+            gap = self._gap(p, batches[0].seq, batches[-1].seq)
+            p.counted[0].inc(len(batches))
+            p.counted[1].inc(sum([b.nbytes for b in batches]))
+            self.sink.accept_batches(p.stream, batches, gap)
 
     def _batch(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
         p = self._sender(ident, "BATCH", now)
@@ -291,15 +298,21 @@ class ProducerSide:
 
     def _accept(self, p: Producer, item: Held, first: int, last: int) -> None:
         """``item`` (batches ``first``..``last`` of its session) to the sink, gap included."""
+        item.gap = self._gap(p, first, last)
+        p.counted[0].inc(item.count)
+        p.counted[1].inc(item.array_bytes)
+        self.sink.accept(p.stream, item)
+
+    def _gap(self, p: Producer, first: int, last: int) -> int:
+        """The batches lost before ``first`` (counted), and those a new registration said
+        were lost: what the first of batches ``first``..``last`` carries."""
         gap = self.gaps.batch(p.session, first)
         if last != first:
             self.gaps.batch(p.session, last)
         if gap:
             self.metrics.lost_batches.labels(p.label).inc(gap)
-        item.gap, p.pending_gap = gap + p.pending_gap, 0
-        p.counted[0].inc(item.count)
-        p.counted[1].inc(item.array_bytes)
-        self.sink.accept(p.stream, item)
+        gap, p.pending_gap = gap + p.pending_gap, 0
+        return gap
 
     def _charge(self, p: Producer, nbytes: int, now: float) -> None:
         """Count a batch against its producer's credit; cut off one that had none left."""
