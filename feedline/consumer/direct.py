@@ -25,7 +25,7 @@ import zmq
 from feedline import messages as m
 from feedline import wire
 from feedline.bundle import MAX_BUNDLE
-from feedline.consumer.io import Delivery, EpochMark, Marker, Shared
+from feedline.consumer.io import EpochMark, Marker, Shared
 from feedline.errors import FeedlineError, ProducerError
 from feedline.heap import keep_freed_memory
 from feedline.link import LinkConfig
@@ -66,42 +66,18 @@ class _LocalSink:
         return {self.shared.stream: self.held()}
 
     def accept(self, stream: str, item: Held) -> bool:
-        s = self.shared
         if item.broadcast:
             self._control(m.decode(item.frames[0]))
             return True
         # Every ingress hands over the batch it decoded; one that did not is decoded here.
-        batch = item.batch if item.batch is not None else wire.decode_batch(item.frames)
-        with s.lock:
-            st = s.producer(batch.producer)
-            st.received += 1
-            st.bytes += batch.nbytes
-            st.lost += item.gap
-            s.queued_bytes += item.nbytes
-        s.metrics.received_batches.inc()
-        s.metrics.received_bytes.inc(batch.nbytes)
-        if item.gap:
-            s.metrics.lost_batches.inc(item.gap)
-        s.queue.put_nowait(Delivery(0, batch, item.nbytes))  # credit made the room
+        # It weighs what the ingress weighed (item.nbytes); credit made the room.
+        self.shared.deliver([item.batch if item.batch is not None
+                             else wire.decode_batch(item.frames)], item.gap, 0, item.nbytes)
         return True
 
     def accept_batches(self, stream: str, batches: list[wire.Batch], gap: int) -> None:
         """A bundle's batches: counted and queued as :meth:`accept` would each, at once."""
-        s = self.shared
-        nbytes = sum([b.nbytes for b in batches])
-        with s.lock:
-            st = s.producer(batches[0].producer)
-            st.received += len(batches)
-            st.bytes += nbytes
-            st.lost += gap
-            s.queued_bytes += sum([b.wire_bytes for b in batches])
-        s.metrics.received_batches.inc(len(batches))
-        s.metrics.received_bytes.inc(nbytes)
-        if gap:
-            s.metrics.lost_batches.inc(gap)
-        put = s.queue.put_nowait
-        for b in batches:
-            put(Delivery(0, b, b.wire_bytes))  # credit made the room
+        self.shared.deliver(batches, gap, 0)
 
     def epoch_end(self, stream: str, epoch: int) -> None:
         self.shared.queue.put_nowait(EpochMark(epoch))

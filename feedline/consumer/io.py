@@ -183,6 +183,27 @@ class Shared:
         with self.lock:
             return {k: replace(v) for k, v in self.stats.items()}
 
+    def deliver(self, batches: list[wire.Batch], gap: int, registration: int,
+                weighed: int = 0) -> None:
+        """Count one producer's ``batches`` (``gap`` lost before the first) and queue them
+        for the model, tagged with the registration they came under (0: direct mode), each
+        weighing its wire bytes or ``weighed`` (one batch as its ingress weighed it: a
+        tensorpack message's). The caller made sure the queue has room."""
+        nbytes = sum([b.nbytes for b in batches])
+        with self.lock:
+            st = self.producer(batches[0].producer)
+            st.received += len(batches)
+            st.bytes += nbytes
+            st.lost += gap
+            self.queued_bytes += weighed or sum([b.wire_bytes for b in batches])
+        self.metrics.received_batches.inc(len(batches))
+        self.metrics.received_bytes.inc(nbytes)
+        if gap:
+            self.metrics.lost_batches.inc(gap)
+        put = self.queue.put_nowait
+        for b in batches:
+            put(Delivery(registration, b, weighed or b.wire_bytes))
+
     def producer(self, pid: str) -> ProducerStats:
         """The stats entry of ``pid`` (call with the lock held); bounded in number."""
         st = self.stats.get(pid)
@@ -326,22 +347,10 @@ class ConsumerIO:
             self._count_reject("over_window")
             self._refused += len(batches)
             return
-        nbytes = sum(b.nbytes for b in batches)
-        with s.lock:
-            st = s.producer(first.producer)
-            st.received += len(batches)
-            st.bytes += nbytes
-            st.lost += env.gap
-            s.queued_bytes += sum(b.wire_bytes for b in batches)
-        s.metrics.received_batches.inc(len(batches))
-        s.metrics.received_bytes.inc(nbytes)
-        if env.gap:
-            s.metrics.lost_batches.inc(env.gap)
         # Tagged with the registration it was delivered under: a batch of an earlier one
         # (still in the pipe when we registered again) is data all the same, but its credit
         # belongs to a registration the broker no longer counts.
-        for batch in batches:
-            q.put_nowait(Delivery(registration, batch, batch.wire_bytes))
+        s.deliver(batches, env.gap, registration)
 
     def _put(self, item: Any) -> None:
         """A marker (an epoch's end, a producer's error), in order with the batches."""
