@@ -41,6 +41,12 @@ class ProducerCredit:
     def unit(self) -> int:
         return max(self.declared, self.largest)
 
+    def covers(self, batches: int, nbytes: int) -> bool:
+        """Its grant covers ``batches`` more batches of ``nbytes`` in all: counting them is
+        no breach."""
+        return (self.received + batches <= self.granted
+                and self.received_bytes + nbytes <= self.granted_bytes)
+
     @property
     def wanting(self) -> bool:
         return self.short_bytes > 0 or self.short_batch

@@ -245,7 +245,7 @@ class ProducerSide:
             raise
         sizes = [b.wire_bytes for b in batches] or [len(frames[0]) + per] + [per] * (n - 1)
         c, total = self.planner.producers[ident], sum(sizes)
-        if c.received + len(sizes) <= c.granted and c.received_bytes + total <= c.granted_bytes:
+        if c.covers(len(sizes), total):
             self.planner.batch(ident, total, now, len(sizes), max(sizes))  # all at once
         else:  # one by one: the breach found at the batch where it lies
             for size in sizes:
