@@ -37,8 +37,15 @@ def unpack(frames: Sequence[Any]) -> Any:
     return pickle.loads(frames[0], buffers=[memoryview(f) for f in frames[1:]])
 
 
-def send(sock: zmq.Socket, obj: Any) -> None:
-    sock.send_multipart(pack(obj), copy=False)
+def offer(sock: zmq.Socket, obj: Any) -> bool:
+    """Send ``obj`` if ``sock`` takes it now. A poll that said POLLOUT does not make a blocking
+    send safe: the peer (a worker that just exited) can go between the two, and the send would
+    then wait forever."""
+    try:
+        sock.send_multipart(pack(obj), flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    return True
 
 
 def recv(sock: zmq.Socket) -> Any:

@@ -52,10 +52,9 @@ def _worker(k: int, n: int, func: Callable[[Any], Any], on_error: str, in_ep: st
                     results.append((SKIP if skipped else OK, gen, i, k, res))
                 except Exception:
                     results.append((ERR, gen, i, k, traceback.format_exc()))
-            while not out.poll(ipc.POLL_MS, zmq.POLLOUT):
-                if ipc.parent_gone(parent_pid):
+            while not ipc.offer(out, results):
+                if not out.poll(ipc.POLL_MS, zmq.POLLOUT) and ipc.parent_gone(parent_pid):
                     return
-            ipc.send(out, results)
     finally:
         inq.close()
         out.close()
@@ -134,9 +133,9 @@ class MultiProcessMapData(ParallelMapBase):
 
     def _send_held(self, worker: int) -> None:
         sock = self._ins[worker]
-        while not sock.poll(ipc.POLL_MS, zmq.POLLOUT):  # not yet connected, or gone
-            self._check_alive()
-        ipc.send(sock, self._held[worker])
+        while not ipc.offer(sock, self._held[worker]):
+            if not sock.poll(ipc.POLL_MS, zmq.POLLOUT):  # not yet connected, or gone
+                self._check_alive()
         self._held[worker] = []
 
     def _flush(self) -> None:
@@ -158,8 +157,7 @@ class MultiProcessMapData(ParallelMapBase):
             return
         self._started = False
         for s in self._ins:
-            if s.poll(0, zmq.POLLOUT):
-                ipc.send(s, STOP)
+            ipc.offer(s, STOP)
         ipc.stop_workers(self._procs, timeout=2.0)
         for s in [*self._ins, self._out]:
             s.close(linger=0)

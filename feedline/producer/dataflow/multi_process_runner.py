@@ -67,12 +67,14 @@ def _runner(k: int, n: int, ds: DataFlow, strict: bool, ctl_ep: str, out_ep: str
     out.connect(out_ep)
 
     def put(msg: tuple) -> bool:
-        while not out.poll(ipc.POLL_MS, zmq.POLLOUT):
+        deltas = counters.deltas()
+        while not ipc.offer(out, (*msg, deltas)):
+            if out.poll(ipc.POLL_MS, zmq.POLLOUT):
+                continue
             if ipc.parent_gone(parent_pid):
                 return False
             if ctl.poll(0) and ipc.recv(ctl)[0] == "stop":
                 return False
-        ipc.send(out, (*msg, counters.deltas()))
         return True
 
     try:
@@ -189,10 +191,9 @@ class MultiProcessRunner(ProxyDataFlow):
             return
         self._gen += 1
         for s in self._ctls:
-            while not s.poll(ipc.POLL_MS, zmq.POLLOUT):
-                if ipc.dead_worker(self._procs):
+            while not ipc.offer(s, ("go", self._gen)):
+                if not s.poll(ipc.POLL_MS, zmq.POLLOUT) and ipc.dead_worker(self._procs):
                     self._next()  # raises
-            ipc.send(s, ("go", self._gen))
         ended = 0
         while ended < self.num_proc:
             kind, gen, _, payload = self._next()
@@ -216,8 +217,7 @@ class MultiProcessRunner(ProxyDataFlow):
             return
         self._started = False
         for s in self._ctls:
-            if s.poll(0, zmq.POLLOUT):
-                ipc.send(s, ("stop", 0))
+            ipc.offer(s, ("stop", 0))
         ipc.stop_workers(self._procs, timeout=2.0)
         for s in [*self._ctls, self._out]:
             s.close(linger=0)
