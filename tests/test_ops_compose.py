@@ -382,8 +382,12 @@ def test_feedline_top_renders_the_live_system(native: NativeCompose) -> None:
     def forwarded(snap: dict[str, Scrape]) -> float:
         return snap[broker_url].total("feedline_broker_forwarded_batches_total")
 
-    first = top.snapshot(urls)
-    assert all(s.error is None for s in first.values()), first
+    first: dict[str, Scrape] = {}
+
+    def all_answer() -> bool:  # run alone, this test may come before a replica serves
+        first.update(top.snapshot(urls))
+        return all(s.error is None for s in first.values())
+    wait_for(all_answer, 30, interval=0.2, what="every replica's metrics")
     second: dict[str, Scrape] = {}
 
     def moved_on() -> bool:  # and half a second apart: rates over no time read 0
