@@ -1,0 +1,44 @@
+"""tests/cpu_report.py: a test's CPU, its child processes' included, reaches the report, from
+every pytest-xdist worker, and the costliest come first in its summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.cpu_report import summary
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SAMPLE = '''
+import subprocess, sys
+
+def test_burns_in_a_child():
+    burn = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.6: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+
+def test_idle():
+    pass
+'''
+
+
+def test_a_childs_cpu_is_counted_for_the_test_that_started_it(tmp_path: Path) -> None:
+    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    report = tmp_path / "cpu.jsonl"
+    report.write_text('{"id": "left from an earlier run", "self": 99, "children": 0, "wall": 1}\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "tests.cpu_report",
+         "--cpu-report", str(report), "-p", "no:cacheprovider", str(tmp_path / "test_sample.py")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {r["id"].split("::")[-1]: r for r in map(json.loads, report.read_text().splitlines())}
+    assert set(rows) == {"test_burns_in_a_child", "test_idle"}, rows  # the old line is gone
+    assert rows["test_burns_in_a_child"]["children"] >= 0.5, rows
+    assert rows["test_idle"]["children"] < 0.1, rows
+    lines = summary(report)
+    assert lines[1].endswith("test_sample.py::test_burns_in_a_child"), lines
+    assert "cpu report" in out.stdout and "test_burns_in_a_child" in out.stdout, out.stdout
