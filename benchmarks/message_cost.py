@@ -12,6 +12,11 @@ that held it, in microseconds per batch (inclusive, from samples: approximate).
     python benchmarks/message_cost.py --variants raw direct feedline --size 150K --seconds 5
     python benchmarks/message_cost.py --variants direct direct-before --before DIR --size 16K
     python benchmarks/message_cost.py --variants direct --size 16K --profile
+    python benchmarks/message_cost.py --variants raw direct --size 1M --perf
+
+With ``--perf`` it also samples each process with Linux ``perf`` (``perf record``, the kernel
+included: where libzmq's I/O thread copies a batch out of the socket, ``_copy_to_iter``) and
+prints, per thread name and shared object, and for the top symbols, microseconds per batch.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.transport import Run, Size, result, variants  # noqa: E402
 
 RATE = 200  # py-spy samples per second
+PERF_HZ = 2000  # perf samples per second
 
 
 def thread_times(pid: int) -> dict[int, tuple[str, int]]:
@@ -82,8 +88,24 @@ def profile_summary(path: Path, batches: int, top: int) -> list[str]:
     return lines
 
 
+def perf_summary(path: Path, batches: int, top: int) -> list[str]:
+    """``perf report`` of one process: us per batch by (thread, shared object), then by
+    symbol (the top ``top``)."""
+    us = 1e6 / PERF_HZ / max(1, batches)
+    lines = []
+    for sort, limit in (("comm,dso", 8), ("comm,sym", top)):
+        out = subprocess.run(["perf", "report", "-i", str(path), "--stdio", "-n", "--sort", sort],
+                             capture_output=True, text=True, timeout=120).stdout
+        for row in [r for r in out.splitlines() if r.startswith(" ")][:limit]:
+            f = row.split()  # percent, samples, what
+            if len(f) >= 3 and f[1].isdigit():
+                lines.append(f"      {int(f[1]) * us:8.1f}  {' '.join(f[2:])}")
+        lines.append("")
+    return lines
+
+
 def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
-            top: int, before: Path | None = None) -> None:
+            top: int, before: Path | None = None, perf: bool = False) -> None:
     run = Run(work, size, seconds)
     try:
         kind, addr, tree = variants(before)[name](run)
@@ -106,6 +128,13 @@ def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
                     ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
                      "--rate", str(RATE), "--format", "raw", "--threads", "--gil", "--nonblocking",
                      "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        if perf:
+            for role, pid in procs.items():
+                out = work / f"{role}.perf"
+                spies.append((role, out, subprocess.Popen(
+                    ["perf", "record", "-F", str(PERF_HZ), "-o", str(out), "-p", str(pid), "--",
+                     "sleep", str(seconds)], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL)))
         line = cons.stdout.readline()
         after = {role: thread_times(pid) for role, pid in procs.items()}
         for _, _, spy in spies:
@@ -132,7 +161,10 @@ def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
                           if abs(v) >= 0.5)
         print(f"  {role:<9} {total:7.1f}  ({parts})")
     for role, out, _ in spies:
-        if out.exists():
+        if out.exists() and out.suffix == ".perf":
+            print(f"  {role} (perf: thread and object, then symbols; us per batch):")
+            print("\n".join(perf_summary(out, batches, top)))
+        elif out.exists():
             print(f"  {role} (py-spy, holding the GIL, inclusive):")
             print("\n".join(profile_summary(out, batches, top)))
 
@@ -156,6 +188,8 @@ def main() -> None:
     ap.add_argument("--before", type=Path, default=None,
                     help="another checkout: variants before and direct-before run from it")
     ap.add_argument("--profile", action="store_true", help="also sample with py-spy")
+    ap.add_argument("--perf", action="store_true",
+                    help="also sample with Linux perf (the kernel and libzmq included)")
     ap.add_argument("--top", type=int, default=25, help="functions per thread in a profile")
     args = ap.parse_args()
     size = Size.parse(args.size)
@@ -163,7 +197,8 @@ def main() -> None:
         for name in args.variants:
             work = Path(tmp) / name
             work.mkdir()
-            measure(name, size, args.seconds, work, args.profile, args.top, args.before)
+            measure(name, size, args.seconds, work, args.profile, args.top, args.before,
+                    args.perf)
 
 
 if __name__ == "__main__":
