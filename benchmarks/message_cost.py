@@ -30,6 +30,7 @@ import sys
 import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -120,24 +121,27 @@ def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
             raise RuntimeError(f"{name}: consumer said {line!r}")
         names = {role: py_names(pid) for role, pid in procs.items()}
         at_start = {role: thread_times(pid) for role, pid in procs.items()}
-        spies = []
+        # (role, samples file, sampler, what its summary says, the summary)
+        spies: list[tuple[str, Path, subprocess.Popen, str, Any]] = []
         if profile:
             for role, pid in procs.items():
                 out = work / f"{role}.spy"
                 spies.append((role, out, subprocess.Popen(
                     ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
                      "--rate", str(RATE), "--format", "raw", "--threads", "--gil", "--nonblocking",
-                     "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+                     "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                    "py-spy, holding the GIL, inclusive", profile_summary))
         if perf:
             for role, pid in procs.items():
                 out = work / f"{role}.perf"
                 spies.append((role, out, subprocess.Popen(
                     ["perf", "record", "-F", str(PERF_HZ), "-o", str(out), "-p", str(pid), "--",
                      "sleep", str(seconds)], stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL)))
+                    stderr=subprocess.DEVNULL),
+                    "perf: thread and object, then symbols; us per batch", perf_summary))
         line = cons.stdout.readline()
         after = {role: thread_times(pid) for role, pid in procs.items()}
-        for _, _, spy in spies:
+        for _, _, spy, _, _ in spies:
             spy.wait(seconds + 30)
         assert cons.stdin is not None
         cons.stdin.write("\n")
@@ -160,13 +164,10 @@ def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
         parts = ", ".join(f"{lbl} {v:.1f}" for lbl, v in sorted(rows, key=lambda x: -x[1])
                           if abs(v) >= 0.5)
         print(f"  {role:<9} {total:7.1f}  ({parts})")
-    for role, out, _ in spies:
-        if out.exists() and out.suffix == ".perf":
-            print(f"  {role} (perf: thread and object, then symbols; us per batch):")
-            print("\n".join(perf_summary(out, batches, top)))
-        elif out.exists():
-            print(f"  {role} (py-spy, holding the GIL, inclusive):")
-            print("\n".join(profile_summary(out, batches, top)))
+    for role, out, _, what, summarize in spies:
+        if out.exists():
+            print(f"  {role} ({what}):")
+            print("\n".join(summarize(out, batches, top)))
 
 
 def _role(argv: list[str]) -> str:
