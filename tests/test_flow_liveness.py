@@ -130,9 +130,10 @@ def test_a_producer_at_the_egress_is_told_to_use_the_ingress(broker_proc, daemon
     broker, _ = start_broker(broker_proc)
     cfg = fake_yaml(tmp_path, "lost", [[4]], ["float32"])
     prod = start_producer(daemons, endpoints.egress, cfg, "wrong-door")
-    try:
-        wait_for(lambda: log_lines(prod.log_text(), "WARNING", "ingress"), 10,
-                 what="a WARNING about the ingress")
+    try:  # both logs: the broker's line may come after the producer's
+        wait_for(lambda: log_lines(prod.log_text(), "WARNING", "ingress")
+                 and log_lines(broker.log_text(), "WARNING", "egress", "wrong-door"), 10,
+                 what="a WARNING about the ingress, and the broker's")
     except TimeoutError:
         pass
     assert log_lines(prod.log_text(), "WARNING", "ingress"), prod.log_text()[-2000:]

@@ -151,10 +151,15 @@ def test_top_shows_each_stream_and_each_consumers_stream(two_streams: TwoStreams
         return snap[two_streams.broker_url].get(
             "feedline_broker_stream_forwarded_batches_total", stream=stream) or 0.0
 
-    def moved_on() -> bool:
+    def registered(snap: dict[str, Scrape], stream: str) -> float:
+        return snap[two_streams.broker_url].get(
+            "feedline_broker_stream_peers", stream=stream, role="producer") or 0.0
+
+    def moved_on() -> bool:  # and every producer registered (under load one may start late)
         second.update(top.snapshot(urls))
-        return all(forwarded(second, s) >= forwarded(first, s) + 10 for s in ("default", "val"))
-    wait_for(moved_on, 60, interval=0.2, what="10 more batches of each stream")
+        return all(forwarded(second, s) >= forwarded(first, s) + 10 for s in ("default", "val")) \
+            and (registered(second, "default"), registered(second, "val")) == (1, 2)
+    wait_for(moved_on, 60, interval=0.2, what="10 more batches of each stream, its producers")
     screen = top.render(first, second)
     (tmp_path / "top-screen.txt").write_text(screen)
 
