@@ -21,6 +21,20 @@ from feedline.procs import Daemon, free_port, stop_all, wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Byte-compile feedline and tests/ once, before any worker starts. The suite starts
+    hundreds of Python processes (daemons, ledger consumers) that import them; where
+    ``PYTHONDONTWRITEBYTECODE`` is set (as on the machines this project's CI runs on) each
+    of them compiled every module from source again: 0.28 CPU-s a producer-and-broker import
+    (1.35 against 1.07). An installed wheel has its bytecode from the install."""
+    if hasattr(session.config, "workerinput"):
+        return
+    import compileall
+
+    for tree in ("feedline", "tests"):
+        compileall.compile_dir(ROOT / tree, quiet=1)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``--dist loadgroup``, see pyproject.toml) a module's tests stay on

@@ -42,3 +42,23 @@ def test_a_childs_cpu_is_counted_for_the_test_that_started_it(tmp_path: Path) ->
     lines = summary(report)
     assert lines[1].endswith("test_sample.py::test_burns_in_a_child"), lines
     assert "cpu report" in out.stdout and "test_burns_in_a_child" in out.stdout, out.stdout
+
+
+def test_the_modules_every_daemon_imports_are_compiled_before_the_tests_run() -> None:
+    """conftest's ``pytest_sessionstart`` byte-compiles feedline and tests/: where
+    ``PYTHONDONTWRITEBYTECODE`` is set, each process the suite starts would otherwise compile
+    them from source again. A cache counts if its header names the source's mtime and size
+    (what the import system checks)."""
+    import importlib.util
+
+    import feedline.broker.core
+    import feedline.producer.cli
+    import tests.exact_ledger
+
+    for mod in (feedline.broker.core, feedline.producer.cli, tests.exact_ledger):
+        src = Path(str(mod.__file__))
+        cache = Path(importlib.util.cache_from_source(str(src)))
+        assert cache.exists(), f"no bytecode for {src}"
+        head, st = cache.read_bytes()[:16], src.stat()
+        assert int.from_bytes(head[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF, cache
+        assert int.from_bytes(head[12:16], "little") == st.st_size & 0xFFFFFFFF, cache
