@@ -10,6 +10,7 @@ test knows what a producer had produced when it was killed.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import zlib
 from collections.abc import Iterator
@@ -17,8 +18,12 @@ from collections.abc import Iterator
 import numpy as np
 
 
-def payload(seed: int, index: int, nbytes: int) -> np.ndarray:
-    return np.random.default_rng([seed, index]).integers(0, 256, nbytes, dtype=np.uint8)
+def payload(seed: int, index: int, nbytes: int, salt: bytes = b"") -> np.ndarray:
+    """``nbytes`` pseudo-random bytes from (seed, index): SHAKE-128, about 5 times cheaper
+    than seeding a NumPy generator per datapoint (76 against 16 us for 4 KB), which was half
+    of a paced test producer's CPU."""
+    key = b"%d:%d:%s" % (seed, index, salt)
+    return np.frombuffer(bytearray(hashlib.shake_128(key).digest(nbytes)), np.uint8)
 
 
 def check(dp: list) -> int:
@@ -67,11 +72,12 @@ def make(count: int | None = None, nbytes: int = 4096, seed: int = 0,
 class ExactSample:
     """A map step for exact-delivery tests: sample id -> ``[payload, meta [id, crc32]]``.
 
-    The payload is pseudo-random from ``[seed, id, 0xFEED]``, then XOR-ed with bytes drawn
-    from the generator its ``reseed`` hook set: in exact mode that generator is a pure
-    function of (seed, epoch, sample), so a unit produced again, anywhere, must give the same
-    bytes (an "augmentation" the tests can check for determinism). Not from ``[seed, id]``:
-    NumPy's SeedSequence ignores trailing zeros, so that is the very generator
+    The payload is pseudo-random from (seed, id) (:func:`payload`, SHAKE-128: no NumPy
+    generator), then XOR-ed with bytes drawn from the generator its ``reseed`` hook set: in
+    exact mode that generator is a pure function of (seed, epoch, sample), so a unit produced
+    again, anywhere, must give the same bytes (an "augmentation" the tests can check for
+    determinism). The payload must not come from a NumPy generator seeded ``[seed, id]``:
+    SeedSequence ignores trailing zeros, so that is the very generator
     ``make_rng(seed, sample_key(0, id))`` gives the augmentation in epoch 0 (worker 0), and
     every epoch-0 payload came out all zeros: a swap of two samples' bytes could not show.
     """
@@ -91,8 +97,7 @@ class ExactSample:
         return self.sample(int(i))  # type: ignore[call-overload]
 
     def sample(self, index: int) -> list:
-        base = np.random.default_rng([self.seed, index, 0xFEED]).integers(
-            0, 256, self.nbytes, dtype=np.uint8)
+        base = payload(self.seed, index, self.nbytes, b"exact")
         data = base ^ self.rng.integers(0, 256, self.nbytes, dtype=np.uint8)
         return [data, np.array([index, zlib.crc32(data.tobytes())], np.int64)]
 
