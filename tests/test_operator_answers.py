@@ -141,7 +141,7 @@ def test_producer_logs_a_start_up_line_that_log_level_turns_off(daemons, broker_
 @pytest.mark.tf
 def test_demo_steps_and_batches_add_up(tmp_path):
     pytest.importorskip("tensorflow")
-    r = feedline("demo", "--duration", "6", "--producers", "1", "--batch-size", "16",
+    r = feedline("demo", "--duration", "3", "--producers", "1", "--batch-size", "16",
                  "--image-size", "64", "--workdir", str(tmp_path), timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     steps = int(re.search(r"^(\d+) steps in", r.stdout, re.M).group(1))  # type: ignore[union-attr]
