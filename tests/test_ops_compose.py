@@ -336,6 +336,11 @@ def test_every_dashboard_query_works_on_live_metrics(native: NativeCompose) -> N
     # Let every rate() window hold samples of the running system.
     wait_for(lambda: prom.value("sum(rate(feedline_broker_forwarded_batches_total[2s]))"),
              30, interval=0.2, what="throughput in Prometheus")
+    # The broker gives a stream's sizing verdict once it has half a sizing window of samples
+    # (5 s after its first producer; every verdict's series is 0 before): on a loaded host
+    # the tests above can take less.
+    wait_for(lambda: prom.query("feedline_broker_stream_bottleneck == 1"), 30, interval=0.2,
+             what="the sizing verdict in Prometheus")
     checked = 0
     for panel in dashboard["panels"]:
         for t in panel["targets"]:
