@@ -35,32 +35,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         compileall.compile_dir(ROOT / tree, quiet=1)
 
 
-LONG_POLE = "netns"  # the fault scenarios' group: about 10 minutes, one test at a time
-
-
-def _group(item: pytest.Item) -> str:
-    marker = item.get_closest_marker("xdist_group")
-    assert marker is not None  # pytest_collection_modifyitems gives every test one
-    return str(marker.args[0] if marker.args else marker.kwargs.get("name", ""))
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``--dist loadgroup``, see pyproject.toml) a module's tests stay on
     one worker, so its module fixtures (a compose stack, a Prometheus server) start once;
-    modules that name a group (the fault scenarios) share a worker.
-
-    Groups are handed out in the order of their first test (pyproject.toml turns off xdist's
-    own reordering): the fault scenarios' group first, since it runs one test at a time for
-    about two thirds of the run and handed out late it was the run's tail; then the others
-    by their number of tests, most first (xdist's own order)."""
+    modules that name a group (the fault scenarios) share a worker."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    sizes: dict[str, int] = {}
-    for item in items:
-        sizes[_group(item)] = sizes.get(_group(item), 0) + 1
-    items.sort(key=lambda item: (_group(item) != LONG_POLE, -sizes[_group(item)]))
 
 
 @pytest.fixture(autouse=True)
