@@ -4,7 +4,10 @@ the processes say what they are (`--version`, the producer's start-up line)."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -110,6 +113,25 @@ def test_version_names_the_jpeg_decoder():
     assert r.returncode == 0
     assert re.fullmatch(r"feedline \S+ \(JPEG decoder: (libjpeg-turbo|OpenCV) .*\)\n", r.stdout), \
         r.stdout
+
+
+def test_a_command_loads_its_own_module_alone(tmp_path):
+    """``feedline keys generate`` runs without importing the producer's, the broker's or the
+    image libraries (a daemon starts sooner); ``--help`` still lists every command, and each
+    name in the table is the one its module adds."""
+    code = ("import json, sys\n"
+            "from feedline.commands.main import COMMANDS, build_parser, main\n"
+            f"rc = main(['keys', 'generate', {str(tmp_path)!r}, '--name', 'k'])\n"
+            "loaded = sorted(m for m in ('cv2', 'feedline.producer.cli', 'feedline.broker.cli',"
+            " 'feedline.commands.demo') if m in sys.modules)\n"
+            "sub = next(a for a in build_parser()._actions if a.dest == 'command')\n"
+            "print(json.dumps([rc, loaded, list(sub.choices) == list(COMMANDS)]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rc, loaded, same = json.loads(r.stdout.splitlines()[-1])
+    assert rc == 0 and (tmp_path / "k.key_secret").exists()
+    assert loaded == [], f"feedline keys imported {loaded}"
+    assert same, "COMMANDS names a command its module does not add (or in another order)"
 
 
 def test_producer_logs_a_start_up_line_that_log_level_turns_off(daemons, broker_proc,

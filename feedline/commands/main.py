@@ -1,31 +1,44 @@
 """``feedline``: one entry point, a subcommand per module.
 
 Each module in the table has ``add_parser(subparsers)``, which adds its subcommand and sets
-``func`` (taking the parsed arguments, returning an exit code).
+``func`` (taking the parsed arguments, returning an exit code). ``feedline COMMAND ARGS``
+imports COMMAND's module alone (a broker or ``feedline keys`` does not load the producer's
+image and dataset libraries); ``feedline --help`` and a mistyped command load them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
-from feedline import keys
-from feedline.broker import cli as broker_cli
-from feedline.commands import demo, fleet, top
-from feedline.consumer import drain
-from feedline.flags import HelpFormatter
-from feedline.producer import cli as producer_cli
-from feedline.producer import convert_cli, info_cli, lmdb_cli
+from feedline.flags import HelpFormatter, standalone
 from feedline.version import __version__
 
-COMMANDS = [broker_cli, producer_cli, fleet, demo, lmdb_cli, convert_cli, info_cli, drain, top,
-            keys]
+# Each subcommand and the module whose add_parser adds it, in --help's order.
+COMMANDS = {
+    "broker": "feedline.broker.cli",
+    "producer": "feedline.producer.cli",
+    "fleet": "feedline.commands.fleet",
+    "demo": "feedline.commands.demo",
+    "lmdb": "feedline.producer.lmdb_cli",
+    "convert": "feedline.producer.convert_cli",
+    "info": "feedline.producer.info_cli",
+    "drain": "feedline.consumer.drain",
+    "top": "feedline.commands.top",
+    "keys": "feedline.keys",
+}
+
+
+def command_module(name: str) -> ModuleType:
+    return importlib.import_module(COMMANDS[name])
 
 
 def version_text() -> str:
     """The version line, and which JPEG decoder this install runs."""
-    return f"feedline {__version__} (JPEG decoder: {producer_cli.decoder_info()})"
+    return f"feedline {__version__} (JPEG decoder: {command_module('producer').decoder_info()})"
 
 
 class _Version(argparse.Action):
@@ -50,12 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in COMMANDS:
-        module.add_parser(sub)
+    for name in COMMANDS:
+        command_module(name).add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        return standalone(command_module(argv[0]).add_parser, argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
