@@ -6,6 +6,7 @@ wait for connections: poll with a timeout (feedline.procs.wait_for).
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -19,6 +20,16 @@ from feedline.broker import Broker, BrokerConfig
 from feedline.procs import Daemon, free_port, stop_all, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every process the suite starts (the xdist workers, and through them the daemons,
+    producers and ledger consumers) gets one OpenBLAS thread unless the environment says
+    otherwise. NumPy's OpenBLAS starts a thread per core at import, and each spins waiting for
+    work while the process goes on importing: on two cores 0.19 of a producer's 0.48 CPU-s to
+    start, and the suite starts hundreds. Nothing the suite runs does linear algebra that
+    more threads would speed up; feedline's daemons leave the setting to the user."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.cpu_report import summary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,3 +64,14 @@ def test_the_modules_every_daemon_imports_are_compiled_before_the_tests_run() ->
         head, st = cache.read_bytes()[:16], src.stat()
         assert int.from_bytes(head[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF, cache
         assert int.from_bytes(head[12:16], "little") == st.st_size & 0xFFFFFFFF, cache
+
+
+def test_the_processes_the_suite_starts_have_one_openblas_thread() -> None:
+    """conftest's ``pytest_configure`` sets ``OPENBLAS_NUM_THREADS=1`` for every process the
+    suite starts: a child that imports NumPy has one thread, not one per core."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: OpenBLAS starts no extra thread either way")
+    code = "import os, numpy; print(len(os.listdir('/proc/self/task')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "1", out.stdout
