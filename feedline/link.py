@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from feedline import messages as m
 from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits
@@ -118,6 +117,7 @@ class Link:
         self._log = RateLimitedLog(log, interval=30.0)
         self.socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
+        self._parse_event: Callable[[list[bytes]], Any] | None = None  # pyzmq's, with a monitor
         self.broker_id: int | None = None
         self._previous: deque[int] = deque(maxlen=8)  # instance ids of replaced brokers
         self.registration = 0
@@ -163,6 +163,11 @@ class Link:
             # tell the operator that the broker did not accept our key.
             self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
                                                     | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            # Imported here, not at the top: zmq.utils.monitor imports asyncio (through
+            # zmq.asyncio), and only a link with CURVE keys has a monitor to read.
+            from zmq.utils.monitor import parse_monitor_message
+
+            self._parse_event = parse_monitor_message
         sock.connect(self.addr)
         self.socket = sock
         now = time.monotonic()
@@ -317,10 +322,10 @@ class Link:
         return not isinstance(msg, m.Heartbeat)
 
     def _read_monitor(self) -> None:
-        assert self._monitor is not None
+        assert self._monitor is not None and self._parse_event is not None
         while True:
             try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+                event = self._parse_event(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve is not None:

@@ -18,6 +18,7 @@ Nothing here reads the environment except :func:`ClientKeys.from_env` /
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -30,7 +31,6 @@ from typing import Any
 import zmq
 import zmq.auth
 import zmq.utils.z85
-from zmq.auth.thread import ThreadAuthenticator
 
 from feedline.errors import CurveUnavailable as CurveUnavailable
 from feedline.errors import KeyFileError as KeyFileError
@@ -268,7 +268,7 @@ class Authenticator:
     def __init__(self, ctx: zmq.Context, allowed: frozenset[bytes],
                  on_denied: Callable[[str, str], None] | None = None,
                  log_interval: float = 60.0) -> None:
-        self._auth = _ZapHandler(ctx, on_denied, RateLimitedLog(log, log_interval))
+        self._auth = _zap_handler()(ctx, on_denied, RateLimitedLog(log, log_interval))
         self._auth.start()
         # The key set is given in memory (the files were checked at load): the handler then
         # does not re-read a directory someone else may be writing to.
@@ -278,40 +278,49 @@ class Authenticator:
         self._auth.stop()
 
 
-class _ZapHandler(ThreadAuthenticator):
-    """ThreadAuthenticator that reports each refusal (pyzmq logs it at DEBUG only)."""
+@functools.cache
+def _zap_handler() -> type:
+    """The ZAP handler's class, made at a broker's first :class:`Authenticator`: pyzmq's
+    ``zmq.auth.thread`` imports asyncio, and every process that imports this module (each
+    producer, consumer and command) would otherwise pay for it at start."""
+    from zmq.auth.thread import ThreadAuthenticator
 
-    def __init__(self, ctx: zmq.Context, on_denied: Callable[[str, str], None] | None,
-                 warn: RateLimitedLog) -> None:
-        super().__init__(ctx)
-        self._on_denied = on_denied
-        self._warn = warn
-        self._request: tuple[str, bytes] = ("", b"")  # the client's address and key
+    class _ZapHandler(ThreadAuthenticator):
+        """ThreadAuthenticator that reports each refusal (pyzmq logs it at DEBUG only)."""
 
-    def handle_zap_message(self, msg: list[bytes]) -> Any:
-        # Requests are answered one at a time in the ZAP thread: remember whose this is, for
-        # the reply below. (pyzmq >= 25 returns a coroutine here; it is passed on as is.)
-        address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""
-        key = msg[6] if len(msg) > 6 else b""
-        self._request = (address, key)
-        return super().handle_zap_message(msg)
+        def __init__(self, ctx: zmq.Context, on_denied: Callable[[str, str], None] | None,
+                     warn: RateLimitedLog) -> None:
+            super().__init__(ctx)
+            self._on_denied = on_denied
+            self._warn = warn
+            self._request: tuple[str, bytes] = ("", b"")  # the client's address and key
 
-    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
-                        user_id: str = "anonymous") -> None:
-        super()._send_zap_reply(request_id, status_code, status_text, user_id)
-        if status_code == b"200":
-            return
-        address, key = _peer(self._request[0]), self._request[1]
-        fp = fingerprint(zmq.utils.z85.encode(key)) if len(key) == 32 else "(none)"
-        self._warn.warning(
-            "CURVE: refused a client at %s (key %s): its public key is not in --curve-allowed; "
-            "if it should connect, copy its .key file into that directory and restart the "
-            "broker", address, fp)
-        if self._on_denied is not None:
-            try:
-                self._on_denied(address, fp)
-            except Exception:  # a metric that fails must not stop authentication
-                log.exception("on_denied callback failed")
+        def handle_zap_message(self, msg: list[bytes]) -> Any:
+            # Requests are answered one at a time in the ZAP thread: remember whose this is, for
+            # the reply below. (pyzmq >= 25 returns a coroutine here; it is passed on as is.)
+            address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""
+            key = msg[6] if len(msg) > 6 else b""
+            self._request = (address, key)
+            return super().handle_zap_message(msg)
+
+        def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
+                            user_id: str = "anonymous") -> None:
+            super()._send_zap_reply(request_id, status_code, status_text, user_id)
+            if status_code == b"200":
+                return
+            address, key = _peer(self._request[0]), self._request[1]
+            fp = fingerprint(zmq.utils.z85.encode(key)) if len(key) == 32 else "(none)"
+            self._warn.warning(
+                "CURVE: refused a client at %s (key %s): its public key is not in --curve-allowed; "
+                "if it should connect, copy its .key file into that directory and restart the "
+                "broker", address, fp)
+            if self._on_denied is not None:
+                try:
+                    self._on_denied(address, fp)
+                except Exception:  # a metric that fails must not stop authentication
+                    log.exception("on_denied callback failed")
+
+    return _ZapHandler
 
 
 def _peer(address: str) -> str:

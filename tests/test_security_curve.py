@@ -8,6 +8,7 @@ on disk stop the daemons at startup with a message naming the file.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -145,7 +146,8 @@ def test_unknown_key_and_plain_client_are_refused_and_get_nothing_in(
     assert not stranger.is_alive() and not plain.is_alive()
 
 
-def test_consumer_with_unknown_key_gets_nothing_out(thread_broker, endpoints, keys):
+def test_consumer_with_unknown_key_gets_nothing_out(thread_broker, endpoints, keys, caplog):
+    caplog.set_level(logging.WARNING, logger="feedline.link")
     tb = thread_broker(curve=keys.server())
     sender = send(endpoints.ingress, 3, 2, keys.client("producer"))
     wait_for(lambda: tb.broker.stats.received == 3, 20, what="batches buffered")
@@ -155,6 +157,9 @@ def test_consumer_with_unknown_key_gets_nothing_out(thread_broker, endpoints, ke
             pytest.raises(ReceiveTimeout):
         next(iter(src))
     assert tb.broker.stats.forwarded == 0
+    # The link's socket monitor saw the refused handshake and said what to do.
+    assert any("did not accept our CURVE key" in r.getMessage()
+               and "--curve-allowed" in r.getMessage() for r in caplog.records), caplog.text
     sender.join(10)
 
 

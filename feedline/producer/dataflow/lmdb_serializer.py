@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-from tqdm import tqdm
 
 from feedline.errors import DataError, DataNotFound, OutputExists
 from feedline.producer.dataflow.base import DataFlow, as_dataflow
@@ -77,6 +76,8 @@ class LMDBSerializer:
 
         done = False
         try:
+            from tqdm import tqdm  # here, not at the top: every producer imports this module
+
             with tqdm(total=total, unit="dp", desc=f"writing {path.name}",
                       disable=not progress) as bar:
                 for dp in df:

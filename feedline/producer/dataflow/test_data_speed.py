@@ -6,8 +6,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from tqdm import tqdm
-
 from feedline.errors import ConfigError, DataError
 from feedline.producer.dataflow.base import as_dataflow
 
@@ -44,6 +42,8 @@ class TestDataSpeed:
         stream = self._stream()
         for _ in range(self.warmup):
             next(stream)
+        from tqdm import tqdm  # here, not at the top: every producer imports this module
+
         with tqdm(total=self.size, unit="dp", smoothing=0.1, dynamic_ncols=True,
                   disable=self.disable_progress) as bar:
             t0 = time.perf_counter()

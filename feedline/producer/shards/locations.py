@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 from braceexpand import braceexpand
 
 from feedline.errors import DataError, Unavailable
@@ -79,6 +78,8 @@ class Location:
 
     def fs(self) -> Any:
         if self._fs is None or self._pid != os.getpid():
+            import fsspec  # here, not at the top: a producer of local files starts without it
+
             try:
                 cls = fsspec.get_filesystem_class(self.protocol)
             except (ImportError, ValueError) as e:
