@@ -138,10 +138,11 @@ def test_a_command_loads_its_own_module_alone(tmp_path):
                                     "feedline.consumer.remote"])
 def test_a_daemon_or_trainer_starts_without_what_only_some_of_them_use(module):
     """A producer, a broker and a trainer import asyncio (pyzmq's monitor and ZAP helpers,
-    wanted only with CURVE keys), fsspec (remote shards) and tqdm (progress bars) when they
-    use them, not at start: together about a tenth of a producer's start-up CPU."""
+    wanted only with CURVE keys), fsspec (remote shards), tqdm (progress bars) and OpenCV
+    (image steps) when they use them, not at start: together about a fifth of a producer's
+    start-up CPU."""
     code = (f"import json, sys, {module}\n"
-            "print(json.dumps(sorted(m for m in ('asyncio', 'fsspec', 'tqdm')"
+            "print(json.dumps(sorted(m for m in ('asyncio', 'fsspec', 'tqdm', 'cv2')"
             " if m in sys.modules)))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -14,7 +14,6 @@ from typing import Any
 
 from feedline.errors import ConfigError as ConfigError
 from feedline.errors import Unavailable
-from feedline.producer import image
 from feedline.producer.dataflow import (
     BatchData,
     DataFlow,
@@ -253,24 +252,32 @@ SOURCES: dict[str, Callable[[Args, int], DataFlow]] = {
     "parquet": _sharded(Parquet),
 }
 
+def _image() -> Any:
+    """``feedline.producer.image``, imported at a pipeline's first image step, not at start:
+    it imports OpenCV, which a producer of other data does not use."""
+    from feedline.producer import image
+
+    return image
+
+
 # -- augmentors (inside an `augment` step) -------------------------------------------------
 
 
 AUGMENTORS: dict[str, Callable[[Args], Any]] = {
-    "resize_shortest_edge": lambda a: image.ResizeShortestEdge(a.integer("size", required=True,
-                                                                     lo=1)),
-    "random_resized_crop": lambda a: image.RandomResizedCrop(
+    "resize_shortest_edge": lambda a: _image().ResizeShortestEdge(
+        a.integer("size", required=True, lo=1)),
+    "random_resized_crop": lambda a: _image().RandomResizedCrop(
         a.integer("size", required=True, lo=1), a.pair("scale", (0.08, 1.0)),
         a.pair("ratio", (3 / 4, 4 / 3))),
-    "center_crop": lambda a: image.CenterCrop(a.integer("size", required=True, lo=1)),
-    "flip": lambda a: image.Flip(a.number("prob", 0.5, lo=0)),
-    "brightness": lambda a: image.Brightness(a.number("delta", 30.0, lo=0)),
-    "contrast": lambda a: image.Contrast(a.pair("range", (0.6, 1.4))),
-    "saturation": lambda a: image.Saturation(a.number("alpha", 0.4, lo=0)),
-    "color_jitter": lambda a: image.ColorJitter(a.number("brightness", 30.0, lo=0),
-                                                a.number("contrast", 0.4, lo=0),
-                                                a.number("saturation", 0.4, lo=0)),
-    "lighting": lambda a: image.Lighting(a.number("std", 0.1, lo=0)),
+    "center_crop": lambda a: _image().CenterCrop(a.integer("size", required=True, lo=1)),
+    "flip": lambda a: _image().Flip(a.number("prob", 0.5, lo=0)),
+    "brightness": lambda a: _image().Brightness(a.number("delta", 30.0, lo=0)),
+    "contrast": lambda a: _image().Contrast(a.pair("range", (0.6, 1.4))),
+    "saturation": lambda a: _image().Saturation(a.number("alpha", 0.4, lo=0)),
+    "color_jitter": lambda a: _image().ColorJitter(a.number("brightness", 30.0, lo=0),
+                                                   a.number("contrast", 0.4, lo=0),
+                                                   a.number("saturation", 0.4, lo=0)),
+    "lighting": lambda a: _image().Lighting(a.number("std", 0.1, lo=0)),
 }
 
 
@@ -288,7 +295,7 @@ def one_key(item: Any, where: str, known: Mapping[str, Any]) -> tuple[str, Any]:
 # (the component they apply to is read by the caller)
 
 def _imagenet_train(a: Args, seed: int) -> Any:
-    return guarded(a.where, lambda: image.ImageNetTrain(
+    return guarded(a.where, lambda: _image().ImageNetTrain(
         size=a.integer("size", 224, lo=1), seed=a.integer("seed", seed),
         scale=a.pair("scale", (0.08, 1.0)), ratio=a.pair("ratio", (3 / 4, 4 / 3)),
         flip=a.flag("flip", True), color_jitter=a.number("color_jitter", 0.0, lo=0),
@@ -296,13 +303,13 @@ def _imagenet_train(a: Args, seed: int) -> Any:
 
 
 def _imagenet_val(a: Args, seed: int) -> Any:
-    return image.ImageNetVal(size=a.integer("size", 224, lo=1),
-                             resize=a.integer("resize", 256, lo=1),
-                             reduced_decode=a.flag("reduced_decode", True))
+    return _image().ImageNetVal(size=a.integer("size", 224, lo=1),
+                                resize=a.integer("resize", 256, lo=1),
+                                reduced_decode=a.flag("reduced_decode", True))
 
 
 def _decode(a: Args, seed: int) -> Any:
-    return image.Decode(bgr=a.text("channels", "rgb", choices=("rgb", "bgr")) == "bgr")
+    return _image().Decode(bgr=a.text("channels", "rgb", choices=("rgb", "bgr")) == "bgr")
 
 
 def _augment(a: Args, seed: int) -> Any:
@@ -316,7 +323,7 @@ def _augment(a: Args, seed: int) -> Any:
         sub = Args(args, f"{w}.{name}")
         augs.append(AUGMENTORS[name](sub))
         sub.done()
-    return image.Augment(augs, seed=a.integer("seed", seed))
+    return _image().Augment(augs, seed=a.integer("seed", seed))
 
 
 def _map(a: Args, seed: int) -> Any:
