@@ -26,8 +26,9 @@ def pytest_configure(config: pytest.Config) -> None:
     """Every process the suite starts (the xdist workers, and through them the daemons,
     producers and ledger consumers) gets one OpenBLAS thread unless the environment says
     otherwise. NumPy's OpenBLAS starts a thread per core at import, and each spins waiting for
-    work while the process goes on importing: on two cores 0.19 of a producer's 0.48 CPU-s to
-    start, and the suite starts hundreds. Nothing the suite runs does linear algebra that
+    work while the process goes on importing: on two cores a producer's start takes 0.31
+    CPU-s with two threads and 0.20 with one (benchmarks/startup.py, docs/performance.md
+    'Start-up'), and the suite starts hundreds. Nothing the suite runs does linear algebra that
     more threads would speed up; feedline's daemons leave the setting to the user."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

@@ -252,6 +252,7 @@ SOURCES: dict[str, Callable[[Args, int], DataFlow]] = {
     "parquet": _sharded(Parquet),
 }
 
+
 def _image() -> Any:
     """``feedline.producer.image``, imported at a pipeline's first image step, not at start:
     it imports OpenCV, which a producer of other data does not use."""
