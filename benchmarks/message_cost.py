@@ -108,6 +108,7 @@ def perf_summary(path: Path, batches: int, top: int) -> list[str]:
 def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
             top: int, before: Path | None = None, perf: bool = False) -> None:
     run = Run(work, size, seconds)
+    cons: subprocess.Popen | None = None
     try:
         kind, addr, tree = variants(before)[name](run)
         cons = subprocess.Popen([*run.consumer_argv(kind, addr), "hold"],
@@ -149,6 +150,9 @@ def measure(name: str, size: Size, seconds: float, work: Path, profile: bool,
         cons.wait(30)
         r = json.loads(line)
     finally:
+        if cons is not None and cons.poll() is None:  # it waits for us ("hold"): a failure
+            cons.kill()  # here must not leave it holding our stdout's pipe
+            cons.wait(30)
         run.close()
     res = result(r)
     batches = r["batches"]
@@ -193,6 +197,10 @@ def main() -> None:
                     help="also sample with Linux perf (the kernel and libzmq included)")
     ap.add_argument("--top", type=int, default=25, help="functions per thread in a profile")
     args = ap.parse_args()
+    for flag, tool, how in (("profile", "py-spy", "pip install py-spy"),
+                            ("perf", "perf", "apt-get install linux-perf")):
+        if getattr(args, flag) and shutil.which(tool) is None:
+            ap.error(f"--{flag} needs {tool}, which is not on PATH: {how}")
     size = Size.parse(args.size)
     with tempfile.TemporaryDirectory(prefix="feedline-cost-") as tmp:
         for name in args.variants:
