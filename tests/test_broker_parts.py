@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from feedline.broker.buffer import Buffer
+from feedline.bundle import BUNDLE_BYTES
 from feedline.errors import Refusal
-from feedline.serving.budget import SMALL_BATCH, Budget, depth, top_up
+from feedline.serving.budget import LEAST_GRANT, SMALL_BATCH, Budget, depth, top_up
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held
@@ -112,11 +113,28 @@ def test_a_deep_window_is_topped_up_by_parts_not_a_grant_per_batch():
     assert large.plan(0.0, 1, 4 * MiB).grants == [b"large"] and top_up(4) == 1
 
 
+def test_a_top_up_is_an_eighth_of_a_deep_window_and_at_least_two_bundles_of_1_mb():
+    """How much of a producer's window must be free before a GRANT, for the batch sizes of
+    benchmarks/transport.py: an eighth of a deep window (16 KB, 150 KB), at least
+    LEAST_GRANT (two bundles of 1 MB batches: a bundle holds 3 of them) but never more than a
+    quarter, and every batch for a window under 16 (4 MB and more)."""
+    windows = {size: depth(4, size) for size in (16_000, 150_528, 1_053_696, 2 * MiB,
+                                                  4 * MiB, 9_633_792)}
+    assert [windows[s] for s in windows] == [512, 222, 31, 16, 8, 4]
+    assert [top_up(w) for w in windows.values()] == [64, 27, 6, 4, 1, 1]
+    for w in range(1, 600):
+        t = top_up(w)
+        assert 1 <= t <= max(1, w // 4), (w, t)
+        assert t >= (w // 8 if w >= 16 else 1), (w, t)
+    mb = 1_053_696
+    assert 2 * (BUNDLE_BYTES // (mb + 64)) == LEAST_GRANT, "two bundles of 3 1 MB batches"
+
+
 def test_a_plan_short_of_room_waits_for_a_top_up_to_be_taken():
     """A producer of 1 MB batches whose window (31) the budget cannot fill (a broker's 254
     for them, 250 held): its arrivals leave the planner ``blocked``, not ``due`` (an arrival
     frees no room), and a plan is worth making again once ``wake`` batches were taken from
-    what is held (a top-up of a window of 1 MB batches: 3); then it gets what they freed in
+    what is held (a top-up of a window of 1 MB batches: 6); then it gets what they freed in
     one GRANT. Before: a plan at every batch that arrived or was taken, and a GRANT of a credit
     or two."""
     mb = 1_053_696
@@ -124,21 +142,21 @@ def test_a_plan_short_of_room_waits_for_a_top_up_to_be_taken():
     start(cp, b"p", mb)
     cp.plan(0.0, 250, 250 * mb)
     assert cp.budget.max_batches == depth(32, mb) == 254
-    assert cp.wake == top_up(depth(4, mb)) == 3
+    assert cp.wake == top_up(depth(4, mb)) == LEAST_GRANT == 6
     p = cp.producers[b"p"]
     assert p.outstanding == 4 and cp.blocked
     for _ in range(4):  # its credit arrives: held 254, nothing free
         cp.batch(b"p", mb, 0.0)
         assert not cp.due, "an arrival while the budget is full: no plan to make"
-    assert cp.plan(0.0, 251, 251 * mb).grants == [b"p"], "3 taken: room for 3"
-    assert p.outstanding == 3 and cp.blocked
+    assert cp.plan(0.0, 248, 248 * mb).grants == [b"p"], "6 taken: room for 6"
+    assert p.outstanding == 6 and cp.blocked
     cp.plan(0.0, 0, 0)  # taken: its window fills
     assert p.outstanding == 31 and not cp.blocked
+    for n in range(1, 6):
+        cp.batch(b"p", mb, 0.0)
+        assert not cp.due, f"{n} of 31 free: less than a top-up"
     cp.batch(b"p", mb, 0.0)
-    assert not cp.due, "1 of 31 free: less than a top-up"
-    cp.batch(b"p", mb, 0.0)
-    cp.batch(b"p", mb, 0.0)
-    assert cp.due, "3 free (a top-up of its window) and room in the budget"
+    assert cp.due, "6 free (a top-up of its window: two bundles of 3) and room in the budget"
     small = planner(max_batches=32)
     start(small, b"q", 16_000)
     assert small.wake == 1, "windows counted in batches, under 16: at every batch taken"

@@ -8,10 +8,11 @@ consumer that takes bundles and has room for all of it. It splits one:
   consumers (the ranks of a job: each gets an equal part, as it would get its batches in
   turn one by one): into parts every consumer of the stream can be sent (:func:`split_for`);
 - for a consumer that has room for part of it, and holds less than half its window or has
-  an eighth of it free: the part that fills its window goes first (:func:`fill_for`). One
-  with less room waits for room for more: splitting at every batch it takes would send it a
-  batch at a time (a consumer slower than its producers reports every take). So a consumer
-  that stops taking holds its window, or less by under an eighth of it.
+  a top-up of it free (an eighth, or more: budget.top_up): the part that fills its window
+  goes first (:func:`fill_for`). One with less room waits for room for more: splitting at
+  every batch it takes would send it a batch at a time (a consumer slower than its producers
+  reports every take). So a consumer that stops taking holds its window, or less by under a
+  top-up of it.
 
 Each part gets a header of its own (its first sequence number, its count; a part of one is
 a plain batch); the array frames are the bundle's own (no copy). The parts weigh what they
@@ -49,8 +50,8 @@ def split_for(consumers: Sequence[Consumer], item: Held, unit: int,
 
 def fill_for(consumers: Sequence[Consumer], item: Held, unit: int) -> list[int] | None:
     """The part of ``item`` that fills the window of the first of ``consumers`` that holds
-    less than half of it or has an eighth of it free (budget.top_up, as a producer's window
-    is topped up), and the rest; None if there is none."""
+    less than half of it or has a top-up of it free (budget.top_up, an eighth or more, as a
+    producer's window is topped up), and the rest; None if there is none."""
     for c in consumers:
         held = c.delivered - c.taken
         most = depth(c.window, unit if unit > c.largest else c.largest)

@@ -29,9 +29,10 @@ The rules, each a bound:
   ``max_bytes`` can never be granted: its WANT is refused (``batch_too_large``).
 - At most ``window`` batches outstanding per producer; fewest-outstanding first, ties
   rotated, producers that asked first of all. A deep window is topped up by parts
-  (:func:`~feedline.serving.budget.top_up`: once an eighth of it is free, then filled in
-  the same plan), so that a producer of small batches gets a GRANT per several batches; a
-  window under 16 gets each credit back as its room frees.
+  (:func:`~feedline.serving.budget.top_up`: once an eighth of it is free, or 6 batches
+  where that is at most a quarter of it; then filled in the same plan), so that a producer
+  of small batches gets a GRANT per several batches; a window under 16 gets each credit back
+  as its room frees.
 - ``by_bytes`` (a broker and a direct-mode trainer): small batches are counted by their
   bytes (:func:`~feedline.serving.budget.depth`): a producer's window for its own unit, the
   budget's batches for the largest unit of the producers registered
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from feedline.serving.budget import TOP_UP, Budget, Share, depth, top_up
+from feedline.serving.budget import Budget, Share, depth, top_up
 from feedline.serving.producer_credit import Plan, ProducerCredit, fits_fresh
 
 
@@ -295,12 +296,11 @@ class CreditPlanner:
                 window = self._window_of(unit)
                 if p.outstanding >= window:
                     continue
-                if window >= 2 * TOP_UP and key not in topping:  # else top_up is 1
+                if key not in topping and window - p.outstanding < top_up(window):
                     # A deep window is topped up once a part of it is free, not a credit
                     # at a time (one GRANT per batch would be); then filled in this plan.
-                    if window - p.outstanding < top_up(window):
-                        continue
-                    topping.add(key)
+                    continue
+                topping.add(key)
                 if p.received == 0 and p.outstanding >= 1:
                     # Slow start: one credit until its first batch arrives, so that the first
                     # of many new producers to ask cannot take the quarter they share.
