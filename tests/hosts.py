@@ -140,20 +140,27 @@ def start_host(kind: str, daemons: Callable[..., Daemon], tmp_path: Path, endpoi
     heartbeats unless ``liveness`` says otherwise); ready (ingress and metrics answer) when
     returned. ``reading=False``: a direct-mode trainer that takes nothing after its first
     batch (as a broker without a consumer)."""
-    port = free_port()
-    args = ["--ingress", endpoints.ingress, "--metrics-port", str(port), *liveness, *extra]
     tp = extra[extra.index("--tensorpack-ingress") + 1] if "--tensorpack-ingress" in extra \
         else None
-    if kind == "broker":
-        d = daemons("feedline.broker", *args, "--egress", endpoints.egress, name="broker")
-        host = Host(kind, d, endpoints.ingress, Metrics(port), egress=endpoints.egress,
-                    tensorpack=tp)
-    else:
-        ledger = tmp_path / f"trainer-{port}.ledger"
-        d = daemons("tests.direct_trainer", *args, "--ledger", str(ledger),
-                    *(() if reading else ("--hold",)), name="trainer")
-        host = Host(kind, d, endpoints.ingress, Metrics(port), tensorpack=tp, ledger=ledger)
-    wait_for(lambda: host.metrics.up() or not d.alive(), 30, what=f"{kind} metrics")
+    for _ in range(3):
+        # free_port's port was free a moment ago; a parallel test may take it before the
+        # host binds it (the host then exits: "--metrics-port N: ... already in use").
+        port = free_port()
+        args = ["--ingress", endpoints.ingress, "--metrics-port", str(port), *liveness, *extra]
+        if kind == "broker":
+            d = daemons("feedline.broker", *args, "--egress", endpoints.egress, name="broker")
+            host = Host(kind, d, endpoints.ingress, Metrics(port), egress=endpoints.egress,
+                        tensorpack=tp)
+        else:
+            ledger = tmp_path / f"trainer-{port}.ledger"
+            d = daemons("tests.direct_trainer", *args, "--ledger", str(ledger),
+                        *(() if reading else ("--hold",)), name="trainer")
+            host = Host(kind, d, endpoints.ingress, Metrics(port), tensorpack=tp,
+                        ledger=ledger)
+        wait_for(lambda h=host, d=d: h.metrics.up() or not d.alive(), 30,
+                 what=f"{kind} metrics")
+        if d.alive() or f"--metrics-port {port}: port {port}" not in d.log_text():
+            break
     wait_for(lambda: _tcp_ready(host.port) or not d.alive(), 30, what=f"{kind} ingress")
     assert d.alive(), d.log_text()
     return host
