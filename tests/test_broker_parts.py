@@ -4,10 +4,12 @@ peer (docs/architecture.md, docs/reliability.md)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from feedline.broker.buffer import Buffer
 from feedline.bundle import BUNDLE_BYTES
+from feedline.encode import prepare_batch
 from feedline.errors import Refusal
 from feedline.serving.budget import LEAST_GRANT, SMALL_BATCH, Budget, depth, top_up
 from feedline.serving.credit import CreditPlanner
@@ -126,8 +128,9 @@ def test_a_top_up_is_an_eighth_of_a_deep_window_and_at_least_two_bundles_of_1_mb
         t = top_up(w)
         assert 1 <= t <= max(1, w // 4), (w, t)
         assert t >= (w // 8 if w >= 16 else 1), (w, t)
-    mb = 1_053_696
-    assert 2 * (BUNDLE_BYTES // (mb + 64)) == LEAST_GRANT, "two bundles of 3 1 MB batches"
+    one_mb = prepare_batch([np.zeros((7, 224, 224, 3), np.uint8), np.zeros(7, np.int32)])
+    assert one_mb.wire_bytes > 1_053_696
+    assert 2 * (BUNDLE_BYTES // one_mb.wire_bytes) == LEAST_GRANT, "two bundles of 3"
 
 
 def test_a_plan_short_of_room_waits_for_a_top_up_to_be_taken():

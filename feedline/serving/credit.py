@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from feedline.serving.budget import Budget, Share, depth, top_up
+from feedline.serving.budget import TOP_UP, Budget, Share, depth, top_up
 from feedline.serving.producer_credit import Plan, ProducerCredit, fits_fresh
 
 
@@ -296,11 +296,12 @@ class CreditPlanner:
                 window = self._window_of(unit)
                 if p.outstanding >= window:
                     continue
-                if key not in topping and window - p.outstanding < top_up(window):
+                if window >= 2 * TOP_UP and key not in topping:  # else top_up is 1
                     # A deep window is topped up once a part of it is free, not a credit
                     # at a time (one GRANT per batch would be); then filled in this plan.
-                    continue
-                topping.add(key)
+                    if window - p.outstanding < top_up(window):
+                        continue
+                    topping.add(key)
                 if p.received == 0 and p.outstanding >= 1:
                     # Slow start: one credit until its first batch arrives, so that the first
                     # of many new producers to ask cannot take the quarter they share.
