@@ -183,10 +183,14 @@ class DirectIO:
                 self._planned_taken = taken
                 self._next_plan = now + _PLAN_EVERY
                 self.ingress.plan(now)
-            # Takes need not wake us while batches stream in (Shared.expecting); a take that
-            # read the old flag is seen here, as ``taken`` has grown since.
+            # Takes need not wake us while batches stream in (Shared.expecting), nor before
+            # the one that makes a plan worth it (``wake`` after the last: the takes between
+            # change nothing here) unless an exact stream settles each (Shared.wake_at); a
+            # take that read the old values is seen here, as ``taken`` has grown since.
             s.expecting = (now - self._arrived < _STREAMING
                            and self.ingress.outstanding()[0] > 0)
+            s.wake_at = 0 if self.ingress.exact.get(s.stream) is not None else \
+                self._planned_taken + planner.wake
             if s.taken == taken:
                 break
 

@@ -33,7 +33,7 @@ from feedline.heap import keep_freed_memory
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
-from feedline.serving.budget import depth
+from feedline.serving.budget import depth, top_up
 from feedline.serving.coordinator import RECORDS_PER_COMMIT
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,11 @@ class Shared:
         # every batch taken, besides the one for every batch that arrives). Written by the
         # I/O thread before it reads ``taken`` again; read here after ``taken`` grew.
         self.expecting = False
+        # Takes short of this count need not wake the I/O thread either: it has decided
+        # that they can wait for the take that reaches it (plenty is still queued here, or
+        # credit is planned only after that many), for an arrival, or for its next tick.
+        # 0: every take wakes it. Written by the I/O thread, as ``expecting``.
+        self.wake_at = 0
 
     def fresh(self) -> Shared:
         """A new run (iterating again after close): same identity and metrics, new state;
@@ -175,7 +180,7 @@ class Shared:
                 self.resume = None
                 if self.collect_keys:
                     self.taken_keys.append(b.key)
-        if self.waker is not None and not self.expecting:
+        if self.waker is not None and not self.expecting and self.taken >= self.wake_at:
             self.waker.wake()  # the I/O thread reports it taken (TAKEN) now
         return True
 
@@ -267,6 +272,7 @@ class ConsumerIO:
         with self.shared.lock:
             self.shared.registration = registration
             self.shared.taken = 0
+            self.shared.wake_at = 0
         self._refused = self._reported = self._arrived = self._largest = 0
         self.shared.metrics.window.set(self.shared.window)
 
@@ -375,10 +381,14 @@ class ConsumerIO:
         and one arrived within ``_STREAMING``. The next arrival then runs this and reports
         them all; if none comes (the broker's byte budget, not its count, was what stopped
         it), :meth:`poll_timeout_ms` keeps the wait for it short.
+
+        Nor do takes wake it one by one while the queue here is well filled (the model is
+        the slower side): :meth:`_coalesce` lets a report wait for a top-up's worth of takes.
         """
         s = self.shared
         if not self.link.welcomed:
             s.expecting = False
+            s.wake_at = 0
             return
         while True:
             taken = s.taken
@@ -387,10 +397,24 @@ class ConsumerIO:
                     m.Taken(taken=total, registration=self.link.registration,
                             waited=int(s.waited * 1e6))):
                 self._reported = total
-            s.expecting = (self._arrived - self._reported < depth(s.window, self._largest)
+            window = depth(s.window, self._largest)
+            s.expecting = (self._arrived - self._reported < window
                            and time.monotonic() - self._arrived_at < _STREAMING)
+            s.wake_at = taken + self._coalesce(window)
             if s.taken == taken:  # a take that read the old flag is seen here
                 return
+
+    def _coalesce(self, window: int) -> int:
+        """Takes a report may wait for: a top-up of the window (what a producer's GRANT
+        waits for, :func:`feedline.serving.budget.top_up`: 6 of the 31 of 1 MB batches),
+        while at most half of what is queued here; 1 (every take) for a window under 16, an
+        exact stream (its epoch ends when every batch is reported) or a short queue. The
+        broker then sends a top-up's worth at once, whole bundles instead of single batches
+        split off them, and this thread wakes for one report instead of one a take
+        (docs/performance.md, "Takes reported by the top-up")."""
+        if self._largest == 0:
+            return 1
+        return max(1, min(top_up(window), len(self.shared.queue) // 2))
 
     def poll_timeout_ms(self) -> int | None:
         """The loop's longest sleep: short while takes may wait for an arrival to report."""
