@@ -1,14 +1,16 @@
-"""What the input costs the training step: steps/s of a small MLP from three inputs.
+"""What the input costs the training step: steps/s of a small MLP from several inputs.
 
 Model: 1024 -> Dense(1024, relu) -> Dense(1), batch 256, float32, SGD. Inputs:
 
 - ``dummy``:    DummyConstantInput, the same tensors every step (the ceiling)
 - ``feedline``: producer and broker processes pinned to core 1 (``taskset``), this process on
                 core 0: RemoteDataZMQ -> QueueInput -> StagingInput -> the step
+- ``direct``:   the same without the broker: a producer on core 1 sends to this process,
+                which serves it (``RemoteDataZMQ(addr, bind=True)``, direct mode)
 - ``feed``:     a numpy batch passed into the tf.function each step (the feed_dict pattern)
 
-Rounds alternate between the three; the report gives medians and the ratios the issue asks
-for: feedline/dummy and feedline/feed.
+Rounds alternate between the variants; the report gives medians and the ratios the issue
+asks for: feedline/dummy and feedline/feed (and direct/dummy).
 
     python benchmarks/input_overhead.py --rounds 5 --steps 200
 """
@@ -24,11 +26,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 BATCH, WIDTH = 256, 1024
+VARIANTS = ("dummy", "feedline", "direct", "feed")
 
 
 def pin(core: int) -> None:
@@ -42,6 +46,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     ap.add_argument("--steps", type=int, default=200, help="measured steps per run")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                    help="inputs to measure (default: all)")
     args = ap.parse_args()
     pin(0)  # before TensorFlow starts its thread pools: training gets core 0 only
 
@@ -64,6 +70,9 @@ def main() -> None:
         opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
+    def remote_step(staged: StagingInput) -> Any:
+        return tf.function(lambda: train(*staged.get()))
+
     dummy = DummyConstantInput([[BATCH, WIDTH], [BATCH, 1]], [tf.float32, tf.float32]).start()
     step_dummy = tf.function(lambda: train(*dummy.dequeue()))
     step_feed = tf.function(train)
@@ -80,25 +89,39 @@ def main() -> None:
         else []
     py = sys.executable
     env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    daemons = [
-        Child([*other, py, "-m", "feedline.broker", "--ingress", ingress, "--egress", egress,
-               "--metrics-port", "0", "--log-level", "WARNING"], work / "broker.log", env),
-        Child([*other, py, "-m", "feedline.producer", "--config", str(cfg), "--broker", ingress,
-               "--log-level", "WARNING"], work / "producer.log", env),
-    ]
-    results: dict[str, list[float]] = {"dummy": [], "feedline": [], "feed": []}
+    direct = f"tcp://127.0.0.1:{free_port()}"
+    daemons = []
+    if "feedline" in args.variants:
+        daemons += [
+            Child([*other, py, "-m", "feedline.broker", "--ingress", ingress, "--egress",
+                   egress, "--metrics-port", "0", "--log-level", "WARNING"],
+                  work / "broker.log", env),
+            Child([*other, py, "-m", "feedline.producer", "--config", str(cfg), "--broker",
+                   ingress, "--log-level", "WARNING"], work / "producer.log", env)]
+    if "direct" in args.variants:
+        daemons.append(Child([*other, py, "-m", "feedline.producer", "--config", str(cfg),
+                              "--broker", direct, "--id", "direct", "--log-level", "WARNING"],
+                             work / "producer-direct.log", env))
+    results: dict[str, list[float]] = {name: [] for name in args.variants}
+    queues = []
     try:
-        wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
-        queue = QueueInput(RemoteDataZMQ(egress, timeout=60), capacity=50).start()
-        staged = StagingInput(queue, nr_stage=1).start()
-        step_remote = tf.function(lambda: train(*staged.get()))
-        runs = {"dummy": step_dummy, "feedline": step_remote,
-                "feed": lambda: step_feed(x_np, y_np)}
+        runs = {"dummy": step_dummy, "feed": lambda: step_feed(x_np, y_np)}
+        for name, addr, bind in (("feedline", egress, False), ("direct", direct, True)):
+            if name not in args.variants:
+                continue
+            if not bind:
+                wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
+            queue = QueueInput(RemoteDataZMQ(addr, timeout=60, bind=bind), capacity=50,
+                               name=f"{name}_queue").start()
+            queues.append(queue)
+            staged = StagingInput(queue, nr_stage=1).start()
+            runs[name] = remote_step(staged)
+        runs = {name: runs[name] for name in VARIANTS if name in args.variants}
         for fn in runs.values():  # trace and warm up
             for _ in range(10):
                 fn()
         print(f"MLP {WIDTH}->1024->1, batch {BATCH}; training on core 0"
-              f"{', producer and broker on core 1' if other else ''}; "
+              f"{', producers and broker on core 1' if other else ''}; "
               f"{args.rounds} rounds x {args.steps} steps")
         for r in range(args.rounds):
             for name, fn in runs.items():
@@ -109,7 +132,8 @@ def main() -> None:
                 sps = args.steps / (time.perf_counter() - t0)
                 results[name].append(sps)
                 print(f"  round {r + 1} {name:<9} {sps:7.1f} steps/s", flush=True)
-        queue.close()
+        for queue in queues:
+            queue.close()
     finally:
         for d in daemons:
             d.stop()
@@ -118,8 +142,10 @@ def main() -> None:
     print(f"\n{'input':<10} {'median steps/s':>15}")
     for k, v in med.items():
         print(f"{k:<10} {v:>15.1f}")
-    print(f"\nfeedline / dummy = {med['feedline'] / med['dummy']:.2f}  (target >= 0.97)")
-    print(f"feedline / feed  = {med['feedline'] / med['feed']:.2f}  (target >= 1.8)")
+    for name, base, target in (("feedline", "dummy", 0.97), ("feedline", "feed", 1.8),
+                               ("direct", "dummy", 0.97)):
+        if name in med and base in med:
+            print(f"{name} / {base} = {med[name] / med[base]:.2f}  (target >= {target})")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results, "median": med}, indent=2))
 
