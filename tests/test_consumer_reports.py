@@ -1,5 +1,6 @@
 """A consumer returns credit (TAKEN) for a top-up's worth of takes at once while its queue is
-well filled, and never leaves a waiting model short of batches it holds credit back for.
+over three quarters full, and never leaves a waiting model short of batches it holds credit
+back for.
 
 The consumer's real I/O role (:class:`feedline.consumer.io.ConsumerIO`, its real ``Link``)
 against a broker played by hand on a real ROUTER socket; the model's takes are
@@ -11,8 +12,11 @@ interleaving of takes, turns, deliveries and reports is a step of its own):
   never waits for a take the I/O thread was not woken to report (or, while deliveries are
   expected, is about to report within ``_EXPECTING_POLL_MS``), and that with no wake due the
   unreported takes are fewer than a top-up of the window
-  (:func:`feedline.serving.budget.top_up`). The hand broker delivers only what its credit
-  allows, and the consumer never refuses a delivery as over its window.
+  (:func:`feedline.serving.budget.top_up`) and the queue is over three quarters full (so the
+  occupancy the broker judges its verdict and the fleet's size by, delivered and not
+  reported, is on the same side of the model-bound line as the queue). The hand broker
+  delivers only what its credit allows, and the consumer never refuses a delivery as over
+  its window.
 - At steady state (the model the slower side, the window full), 120 takes of 1 MiB batches
   with a window of 4 (31 batches) cost at most 120 / 6 + 2 reports, not 120.
 - End to end, with a real producer process and a broker process or a direct-mode trainer: a
@@ -42,6 +46,7 @@ from feedline.encode import encode_batch
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.serving.budget import DEPTH, depth, top_up
+from feedline.verdict import MODEL_BOUND_ABOVE
 from tests.flow_support import FAST, fake_yaml, start_broker, start_producer
 from tests.test_link import BROKER_ID, HandBroker
 
@@ -85,7 +90,9 @@ class Harness:
         """A take wrote to the waker: the loop's poll returns for it."""
         waker = self.shared.waker
         assert waker is not None
-        return bool(select.select([waker.fileno()], [], [], 0)[0])
+        poller = select.poll()  # not select(): a long run's descriptors pass 1024
+        poller.register(waker.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def turn(self) -> None:
         """One turn of the client loop (ClientLoop._loop), its poll already returned."""
@@ -157,6 +164,11 @@ class Harness:
             window = depth(s.window, self.io._largest)
             assert self.unreported() < max(1, top_up(window)), \
                 (self.unreported(), window, len(s.queue))
+            # What the broker counts as held here (its verdict's occupancy) is on the same
+            # side of the model-bound line as the queue: takes wait only above it.
+            if self.unreported():
+                assert len(s.queue) > int(window * MODEL_BOUND_ABOVE), \
+                    (self.unreported(), window, len(s.queue))
         rejected = s.registry.get_sample_value("feedline_consumer_rejected_messages_total",
                                                {"reason": "over_window"})
         assert not rejected, "a delivery within the credit refused as over the window"
@@ -179,6 +191,7 @@ class Reports(RuleBasedStateMachine):
         if self.h is not None:
             io._STREAMING = self.streaming
             self.h.close()
+            self.h = None  # its waker's pipe closes with the last reference
 
     @rule(most=st.integers(1, 40))
     def broker_delivers(self, most: int) -> None:

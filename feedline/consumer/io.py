@@ -35,6 +35,7 @@ from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
 from feedline.serving.budget import depth, top_up
 from feedline.serving.coordinator import RECORDS_PER_COMMIT
+from feedline.verdict import MODEL_BOUND_ABOVE
 
 log = logging.getLogger(__name__)
 
@@ -382,8 +383,9 @@ class ConsumerIO:
         them all; if none comes (the broker's byte budget, not its count, was what stopped
         it), :meth:`poll_timeout_ms` keeps the wait for it short.
 
-        Nor do takes wake it one by one while the queue here is well filled (the model is
-        the slower side): :meth:`_coalesce` lets a report wait for a top-up's worth of takes.
+        Nor do takes wake it one by one while the queue here is over three quarters full (the
+        model is the slower side): :meth:`_coalesce` lets a report wait for a top-up's worth
+        of takes.
         """
         s = self.shared
         if not self.link.welcomed:
@@ -407,14 +409,19 @@ class ConsumerIO:
     def _coalesce(self, window: int) -> int:
         """Takes a report may wait for: a top-up of the window (what a producer's GRANT
         waits for, :func:`feedline.serving.budget.top_up`: 6 of the 31 of 1 MB batches),
-        while at most half of what is queued here; 1 (every take) for a window under 16, an
-        exact stream (its epoch ends when every batch is reported) or a short queue. The
-        broker then sends a top-up's worth at once, whole bundles instead of single batches
-        split off them, and this thread wakes for one report instead of one a take
-        (docs/performance.md, "Takes reported by the top-up")."""
+        and only takes that leave the queue here over three quarters full
+        (:data:`feedline.verdict.MODEL_BOUND_ABOVE`): what the broker counts as held here
+        (delivered, not reported), whose occupancy gives its bottleneck verdict and sizes
+        the fleet, then stays on the same side of that line as the queue itself. 1 (every
+        take) for a window under 16, an exact stream (its epoch ends when every batch is
+        reported) or a queue below the line. The broker then sends a top-up's worth at once,
+        whole bundles instead of single batches split off them, and this thread wakes for
+        one report instead of one a take (docs/performance.md, "Takes reported by the
+        top-up")."""
         if self._largest == 0:
             return 1
-        return max(1, min(top_up(window), len(self.shared.queue) // 2))
+        spare = len(self.shared.queue) - int(window * MODEL_BOUND_ABOVE)
+        return max(1, min(top_up(window), spare))
 
     def poll_timeout_ms(self) -> int | None:
         """The loop's longest sleep: short while takes may wait for an arrival to report."""
