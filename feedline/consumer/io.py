@@ -33,9 +33,8 @@ from feedline.heap import keep_freed_memory
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
-from feedline.serving.budget import depth, top_up
+from feedline.serving.budget import depth
 from feedline.serving.coordinator import RECORDS_PER_COMMIT
-from feedline.verdict import MODEL_BOUND_ABOVE
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +127,9 @@ class Shared:
         # every batch taken, besides the one for every batch that arrives). Written by the
         # I/O thread before it reads ``taken`` again; read here after ``taken`` grew.
         self.expecting = False
-        # Takes short of this count need not wake the I/O thread either: it has decided
-        # that they can wait for the take that reaches it (plenty is still queued here, or
-        # credit is planned only after that many), for an arrival, or for its next tick.
-        # 0: every take wakes it. Written by the I/O thread, as ``expecting``.
+        # Takes short of this count need not wake the I/O thread either (direct mode: it
+        # plans credit only once that many were taken since its last plan). 0: every take
+        # wakes it. Written by the I/O thread, as ``expecting``.
         self.wake_at = 0
 
     def fresh(self) -> Shared:
@@ -273,7 +271,6 @@ class ConsumerIO:
         with self.shared.lock:
             self.shared.registration = registration
             self.shared.taken = 0
-            self.shared.wake_at = 0
         self._refused = self._reported = self._arrived = self._largest = 0
         self.shared.metrics.window.set(self.shared.window)
 
@@ -382,15 +379,10 @@ class ConsumerIO:
         and one arrived within ``_STREAMING``. The next arrival then runs this and reports
         them all; if none comes (the broker's byte budget, not its count, was what stopped
         it), :meth:`poll_timeout_ms` keeps the wait for it short.
-
-        Nor do takes wake it one by one while the queue here is over three quarters full (the
-        model is the slower side): :meth:`_coalesce` lets a report wait for a top-up's worth
-        of takes.
         """
         s = self.shared
         if not self.link.welcomed:
             s.expecting = False
-            s.wake_at = 0
             return
         while True:
             taken = s.taken
@@ -399,29 +391,10 @@ class ConsumerIO:
                     m.Taken(taken=total, registration=self.link.registration,
                             waited=int(s.waited * 1e6))):
                 self._reported = total
-            window = depth(s.window, self._largest)
-            s.expecting = (self._arrived - self._reported < window
+            s.expecting = (self._arrived - self._reported < depth(s.window, self._largest)
                            and time.monotonic() - self._arrived_at < _STREAMING)
-            s.wake_at = taken + self._coalesce(window)
             if s.taken == taken:  # a take that read the old flag is seen here
                 return
-
-    def _coalesce(self, window: int) -> int:
-        """Takes a report may wait for: a top-up of the window (what a producer's GRANT
-        waits for, :func:`feedline.serving.budget.top_up`: 6 of the 31 of 1 MB batches),
-        and only takes that leave the queue here over three quarters full
-        (:data:`feedline.verdict.MODEL_BOUND_ABOVE`): what the broker counts as held here
-        (delivered, not reported), whose occupancy gives its bottleneck verdict and sizes
-        the fleet, then stays on the same side of that line as the queue itself. 1 (every
-        take) for a window under 16, an exact stream (its epoch ends when every batch is
-        reported) or a queue below the line. The broker then sends a top-up's worth at once,
-        whole bundles instead of single batches split off them, and this thread wakes for
-        one report instead of one a take (docs/performance.md, "Takes reported by the
-        top-up")."""
-        if self._largest == 0:
-            return 1
-        spare = len(self.shared.queue) - int(window * MODEL_BOUND_ABOVE)
-        return max(1, min(top_up(window), spare))
 
     def poll_timeout_ms(self) -> int | None:
         """The loop's longest sleep: short while takes may wait for an arrival to report."""
