@@ -121,15 +121,11 @@ class Shared:
         self.fatal: tuple[str, str] | None = None  # a refusal raised to the iterator
         self.collect_keys = False
         self.taken_keys: list[tuple[int, int, int]] = []
-        # Batches are on their way (direct mode: granted; via a broker: the broker has room
-        # for more, or they are in the pipe), so the I/O thread runs again soon and reports or
-        # plans for what was taken meanwhile: a take need not wake it (a turn of its loop for
-        # every batch taken, besides the one for every batch that arrives). Written by the
-        # I/O thread before it reads ``taken`` again; read here after ``taken`` grew.
+        # A take needs no turn of the I/O thread's loop while batches are on their way (granted,
+        # or room at the broker), ``expecting``, nor before ``taken`` reaches ``wake_at`` (direct
+        # mode: the take that makes a credit plan worth it). Written by the I/O thread before it
+        # reads ``taken`` again, read here after ``taken`` grew.
         self.expecting = False
-        # Takes short of this count need not wake the I/O thread either (direct mode: it
-        # plans credit only once that many were taken since its last plan). 0: every take
-        # wakes it. Written by the I/O thread, as ``expecting``.
         self.wake_at = 0
 
     def fresh(self) -> Shared:
