@@ -55,8 +55,14 @@ class BoundedLabel:
         return value
 
     def label(self, value: str) -> str:
-        """The label ``value`` has now (without holding it): its own, or "other"."""
-        return value if value in self._holders else self.OTHER
+        """The label ``value`` has, without holding it: its own while there is room (a value
+        counted before anything acquired it, the first batch of a new stream, gets its own
+        label, as :meth:`acquire` would give it), "other" beyond that."""
+        if value in self._holders:
+            return value
+        label = self.acquire(value)
+        self.release(label)
+        return label
 
     def release(self, label: str) -> None:
         n = self._holders.get(label)

@@ -34,6 +34,18 @@ def test_bounded_label_reuses_the_room_of_departed_values() -> None:
     assert labels.acquire("d") == "d" and evicted == ["a", "b"]
 
 
+def test_a_value_counted_before_it_is_acquired_gets_its_own_label() -> None:
+    # A broker counts a stream's forwarded batches by `label`; its per-stream gauges acquire
+    # the stream a tick later. The first batches once went to "other" (a CI run showed an
+    # "other" stream row in `feedline top` with two streams).
+    labels = BoundedLabel(3)
+    assert labels.label("a") == "a", "room: its own label"
+    assert labels.acquire("b") == "b" and labels.acquire("a") == "a"
+    assert labels.label("c") == "other", "full while a and b are held"
+    labels.release("a")
+    assert labels.label("c") == "c", "a released label makes room"
+
+
 def test_eviction_removes_the_departed_producers_series() -> None:
     reg = CollectorRegistry()
     m = BrokerMetrics(reg, max_producer_labels=2)
