@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -77,8 +78,45 @@ def die_with_parent(parent_pid: int | None = None, interval: float = 0.5,
     return t
 
 
+_LOWEST_PORT = 10000
+_handed: set[int] = set()
+_handed_lock = threading.Lock()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in
+                  Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return lo, hi
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral TCP port that was free a moment ago."""
+    """A TCP port free now, for a server this process starts next (the demo's broker, a
+    test's daemon).
+
+    Taken below the kernel's ephemeral range (from 10000 up to it), where there is room:
+    the kernel gives ports of that range to outgoing connections, so a port of it that was
+    free a moment ago may be a client's by the time the server binds it (a test suite makes
+    thousands of connections). Each port is handed out once per process, at random, so
+    processes asking at once (parallel test workers) rarely pick the same one; it is free
+    (a bind succeeds) when handed out. Falls back to a port the kernel picks.
+    """
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(64 if lo - _LOWEST_PORT >= 1000 else 0):
+        port = rng.randrange(_LOWEST_PORT, lo)
+        with _handed_lock:
+            if port in _handed:
+                continue
+            _handed.add(port)
+        try:
+            with socket.socket() as s:
+                s.bind((host, port))
+            return port
+        except OSError:
+            continue
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
