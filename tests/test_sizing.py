@@ -276,3 +276,48 @@ def test_a_draining_backlog_asks_for_more_producers_while_the_queue_is_still_ful
     assert all(e.wanted <= 2 for e in _backlogged(40.0, 0.0, buffered=100))
     # Fed at the rate it takes (no backlog draining): never more than the connected.
     assert all(e.wanted <= 2 for e in _backlogged(20.0, 10.0, buffered=100))
+
+
+def test_a_burst_of_batches_made_while_waiting_for_credit_is_not_capacity() -> None:
+    """After a slow phase (2 producers throttled to 6.25 batches/s each) demand rises to 40/s
+    and the trainer drains its backlog. Producers paced at 10/s first send the batches each
+    made while waiting for credit, at the rate the trainer frees room (17.5/s for 3 s),
+    then run free at their 10/s. That burst once raised the capacity figure (a throttled
+    producer's rate above it did) and with it the supply: the number stayed below 5
+    (tests/test_fleet.py, last fast phase: read 17.6, scaled up 14 s in). Throttled
+    producers no longer move the figure; free ones teach it."""
+    sizer = StreamSizer(SizingConfig.for_window(4.0))
+    sizer.capacity = 10.0  # learnt earlier
+    taken = received = credit = 0.0
+    out = []
+    rates = [6.25] * 6 + [17.5] * 3 + [10.0] * 8
+    for t, rate in enumerate(rates):
+        taken += 12.5 if t < 6 else 40.0
+        received += rate
+        credit += 1.0 if t >= 9 else 0.0  # free (holding credit) once the burst is sent
+        out.append(sizer.observe(float(t), [ConsumerSample("c", int(taken), 0.0, 8, 8)],
+                                 [ProducerSample(k, int(received), credit) for k in (0, 1)],
+                                 buffered=100 if t >= 6 else 400))
+    assert max(e.capacity or 0 for e in out) <= 10.0 + 1e-9, [e.capacity for e in out]
+    assert out[-1].wanted == proposals(4.0)[0] == 5, [e.wanted for e in out]
+
+
+def test_credit_of_producers_that_left_is_not_capacity() -> None:
+    """The fleet scales 5 producers down to 2 in a slow phase (12.5 batches/s taken): the
+    credit of those that leave goes to those that stay, which send what they had made
+    meanwhile (12.2/s read from a producer paced at 10 in tests/test_fleet.py). Throttled,
+    that says nothing of their pace: the figure stays."""
+    sizer = StreamSizer(SizingConfig.for_window(4.0))
+    sizer.capacity = 10.0
+    taken = 0.0
+    received = {k: 0.0 for k in range(5)}
+    out = []
+    for t in range(20):
+        taken += 12.5
+        stay = 2 if t >= 4 else 5
+        for k in range(stay):
+            received[k] += 12.5 / stay + (5.0 if 4 <= t < 10 else 0.0)
+        out.append(sizer.observe(float(t), [ConsumerSample("c", int(taken), 0.0, 8, 8)],
+                                 [ProducerSample(k, int(received[k]), 0.0)
+                                  for k in range(stay)], buffered=400))
+    assert all(e.capacity == 10.0 for e in out), [e.capacity for e in out]

@@ -11,8 +11,9 @@ Pure (no clock, no sockets): the broker samples its counters about once a second
   delivery rate of producers that held unused credit at least :attr:`SizingConfig.unthrottled`
   of the window (the credit planner keeps that time exactly). Producers of a stream run the
   same pipeline, so the stream learns one figure (a moving average) and keeps it while the
-  producers are throttled (model-bound, so their rate says nothing of what they could do);
-  a throttled producer that delivers more than the figure raises it.
+  producers are throttled (model-bound, so their rate says nothing of what they could do,
+  not even at least that much: a producer that waited for credit sends the batches it made
+  meanwhile as soon as credit comes, a burst above its pace).
 - **Supply** is capacity x producers connected; **need** is ``demand x (1 + headroom) /
   capacity``, producers as a real number.
 - **Verdict** (the reason): the consumers' mean occupancy (``held / window``, what the broker
@@ -280,10 +281,15 @@ class StreamSizer:
                 sum(occ) / len(occ) if occ else 0.0)
 
     def _producers(self, cur: _Sample) -> tuple[float, float]:
-        """(delivery rate, mean share of time holding credit); learns the capacity."""
+        """(delivery rate, mean share of time holding credit); learns the capacity from the
+        producers that ran free. Not from throttled ones, even above the figure: when demand
+        rises after a slow phase, or producers leave and their credit goes to the others,
+        those send what they made while they waited for credit (producers paced at 10
+        batches/s read 12.2 and 17.6 in tests/test_fleet.py: a figure raised to that kept
+        the fleet one producer short for 10 s). A figure too low asks for a producer too
+        many, until they run free and are measured; one too high left trainers waiting."""
         delivered = 0.0
         free: list[float] = []
-        throttled: list[float] = []
         shares: list[float] = []
         for key, p in cur.producers.items():
             base = self._base("producers", key)
@@ -297,13 +303,12 @@ class StreamSizer:
                 continue  # new: starting up, not yet representative
             share = min(1.0, max(0.0, p.credit_seconds - b.credit_seconds) / dt)
             shares.append(share)
-            (free if share >= self.cfg.unthrottled else throttled).append(rate)
+            if share >= self.cfg.unthrottled:
+                free.append(rate)
         if free:
             measured = sum(free) / len(free)
             self.capacity = measured if self.capacity is None else (
                 self.cfg.learn * measured + (1 - self.cfg.learn) * self.capacity)
-        if throttled and self.capacity is not None:
-            self.capacity = max(self.capacity, sum(throttled) / len(throttled))
         return delivered, (sum(shares) / len(shares) if shares else 0.0)
 
 
