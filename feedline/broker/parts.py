@@ -10,7 +10,7 @@ consumer that takes bundles and has room for all of it. It splits one:
 - for a consumer that has room for part of it, and holds less than half its window or has
   a top-up of it free (an eighth, or more: budget.top_up): the part that fills its window
   goes first (:func:`fill_for`). One with less room waits for room for more: splitting at
-  every batch it takes would send it a batch at a time (a consumer slower than its producers
+  every batch it takes would send it a batch at a time (a consumer with few batches queued
   reports every take). So a consumer that stops taking holds its window, or less by under a
   top-up of it.
 

@@ -33,7 +33,7 @@ from feedline.heap import keep_freed_memory
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
-from feedline.serving.budget import depth
+from feedline.serving.budget import depth, report_after
 from feedline.serving.coordinator import RECORDS_PER_COMMIT
 
 log = logging.getLogger(__name__)
@@ -92,17 +92,15 @@ class Shared:
         # The most batches the window lets in: ``window``; in direct mode more, when they
         # are small (the budget counts them by bytes: feedline.serving.budget.depth).
         self.slots = slots or window
-        # Old registrations' batches may still sit here after a broker restart: 2 windows.
-        # The I/O thread wakes the iterating thread once per loop turn (Inbox.flush).
+        # 2 windows: old registrations' batches may sit here after a broker restart. The I/O
+        # thread wakes the iterating thread once per loop turn (Inbox.flush).
         self.queue: Inbox[Any] = Inbox(maxsize=2 * self.slots + 64)
         self.metrics.local_queue.set_function(self.queue.qsize)
         self.metrics.window.set(window)
         self.lock = threading.Lock()
         self.registration = 0  # the current one (set by the I/O thread)
         self.taken = 0  # batches of the current registration the model took
-        # Seconds the iterating thread waited for data, ever (written by it alone; the I/O
-        # thread reads it for TAKEN, where a value a moment old is as good).
-        self.waited = 0.0
+        self.waited = 0.0  # seconds the model waited for data, ever (its thread writes it)
         self.queued_bytes = 0  # wire bytes of the deliveries waiting in the queue
         self.stats: dict[str, ProducerStats] = {}
         self.closed = False
@@ -122,9 +120,9 @@ class Shared:
         self.collect_keys = False
         self.taken_keys: list[tuple[int, int, int]] = []
         # A take needs no turn of the I/O thread's loop while batches are on their way (granted,
-        # or room at the broker), ``expecting``, nor before ``taken`` reaches ``wake_at`` (direct
-        # mode: the take that makes a credit plan worth it). Written by the I/O thread before it
-        # reads ``taken`` again, read here after ``taken`` grew.
+        # or room at the broker), ``expecting``, nor before ``taken`` reaches ``wake_at`` (the
+        # take that makes a credit plan or a report worth it: plenty is still queued here).
+        # Written by the I/O thread before it reads ``taken`` again, read here after it grew.
         self.expecting = False
         self.wake_at = 0
 
@@ -242,10 +240,8 @@ class ConsumerIO:
         self.link = Link(ctx, addr, self._hello, cfg, curve=curve,
                          on_register=self._on_register, on_reject=self._count_reject,
                          rcvhwm=2 * shared.slots + 64, what=f"consumer {shared.consumer_id}")
-        # What libzmq's I/O thread receives comes from glibc's heap, which gave its free top
-        # back and faulted it in again for the next batches (17-29 page faults a batch of
-        # 1 MB through a broker): keep it, as the daemons and a direct-mode trainer do
-        # (feedline.heap; the environment's MALLOC_* settings win).
+        # libzmq receives into glibc's heap, which gave its free top back and faulted it in
+        # again (17-29 page faults a 1 MB batch): keep it, as the daemons do (feedline.heap).
         log.info("reading from %s; %s", addr, keep_freed_memory())
 
     def _hello(self, registration: int) -> m.ConsumerHello:
@@ -267,6 +263,7 @@ class ConsumerIO:
         with self.shared.lock:
             self.shared.registration = registration
             self.shared.taken = 0
+            self.shared.wake_at = 0
         self._refused = self._reported = self._arrived = self._largest = 0
         self.shared.metrics.window.set(self.shared.window)
 
@@ -347,9 +344,8 @@ class ConsumerIO:
             self._count_reject("over_window")
             self._refused += len(batches)
             return
-        # Tagged with the registration it was delivered under: a batch of an earlier one
-        # (still in the pipe when we registered again) is data all the same, but its credit
-        # belongs to a registration the broker no longer counts.
+        # Tagged with the registration it came under: an earlier one's batch (in the pipe when
+        # we registered again) is data, but its credit is of a registration no longer counted.
         s.deliver(batches, env.gap, registration)
 
     def _put(self, item: Any) -> None:
@@ -372,13 +368,15 @@ class ConsumerIO:
 
         Takes do not wake this thread while more deliveries are expected (``expecting``): the
         broker has room for more by our count (arrived and not reported is under the window),
-        and one arrived within ``_STREAMING``. The next arrival then runs this and reports
-        them all; if none comes (the broker's byte budget, not its count, was what stopped
-        it), :meth:`poll_timeout_ms` keeps the wait for it short.
-        """
+        and one arrived within ``_STREAMING``. The next arrival then reports them all; if none
+        comes (the broker's byte budget stopped it), :meth:`poll_timeout_ms` keeps the wait
+        short. Nor while the queue is over three quarters full (the model is the slower
+        side): a report waits for :func:`~feedline.serving.budget.report_after` takes, every
+        take for an exact stream (no ``_largest``: its epoch ends on reports)."""
         s = self.shared
         if not self.link.welcomed:
             s.expecting = False
+            s.wake_at = 0
             return
         while True:
             taken = s.taken
@@ -387,8 +385,10 @@ class ConsumerIO:
                     m.Taken(taken=total, registration=self.link.registration,
                             waited=int(s.waited * 1e6))):
                 self._reported = total
-            s.expecting = (self._arrived - self._reported < depth(s.window, self._largest)
+            window = depth(s.window, self._largest)
+            s.expecting = (self._arrived - self._reported < window
                            and time.monotonic() - self._arrived_at < _STREAMING)
+            s.wake_at = taken + (report_after(len(s.queue), window) if self._largest else 1)
             if s.taken == taken:  # a take that read the old flag is seen here
                 return
 

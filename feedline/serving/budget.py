@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from feedline.codec import Limits
 from feedline.errors import ConfigError
+from feedline.verdict import MODEL_BOUND_ABOVE
 
 SMALL_BATCH = 8 << 20  # bytes: a batch this large or larger counts as one in a window (was 2 MiB)
 DEPTH = 128  # a window of n batches holds at most DEPTH x n small batches (was 16)
@@ -73,6 +74,19 @@ def top_up(window: int) -> int:
     if window < 2 * TOP_UP:
         return 1
     return max(window // TOP_UP, min(window // 4, LEAST_GRANT))
+
+
+def report_after(queued: int, window: int) -> int:
+    """Takes a consumer's report (TAKEN) may wait for, with ``queued`` batches in its queue
+    and a window of ``window``: a top-up of the window (what a producer's GRANT waits for:
+    6 of the 31 of 1 MB batches), and only takes that leave the queue over three quarters
+    full (:data:`feedline.verdict.MODEL_BOUND_ABOVE`). What a broker counts as held there,
+    delivered and not reported, gives its bottleneck verdict and sizes the fleet: it then
+    stays on the queue's side of that line. 1 (every take) for a window under 16 or a queue
+    below the line. The broker then sends a top-up at once, whole bundles instead of
+    batches split off them, and the consumer's I/O thread wakes for one report instead of
+    one a take (docs/performance.md, "Takes reported by the top-up")."""
+    return max(1, min(top_up(window), queued - int(window * MODEL_BOUND_ABOVE)))
 
 
 @dataclass(frozen=True)
