@@ -185,9 +185,8 @@ class CreditPlanner:
         """:meth:`shares` given the producers' streams and those of them that have sent;
         ``evicting``: counted for the deepest budget so far (what may be kept), else for the
         budget now (what may be granted)."""
-        # A stream counts once produced, or once read: a consumer waiting for a stream that
-        # has not sent yet must not find the whole budget held by another that nobody reads
-        # (its producers could then never get a first credit).
+        # A stream counts once produced, or once read: a consumer waiting for one that has not
+        # sent yet must not find the budget held by an unread one (no first credit, ever).
         counted = produced | {s for s, (b, y) in by_stream.items() if b > 0 or y > 0}
         counted |= {s for s in streams if s not in unread}
         out = {}
