@@ -399,13 +399,18 @@ def test_a_stopping_producer_does_not_wait_for_a_broker_that_is_gone():
             assert sum(1 for h in fake.recv(1.0) if h.get("k") == BATCH) == 1
             fake.close()
             # A batch sent before the producer's side saw the connection go is queued and
-            # counts as sent; the next ones cannot be.
-            stuck = False
-            for i in range(50):
+            # counts as sent; the next ones cannot be. Paced, so that the bound is time (the
+            # side sees it within milliseconds unloaded; CI's loaded run queued 50 unpaced
+            # batches first), not a count, and well inside the 1000 batches of credit.
+            stuck, deadline = False, time.monotonic() + 20
+            for i in range(500):
                 s.send([np.full(4, i, np.int32)])
                 if not s.flush(0.5):
                     stuck = True
                     break
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
             assert stuck, "every batch was queued: the producer never saw the broker go"
             assert not s.flush(3600.0, stopping=True)
             s.stopped = True
