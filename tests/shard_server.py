@@ -82,7 +82,11 @@ class Plan:
     """What the proxy does to each request. ``rules``: (path substring, action, times) tried
     in order: action ``503``, ``reset`` (half the body, then a TCP reset), or ``stall`` (half
     the body, then ``stall`` seconds of silence); ``times`` -1 is every time. ``rate``:
-    bytes/s of every body (a slow link; 0 is unlimited). ``injected`` counts what was done."""
+    bytes/s of every body (a slow link; 0 is unlimited). ``injected`` counts what was done.
+
+    Only reads of data (ranged GETs) are faulted: a GET without a Range is fsspec's probe
+    for a shard's size after a HEAD that failed (a HEAD slower than the read timeout, on a
+    loaded machine), which reads the headers alone; a fault there would be used up unseen."""
 
     rules: list[list] = field(default_factory=list)
     rate: float = 0.0
@@ -93,10 +97,10 @@ class Plan:
     lock: threading.Lock = field(default_factory=threading.Lock)
     gets: int = 0
 
-    def decide(self, method: str, path: str) -> str:
+    def decide(self, method: str, path: str, ranged: bool = True) -> str:
         with self.lock:
             self.requests[path] += 1
-            if method != "GET":
+            if method != "GET" or not ranged:
                 return "pass"
             self.gets += 1
             for action, n in self.every:
@@ -135,7 +139,7 @@ class FaultProxy(SimpleHTTPRequestHandler):
         self._forward("GET")
 
     def _forward(self, method: str) -> None:
-        action = self.plan.decide(method, self.path)
+        action = self.plan.decide(method, self.path, "Range" in self.headers)
         if action == "503":
             body = b"injected 503"
             self.send_response(503)
