@@ -54,10 +54,10 @@ def received(size: int, messages: int) -> dict[int, int]:
 def enqueue(size: int, offset: int, rounds: int) -> tuple[bool, float]:
     import tensorflow as tf
 
-    n = size // 4
-    block = np.empty(size + 128, np.uint8)
+    n = size // 4  # float32 values: the array is size bytes, rounded down to 4
+    block = np.empty(4 * n + 128, np.uint8)
     start = (-block.ctypes.data) % 64 + offset
-    x = block[start:start + size].view(np.float32)
+    x = block[start:start + 4 * n].view(np.float32)
     x[:] = 1.0
     q = tf.queue.FIFOQueue(2, [tf.float32], shapes=[(n,)])
     times = []
