@@ -5,7 +5,8 @@ credit, its batches queued for the model) with the trainer's own sink
 (``feedline.consumer.direct``), in the process: no sockets, no other thread, the same bundle
 layout every time, so the caches are warm (benchmarks/cache_cost.py measures what cold ones
 add). Bundles as a producer makes them: 64 batches of 16 KB (joined: one frame per array of
-the layout), 26 and 4 of 150 KB (a frame per array of each batch). Each ``--tree`` (another
+the layout), 26 and 4 of 150 KB (joined too since ``JOIN_BYTES`` is 192 KiB; a frame per
+array of each batch in a checkout from before). Each ``--tree`` (another
 checkout) runs in its own process, in turn with this one, for ``--rounds`` rounds; medians,
 in microseconds per batch.
 
