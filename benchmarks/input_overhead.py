@@ -45,6 +45,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     ap.add_argument("--steps", type=int, default=200, help="measured steps per run")
+    ap.add_argument("--capacity", type=int, default=50,
+                    help="QueueInput's capacity in batches (default 50, tensorpack's)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                     help="inputs to measure (default: all)")
@@ -111,7 +113,8 @@ def main() -> None:
                 continue
             if not bind:
                 wait_for(lambda: Path(egress[6:]).exists(), 30, what="broker")
-            queue = QueueInput(RemoteDataZMQ(addr, timeout=60, bind=bind), capacity=50,
+            queue = QueueInput(RemoteDataZMQ(addr, timeout=60, bind=bind),
+                               capacity=args.capacity,
                                name=f"{name}_queue").start()
             queues.append(queue)
             staged = StagingInput(queue, nr_stage=1).start()
