@@ -14,15 +14,16 @@ batches in one). The header is decoded and checked once for all of them::
      "c": ..., "d": ..., "a": ...}  # container, structure, array specs: one batch's
 
 followed by the arrays, in one of two layouts the frame count tells apart: *joined*
-(batches of at most :data:`JOIN_BYTES` of arrays), ``len(a)`` frames, the i-th holding the
-i-th array of every batch in turn; or ``n x len(a)`` frames, batch by batch (larger
-batches: joining them would copy them). A frame costs each end about as much as a small
-batch's bytes, so joined, a bundle of 64 batches of 16 KB is 3 frames, not 129. Every batch
-is the same layout; a
-bundle never carries exact delivery's batches (their unit fields differ), which go one by
-one. The host counts each batch of a bundle against the producer's credit as if it had come
-alone, the header's bytes with the first: ``len(header) + its arrays``, then each other's
-arrays, which is what the producer counts as sent.
+(batches of at most the host's WELCOME ``join`` bytes of arrays: :data:`JOIN_BYTES` for a
+direct-mode trainer, :data:`JOIN_FORWARDED` for a broker), ``len(a)`` frames, the i-th
+holding the i-th array of every batch in turn; or ``n x len(a)`` frames, batch by batch
+(larger batches: joining them would copy them). A frame costs each end about as much as a
+small batch's bytes, so joined, a bundle of 64 batches of 16 KB is 3 frames, not 129. Every
+batch is the same layout; a bundle never carries exact delivery's batches (their unit
+fields differ), which go one by one. The host counts each batch of a bundle against the
+producer's credit as if it had come alone, the header's bytes with the first:
+``len(header) + its arrays``, then each other's arrays, which is what the producer counts
+as sent.
 
 Trust: :func:`decode_bundle` applies every check of :func:`feedline.wire.decode_batch` (the
 same limits, the header's checks once, every frame's length) and bounds ``n`` by the
@@ -61,25 +62,31 @@ from feedline.wire import (
 MAX_BUNDLE = 64  # batches in one bundle, at most (a host may say fewer)
 _U63 = (1 << 63) - 1  # what a batch's sequence number may be, at most
 BUNDLE_BYTES = 4 << 20  # a producer fills a bundle up to this many wire bytes
-# A bundle of batches of at most this many array bytes is sent joined: each array of the
-# layout one frame, every batch's in turn. Joining copies the batches on the producer, and
-# saves each end a frame per array of each batch. One 224x224x3 image (150 KB) gains from
-# it (direct mode +7-28%, via a broker +37-60%), 190 KB breaks even in direct mode, 300 KB
-# loses there (docs/performance.md); larger batches go a frame per array each.
+# A bundle of batches of at most this many array bytes is sent joined to a direct-mode
+# trainer (or a host whose WELCOME says nothing): each array of the layout one frame, every
+# batch's in turn. Joining copies the batches on the producer, and saves each end a frame
+# per array of each batch. One 224x224x3 image (150 KB) gains from it (direct mode +7-28%,
+# via a broker +37-60%), 190 KB breaks even in direct mode, 300 KB loses there
+# (docs/performance.md); larger batches go a frame per array each.
 JOIN_BYTES = 192 << 10
+# What a broker asks for in its WELCOME (``join``) instead: it forwards each frame (its
+# ingress, its egress and the consumer pay for each), so joining gains up to larger batches
+# there: 300 KB +11-20%, 450-600 KB level (docs/performance.md).
+JOIN_FORWARDED = 384 << 10
 _V_K = packb("v") + packb(PROTOCOL_VERSION) + packb("k") + packb(int(Kind.BUNDLE))
 
 
 def bundle_frames(prepared: Sequence[Prepared], *, producer: bytes, session: int, seq: int,
-                  epoch: int) -> list[Any]:
+                  epoch: int, join: int = JOIN_BYTES) -> list[Any]:
     """``[header, array frames...]``; every ``Prepared`` of one layout (the same header
-    tail), ``producer`` packed (:func:`packb`). Batches of at most :data:`JOIN_BYTES` travel
-    joined (one frame per array of the layout); larger ones a frame per array each."""
+    tail), ``producer`` packed (:func:`packb`). Batches of at most ``join`` bytes of arrays
+    (the host's WELCOME says; :data:`JOIN_BYTES` if it does not) travel joined (one frame
+    per array of the layout); larger ones a frame per array each."""
     first = prepared[0]
     head = b"\x8a" + _V_K + sender_fields(producer, session, seq, epoch) + b"\xa1n" \
         + uint(len(prepared))
     frames: list[Any] = [head + first.tail]
-    if first.nbytes <= JOIN_BYTES:
+    if first.nbytes <= join:
         for j in range(len(first.arrays)):
             frames.append(b"".join([p.arrays[j].data for p in prepared]))
     else:

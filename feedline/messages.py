@@ -21,7 +21,8 @@ ConsumerHello  C->B   register: id, session, window (batches), byte budget, stre
                       (feedline.bundle; 0 none: a broker splits bundles for it)
 Welcome        B->P,C registration accepted (echoes its number); the largest batch the
                       broker can ever take (its memory budget); the most batches it takes
-                      in one message (feedline.bundle; 0 none)
+                      in one message (feedline.bundle; 0 none) and the largest it takes
+                      joined (0: the producer's default)
 Grant          B->P   credit, absolute since the HELLO: may have sent ``batches`` batches
                       totalling ``nbytes`` bytes
 Want           P->B   "my next batch is ``size`` bytes and my credit does not cover it"
@@ -174,6 +175,9 @@ class Welcome:
     max_batch_bytes: int = field(default=0, metadata=wire_key("mb", count))  # 0: no limit
     # The most batches this host takes in one message (feedline.bundle); 0 or 1: one each.
     bundle: int = field(default=0, metadata=wire_key("bn", count))
+    # The largest batch (bytes of arrays) it takes joined in a bundle (feedline.bundle);
+    # 0: the producer's default, JOIN_BYTES.
+    join: int = field(default=0, metadata=wire_key("jn", count))
 
 
 @message(Kind.GRANT)

@@ -29,6 +29,7 @@ from feedline.broker.egress import ConsumerSide
 from feedline.bundle import (
     BUNDLE_BYTES,
     JOIN_BYTES,
+    JOIN_FORWARDED,
     MAX_BUNDLE,
     bundle_frames,
     check_bundle,
@@ -85,15 +86,18 @@ def test_a_bundle_decodes_to_what_each_batch_alone_decodes_to(shape):
     assert sum(b.wire_bytes for b in got) == len(frames[0]) + sum(p.nbytes for p in prepared)
 
 
-@pytest.mark.parametrize("side, joined", [(224, True), (320, False)])
-def test_one_image_batches_travel_joined_and_larger_ones_a_frame_each(side, joined):
+@pytest.mark.parametrize("side, join, joined", [
+    (224, JOIN_BYTES, True), (320, JOIN_BYTES, False), (320, JOIN_FORWARDED, True),
+    (400, JOIN_FORWARDED, False)])
+def test_one_image_batches_travel_joined_and_larger_ones_a_frame_each(side, join, joined):
     """Batches of one 224x224x3 image (150 KB) go joined, 3 frames for 4 batches rather than
     9 (faster both through a broker and in direct mode: docs/performance.md); 320x320x3
-    (300 KB), where joining cost direct mode a fifth, a frame per array of each batch. The
-    receiver gets each batch's own bytes either way."""
+    (300 KB), where joining cost direct mode a fifth, a frame per array of each batch, but
+    joined to a broker (``join``: its WELCOME asks for up to JOIN_FORWARDED); 400x400x3
+    (480 KB) a frame each to both. The receiver gets each batch's own bytes either way."""
     dps = [[np.full((side, side, 3), i, np.uint8), np.full(1, i, np.int32)] for i in range(4)]
     frames = bundle_frames([wire.prepare_batch(dp) for dp in dps], producer=PID, session=1,
-                           seq=0, epoch=0)
+                           seq=0, epoch=0, join=join)
     assert len(frames) == (3 if joined else 9)
     got = decode_bundle(frames, wire.DEFAULT_LIMITS, wire.header_map(frames[0]), MAX_BUNDLE)
     assert len(got) == 4
@@ -276,6 +280,14 @@ def test_welcome_says_how_many_batches_a_bundle_may_hold():
     assert m.decode(m.encode(m.Welcome(broker=1))).bundle == 0  # as an older host says it
 
 
+def test_welcome_says_how_large_a_batch_goes_joined():
+    assert m.decode(m.encode(m.Welcome(broker=1, join=JOIN_FORWARDED))).join == JOIN_FORWARDED
+    assert m.decode(m.encode(m.Welcome(broker=1))).join == 0  # the producer's default
+    for bad in (-1, True, "big"):  # refused as any ill-typed field is
+        with pytest.raises(DecodeError):
+            m.decode(msgpack.packb({**unpack(m.encode(m.Welcome(broker=1))), "jn": bad}))
+
+
 def test_a_direct_mode_trainer_refuses_a_bundle_beyond_what_it_offered_and_goes_on():
     """The trainer's WELCOME offers bundles of MAX_BUNDLE; a hand-played producer sends one
     that says MAX_BUNDLE + 1 (refused whole, counted as one batch: its count is not believed;
@@ -432,6 +444,50 @@ def test_a_producer_bundles_small_batches_through_a_broker_and_loses_nothing(thr
                        if s.name == name), name
     assert not any(s.value for metric in creg.collect() for s in metric.samples
                    if s.name == "feedline_consumer_rejected_messages_total")
+
+
+def test_a_broker_asks_for_larger_batches_joined_and_a_sender_joins_them(thread_broker,
+                                                                         endpoints):
+    """A broker pays for each frame of a bundle three times (its ingress, its egress, the
+    consumer), a direct-mode trainer once: the broker's WELCOME asks for batches of up to
+    JOIN_FORWARDED joined, the trainer's leaves the producer's default (JOIN_BYTES). A
+    Sender's batches of two images (301 KB, over JOIN_BYTES) reach the broker's consumer in
+    joined bundles, 3 frames whatever their count, each batch once and in order."""
+    from feedline.link import LinkConfig
+
+    thread_broker()
+    ctx = zmq.Context()
+    n = 48
+    try:
+        peer, welcome = _registered(ctx, endpoints.ingress, "raw")
+        assert welcome.get("jn") == JOIN_FORWARDED
+        peer.close()
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        with RemoteDataZMQ(addr, bind=True, timeout=10, link=LinkConfig(**FAST)) as src:
+            _Taking(src)
+            peer, welcome = _registered(ctx, addr, "raw")
+            assert welcome.get("jn", 0) == 0
+            peer.close()
+        consumer = RawPeer(ctx, endpoints.egress)
+        consumer.sock.send(m.encode(m.ConsumerHello(
+            consumer="c", session=3, window=n, max_bytes=1 << 30, registration=1,
+            bundle=MAX_BUNDLE)))
+        images = np.zeros((2, 224, 224, 3), np.uint8)
+        with Sender(endpoints.ingress, producer_id="joiner", link=LinkConfig(**FAST)) as s:
+            for i in range(n):
+                s.send([images, np.full(2, i, np.int32)])
+            got = _deliveries(consumer, n, 20)
+        bundles = [f for f in got if wire.header_map(f[0])["k"] == wire.Kind.BUNDLE]
+        assert bundles, f"{len(got)} deliveries, none a bundle"
+        assert [len(f) for f in bundles] == [3] * len(bundles)
+        batches = [x for f in got for x in (
+            decode_bundle(f, wire.DEFAULT_LIMITS, wire.header_map(f[0]), MAX_BUNDLE)
+            if f in bundles else [wire.decode_batch(f)])]
+        assert [int(x.datapoint[1][0]) for x in batches] == list(range(n))
+        assert all(x.datapoint[0].shape == (2, 224, 224, 3) for x in batches)
+        consumer.close()
+    finally:
+        ctx.destroy(linger=0)
 
 
 class EgressBundles(RuleBasedStateMachine):

@@ -31,7 +31,7 @@ from feedline.broker.buffer import Buffer
 from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
 from feedline.broker.sizing import BrokerSizing
-from feedline.bundle import MAX_BUNDLE
+from feedline.bundle import JOIN_FORWARDED, MAX_BUNDLE
 from feedline.serving.exact_streams import ExactConfig
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -124,7 +124,8 @@ class Broker:
                                   config.exact_ephemeral, config.max_streams,
                                   grace=config.heartbeat_timeout,
                                   idle=4 * config.heartbeat_timeout),
-                insecure=config.insecure, by_bytes=True, bundle=MAX_BUNDLE, whole=True),
+                insecure=config.insecure, by_bytes=True, bundle=MAX_BUNDLE, whole=True,
+                join=JOIN_FORWARDED),
                 self._sink, self.metrics, self.instance, log)
             # No ZMTP heartbeats towards consumers: a paused consumer's connection must
             # outlive its registration, so that what was sent to it is still there when it

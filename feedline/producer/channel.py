@@ -38,7 +38,7 @@ import zmq
 
 from feedline import messages as m
 from feedline import wire
-from feedline.bundle import bundle_frames
+from feedline.bundle import JOIN_BYTES, bundle_frames
 from feedline.errors import BatchTooLarge as BatchTooLarge
 from feedline.errors import FeedlineError
 from feedline.link import Link, LinkConfig
@@ -341,8 +341,10 @@ class ProducerIO:
         self.out.metrics.sent_bytes.inc(nbytes)
 
     def _send_bundle(self, ch: Channel, items: list[BatchItem]) -> int:
+        join = ch.welcome.join if ch.welcome is not None else 0
         frames = bundle_frames([it.prepared for it in items], producer=self._packed_id,
-                               session=self.out.session, seq=ch.seq, epoch=items[0].epoch)
+                               session=self.out.session, seq=ch.seq, epoch=items[0].epoch,
+                               join=join or JOIN_BYTES)
         if not ch.link.send_frames(frames, copy=False):
             self._ahead.extendleft(reversed(items[1:]))  # sent first next time, in order
             return 0

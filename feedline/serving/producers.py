@@ -48,6 +48,7 @@ class IngressConfig:
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
     by_bytes: bool = False  # windows count small batches by their bytes (CreditPlanner)
     bundle: int = 0  # the most batches in one message (feedline.bundle)
+    join: int = 0  # the largest batch (array bytes) sent joined in one (0: JOIN_BYTES)
     whole: bool = False  # a bundle goes to the sink as one item (a broker), not batch by batch
 
 
@@ -211,9 +212,8 @@ class ProducerSide:
             raise Refusal(e.reason, f"producer {msg.producer}: {e.detail}") from None
 
     def _welcome(self, p: Producer) -> None:
-        self._control(p.ident, m.Welcome(broker=self.instance, registration=p.registration,
-                                         max_batch_bytes=self.max_batch_bytes,
-                                         bundle=self.cfg.bundle))
+        self._control(p.ident, m.Welcome(self.instance, p.registration, self.max_batch_bytes,
+                                         bundle=self.cfg.bundle, join=self.cfg.join))
 
     def _sender(self, ident: bytes, what: str, now: float) -> Producer:
         p = self.producers.get(ident)

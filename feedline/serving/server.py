@@ -109,6 +109,7 @@ class ServingConfig:
     # Windows count small batches by their bytes (a direct-mode trainer: budget.depth).
     by_bytes: bool = False
     bundle: int = 0  # the most batches producers may send in one message (feedline.bundle)
+    join: int = 0  # the largest batch (array bytes) sent joined in one (0: JOIN_BYTES)
     whole: bool = False  # the sink takes a bundle as one item (a broker: IngressConfig.whole)
 
 
@@ -161,7 +162,7 @@ class Server:
             self.ingress.send, sink, metrics, cfg.limits,
             IngressConfig(cfg.budget, cfg.producer_window, cfg.credit_lease, cfg.max_peers,
                           stream=cfg.stream, by_bytes=cfg.by_bytes, bundle=cfg.bundle,
-                          whole=cfg.whole),
+                          whole=cfg.whole, join=cfg.join),
             instance, self.refusals.cut_off, self.exact)
         self.attach(self.ingress, self.producers)
         self.tensorpack = (TensorpackIngress(tp_ep, sink, metrics, cfg.limits,
