@@ -26,13 +26,15 @@ FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 
 def test_every_fault_is_retried_counted_and_loses_nothing(tmp_path: Path):
     make_wds(tmp_path, shards=4, per_shard=10, nbytes=8000)
-    plan = Plan(stall=1.5)
+    # The read timeout is well above what a read of 16 KB on a loaded machine takes (at
+    # 0.5 s, CI once timed out a second read of the stalled shard: 6 retries, not 5).
+    plan = Plan(stall=3.0)
     plan.add("train-000000", "503", 2)
     plan.add("train-000001", "reset", 2)  # half a chunk, then a TCP reset
-    plan.add("train-000002", "stall", 1)  # silent past the 0.5 s read timeout
+    plan.add("train-000002", "stall", 1)  # silent past the 2 s read timeout
     with file_server(str(tmp_path)) as url, fault_proxy(url, plan) as proxy:
         ds = WebDataset(f"{proxy}/train-{{000000..000003}}.tar", fields=["bin", "cls"],
-                        chunk_size=16384, timeout=0.5)
+                        chunk_size=16384, timeout=2.0)
         ds.reset_state()
         got = sorted((int(i), d.tobytes()) for d, i in ds)
     assert got == [(i, payload(i, 8000)) for i in range(40)]
