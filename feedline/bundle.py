@@ -77,16 +77,16 @@ _V_K = packb("v") + packb(PROTOCOL_VERSION) + packb("k") + packb(int(Kind.BUNDLE
 
 
 def bundle_frames(prepared: Sequence[Prepared], *, producer: bytes, session: int, seq: int,
-                  epoch: int, join: int = JOIN_BYTES) -> list[Any]:
+                  epoch: int, join: int = 0) -> list[Any]:
     """``[header, array frames...]``; every ``Prepared`` of one layout (the same header
     tail), ``producer`` packed (:func:`packb`). Batches of at most ``join`` bytes of arrays
-    (the host's WELCOME says; :data:`JOIN_BYTES` if it does not) travel joined (one frame
-    per array of the layout); larger ones a frame per array each."""
+    (what the host's WELCOME says; 0, as a host that says nothing: :data:`JOIN_BYTES`)
+    travel joined (one frame per array of the layout); larger ones a frame per array each."""
     first = prepared[0]
     head = b"\x8a" + _V_K + sender_fields(producer, session, seq, epoch) + b"\xa1n" \
         + uint(len(prepared))
     frames: list[Any] = [head + first.tail]
-    if first.nbytes <= join:
+    if first.nbytes <= (join or JOIN_BYTES):
         for j in range(len(first.arrays)):
             frames.append(b"".join([p.arrays[j].data for p in prepared]))
     else:

@@ -477,12 +477,13 @@ def test_a_broker_asks_for_larger_batches_joined_and_a_sender_joins_them(thread_
             for i in range(n):
                 s.send([images, np.full(2, i, np.int32)])
             got = _deliveries(consumer, n, 20)
-        bundles = [f for f in got if wire.header_map(f[0])["k"] == wire.Kind.BUNDLE]
-        assert bundles, f"{len(got)} deliveries, none a bundle"
-        assert [len(f) for f in bundles] == [3] * len(bundles)
-        batches = [x for f in got for x in (
+        kinds = [wire.header_map(f[0])["k"] for f in got]
+        sizes = [len(f) for f, k in zip(got, kinds, strict=True) if k == wire.Kind.BUNDLE]
+        assert sizes, f"{len(got)} deliveries, none a bundle"
+        assert sizes == [3] * len(sizes)
+        batches = [x for f, k in zip(got, kinds, strict=True) for x in (
             decode_bundle(f, wire.DEFAULT_LIMITS, wire.header_map(f[0]), MAX_BUNDLE)
-            if f in bundles else [wire.decode_batch(f)])]
+            if k == wire.Kind.BUNDLE else [wire.decode_batch(f)])]
         assert [int(x.datapoint[1][0]) for x in batches] == list(range(n))
         assert all(x.datapoint[0].shape == (2, 224, 224, 3) for x in batches)
         consumer.close()

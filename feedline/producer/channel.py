@@ -38,7 +38,7 @@ import zmq
 
 from feedline import messages as m
 from feedline import wire
-from feedline.bundle import JOIN_BYTES, bundle_frames
+from feedline.bundle import bundle_frames
 from feedline.errors import BatchTooLarge as BatchTooLarge
 from feedline.errors import FeedlineError
 from feedline.link import Link, LinkConfig
@@ -319,7 +319,7 @@ class ProducerIO:
             more = gather(item, ch.welcome, ch.credit, ch.granted_bytes - ch.sent_bytes,
                           self._max_arrays, self._ahead, self.out.items)
             if more:
-                return self._send_bundle(ch, [item, *more])
+                return self._send_bundle(ch, [item, *more], ch.welcome.join)
         frames = item.prepared.frames(producer=self._packed_id, session=self.out.session,
                                       seq=ch.seq, epoch=item.epoch, unit=item.unit,
                                       index=item.index, last=item.last,
@@ -340,11 +340,10 @@ class ProducerIO:
         self.out.metrics.sent_batches.inc(n)
         self.out.metrics.sent_bytes.inc(nbytes)
 
-    def _send_bundle(self, ch: Channel, items: list[BatchItem]) -> int:
-        join = ch.welcome.join if ch.welcome is not None else 0
+    def _send_bundle(self, ch: Channel, items: list[BatchItem], join: int) -> int:
         frames = bundle_frames([it.prepared for it in items], producer=self._packed_id,
                                session=self.out.session, seq=ch.seq, epoch=items[0].epoch,
-                               join=join or JOIN_BYTES)
+                               join=join)
         if not ch.link.send_frames(frames, copy=False):
             self._ahead.extendleft(reversed(items[1:]))  # sent first next time, in order
             return 0
