@@ -197,8 +197,7 @@ class ClientLoop:
                     role.on_ready(ready)
             role.on_wake()
             for link in links:
-                if (link.socket is not None and link.socket in events) or (
-                        link.monitored and any(s in events for s in link.poll_sockets())):
+                if link.socket is not None and link.socket in events:
                     link.receive(role.on_message)
             for link in links:
                 link.tick()

@@ -15,12 +15,21 @@ Registration rules (each one learned from a fault scenario, docs/architecture.md
   it knows as a no-op, so a lost HELLO never strands a peer, and a repeated one never restarts
   its credit.
 - RESETs that arrive while the HELLO is unanswered answer messages sent before it: counted,
-  not acted on. After a few unanswered tries the link says once, at WARNING, what it sees.
+  not acted on; the link's report of a search that lasts (below) counts them.
 - A message from a broker instance other than the one we registered with means the broker
   restarted: register again. A message from an instance that has since been replaced (still
   in the pipe of its dead connection) is dropped whatever it says (a late credit included).
 - A gap of more than half the timeout between two of our own ticks is our own absence
   (SIGSTOP, a long pause), not the broker's silence: its clock restarts.
+
+What the link knows of the other side (:class:`Reach`): a socket monitor (libzmq's events,
+read in :meth:`Link.tick`, not polled) tells whether a connection was ever made and how its
+handshake ended, so that a link without a broker says why, in words (:func:`explain`):
+nothing accepts connections there, the broker has CURVE keys and we have none (or the
+reverse), the CURVE handshake fails (the wrong broker key), our key is not allowed, or the
+broker is connected and does not answer. It says so at WARNING after ``heartbeat_timeout``,
+then again with backoff (10 s, 20 s, 40 s, then once a minute) for as long as it lasts; a
+consumer's :class:`~feedline.errors.ReceiveTimeout` says the same.
 
 Create, use and close a Link in one thread (rule 12); :class:`feedline.client.ClientLoop`
 is that thread for producers and consumers.
@@ -30,11 +39,12 @@ from __future__ import annotations
 
 import logging
 import random
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -46,9 +56,28 @@ from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)
-_WARN_AFTER_TRIES = 3  # unanswered HELLOs before the link says what it sees
-_UNREACHABLE_WARN = 10.0  # seconds without any answer before "cannot reach"
 _REMEMBER_BYTES = 64  # control frames up to this size are remembered with their message
+_NAG_MAX = 60.0  # seconds between two "no broker" reports, at most (they double up to it)
+# The monitor events a link reads: whether a connection was made, and how its handshake
+# ended (connect retries are not read: a missing CONNECTED says as much, without an event
+# every retry).
+_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_TELLING = {"": 0, "handshake": 1, "mechanism": 2, "auth": 3}  # Reach.failure, by what it says
+_MONITOR_EVERY = 0.1  # seconds between two reads of the monitor while not welcomed
+_EVENT = struct.Struct("=HI")  # a monitor event's first frame: event, value (zmq_socket_monitor)
+
+
+class KeysHint(NamedTuple):
+    """How a peer's operator gives it CURVE keys, in the words of its own interface: the
+    keys, and the broker's public key among them (for :func:`explain`)."""
+
+    keys: str = "CURVE keys (--curve-secret and --curve-broker-key; in Python, curve=ClientKeys)"
+    broker_key: str = "--curve-broker-key"
+
+
+PRODUCER_KEYS = KeysHint()  # a producer's (its command line, and its Python API)
 
 
 @dataclass(frozen=True)
@@ -84,6 +113,81 @@ class Backoff:
 OnMessage = Callable[["Link", m.Message, list[zmq.Frame]], None]
 
 
+@dataclass
+class Reach:
+    """What a link knows of the broker it tries to reach. Written by the link's thread only;
+    plain values, so another thread (a consumer's iterating one, composing a timeout's
+    message) may read them. Times are ``time.monotonic()``.
+
+    ``since``: when the link last started looking for a broker (its creation, or the loss of
+    the one that had welcomed it); ``connected`` and ``handshaken``: the last time a
+    connection was made and its handshake done (0: never); ``failure``, about that search:
+    how the last handshake failed
+    (``mechanism``: one side has CURVE keys, the other none; ``handshake``: it failed
+    without detail, for a CURVE client the broker's public key it was given is not the
+    broker's; ``auth``: the broker did not allow our key; empty: none failed, or one
+    succeeded after). ``welcomed_at``: the first WELCOME ever (None: never);
+    ``heard_at``: the last message of a broker (0: never)."""
+
+    since: float
+    connected: float = 0.0
+    handshaken: float = 0.0
+    open: bool = False  # the last connection event was CONNECTED, not DISCONNECTED
+    failure: str = ""
+    welcomed_at: float | None = None
+    heard_at: float = 0.0
+    resets: int = 0  # RESETs to our HELLOs since ``since``
+    refusal: m.Refused | None = None  # the broker refused our registration (since ``since``)
+
+    def lost(self, now: float, connection: bool) -> None:
+        """A new search: the broker that welcomed us went silent (``connection``: its
+        connection is gone, what the monitor saw of it is history), restarted, or forgot us."""
+        self.since, self.resets, self.refusal = now, 0, None
+        if connection:
+            self.connected = self.handshaken = 0.0
+            self.failure, self.open = "", False
+
+
+def explain(r: Reach, addr: str, curve: bool, hint: KeysHint = PRODUCER_KEYS) -> str:
+    """Why a link has no broker at ``addr``, as the operator can act on it (one clause).
+    ``curve``: the link has CURVE keys."""
+    if r.refusal is not None:
+        detail = f" ({r.refusal.detail})" if r.refusal.detail else ""
+        return f"the broker at {addr} refused our registration: {r.refusal.reason}{detail}"
+    if r.failure == "mechanism":
+        if curve:
+            return (f"a connection to {addr} was made but its handshake never completed: "
+                    "this process has CURVE keys and the server there has none (a broker "
+                    "without --curve-secret?); give the broker its keys, or drop ours")
+        return (f"a connection to {addr} was made but its handshake never completed: the "
+                f"broker there has CURVE keys and this process has none; give it {hint.keys}, "
+                "with our public key in the broker's --curve-allowed directory")
+    if r.failure == "auth":
+        return (f"the broker at {addr} did not accept our CURVE key: add our .key file to "
+                "its --curve-allowed directory")
+    if r.failure == "handshake":
+        if curve:
+            return (f"a connection to {addr} was made but its CURVE handshake never "
+                    f"completed: is the broker key we were given ({hint.broker_key}) that "
+                    "broker's public key?")
+        return (f"a connection to {addr} was made but its handshake never completed: does "
+                f"the broker there have CURVE keys (then give this process {hint.keys}), "
+                "and is it a feedline broker?")
+    up = r.open  # a connection is open now (perhaps made before the search)
+    if not up and r.connected < r.since or not r.connected:
+        return (f"nothing accepts connections at {addr}: is the broker running, and is "
+                "this its address and port?")
+    if not (r.handshaken >= r.since or up and r.handshaken >= r.connected):
+        return (f"{addr} accepts connections but never completed a ZeroMQ handshake: is it "
+                "a feedline broker?")
+    if r.resets:
+        return (f"{addr} answers but does not accept our registration ({r.resets} RESETs): "
+                "is it a feedline broker of the same version, and the right port?")
+    return (f"{addr} is connected but has not answered our registration: is it a feedline "
+            "broker's address for this side (producers: its --ingress; trainers: its "
+            "--egress)?")
+
+
 class Link:
     """One DEALER connection to a broker with registration, heartbeats and reconnects.
 
@@ -107,17 +211,18 @@ class Link:
         rcvhwm: int = 1000,
         sndhwm: int = 1000,
         what: str = "peer",
+        keys_hint: KeysHint = PRODUCER_KEYS,
     ) -> None:
         self.ctx, self.addr = ctx, addr
         self.cfg = config or LinkConfig()
-        self.curve, self.what = curve, what
+        self.curve, self.what, self.keys_hint = curve, what, keys_hint
         self._hello, self._on_register, self._on_reject = hello, on_register, on_reject
         self._rcvhwm, self._sndhwm = rcvhwm, sndhwm
         self._backoff = Backoff(self.cfg.reconnect_min, self.cfg.reconnect_max)
         self._log = RateLimitedLog(log, interval=30.0)
         self.socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
-        self._parse_event: Callable[[list[bytes]], Any] | None = None  # pyzmq's, with a monitor
+        self._monitor_read = 0.0
         self.broker_id: int | None = None
         self._previous: deque[int] = deque(maxlen=8)  # instance ids of replaced brokers
         self.registration = 0
@@ -127,14 +232,16 @@ class Link:
         self.resets_unanswered = 0
         self.refusal: m.Refused | None = None  # the last registration refusal, for errors
         self._tries = 0
-        self._warned = False
         self._last_raw = b""  # the last small frame decoded, and its message (_decode)
         self._last_msg: m.Message | None = None
         now = time.monotonic()
         self._last_recv = self._last_send = self._last_tick = self._hello_at = now
         self._hello_retry = 0.0
         self._retry_at = 0.0
-        self._answered_at = now
+        self.reach = Reach(since=now)
+        self._nag_delay = self.cfg.heartbeat_timeout
+        self._nag_at = now + self._nag_delay  # the next "no broker" report
+        self._nagged = False  # one was made since the last WELCOME
         self._connect()
 
     # -- socket lifecycle ---------------------------------------------------------------
@@ -159,15 +266,10 @@ class Link:
         sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1000, 2 * retry_ms))
         if self.curve is not None:
             self.curve.apply(sock)
-            # The handshake's verdict is only visible as a monitor event: it is how we can
-            # tell the operator that the broker did not accept our key.
-            self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                    | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            # Imported here, not at the top: zmq.utils.monitor imports asyncio (through
-            # zmq.asyncio), and only a link with CURVE keys has a monitor to read.
-            from zmq.utils.monitor import parse_monitor_message
-
-            self._parse_event = parse_monitor_message
+        # Whether a connection was made and how its handshake ended is only visible as a
+        # monitor event: it is how a link without a broker can say why (Reach, explain).
+        # Read in tick(), not polled: a busy link's turns do not pay for it.
+        self._monitor = sock.get_monitor_socket(_EVENTS)
         sock.connect(self.addr)
         self.socket = sock
         now = time.monotonic()
@@ -176,15 +278,23 @@ class Link:
 
     def register(self, now: float | None = None) -> None:
         """Start a new registration (a new number) and say HELLO."""
+        now = time.monotonic() if now is None else now
+        if self.welcomed:  # the broker restarted or forgot us: a new search, on the connection
+            self._lost(now, connection=False)
         self.registration = (self.registration + 1) % (1 << 31)
         self.welcomed = False
         self.resets_unanswered = 0
         self._tries = 0
-        self._warned = False
         self._on_register(self.registration)
         self._hello_retry = max(1.0, 2 * self.cfg.heartbeat_interval)
         self._hello_at = -self._hello_retry  # not queued yet
-        self._say_hello(time.monotonic() if now is None else now)
+        self._say_hello(now)
+
+    def _lost(self, now: float, connection: bool) -> None:
+        """The broker that welcomed us is gone: reports of the search start a timeout from now."""
+        self.reach.lost(now, connection)
+        self._nag_delay = self.cfg.heartbeat_timeout
+        self._nag_at = now + self._nag_delay
 
     def _say_hello(self, now: float) -> bool:
         # A HELLO that could not be queued (not connected yet: IMMEDIATE) is retried at the
@@ -205,6 +315,8 @@ class Link:
         """Close the socket. ``flush``: give queued messages up to ``flush_ms`` to leave
         (a final close); otherwise drop them at once (a reconnect)."""
         if self._monitor is not None and self.socket is not None:
+            self._read_monitor(time.monotonic())  # what it saw last, before it goes
+            self.reach.open = False
             self.socket.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
@@ -229,19 +341,13 @@ class Link:
 
     # -- receiving ----------------------------------------------------------------------
     def poll_sockets(self) -> list[zmq.Socket]:
-        """The sockets the owner's poller waits on for this link."""
-        return [s for s in (self.socket, self._monitor) if s is not None]
-
-    @property
-    def monitored(self) -> bool:
-        """A CURVE handshake monitor is polled besides the socket."""
-        return self._monitor is not None
+        """The sockets the owner's poller waits on for this link (its monitor is read by
+        :meth:`tick`, not polled)."""
+        return [] if self.socket is None else [self.socket]
 
     def receive(self, on_message: OnMessage, budget: int = 1000) -> int:
         """Handle up to ``budget`` waiting messages; the owner's get ``on_message``.
         Returns how many messages were read."""
-        if self._monitor is not None:
-            self._read_monitor()
         n = 0
         while self.socket is not None and n < budget:
             if n and not waiting(self.socket):  # the first: the poll said one is there
@@ -282,7 +388,7 @@ class Link:
 
     def _handle(self, msg: m.Message) -> bool:
         """Link-level bookkeeping; True if the owner should see ``msg`` too."""
-        now = self._last_recv = time.monotonic()
+        now = self._last_recv = self.reach.heard_at = time.monotonic()
         bid = m.broker_of(msg)
         if bid is not None and bid in self._previous:
             return False  # a replaced broker's message still in the pipe: whatever it says
@@ -299,62 +405,102 @@ class Link:
             if msg.registration != self.registration:
                 return False  # the answer to an earlier registration's HELLO
             self.welcomed = self.ever_answered = True
-            self._answered_at = now
             self._backoff.reset()
-            self.refusal = None
+            self.refusal = self.reach.refusal = None
+            if self.reach.welcomed_at is None:
+                self.reach.welcomed_at = now
+            if self._nagged:  # the end of what the warnings were about
+                log.info("%s: registered with the broker at %s (after %.0fs)", self.what,
+                         self.addr, now - self.reach.since)
+            self._nagged = False
+            self._nag_delay = self.cfg.heartbeat_timeout
             return True
         if isinstance(msg, m.Reset):
             if not self.welcomed:
                 self.resets_unanswered += 1  # answers what we sent before our HELLO
+                self.reach.resets += 1
                 return False
             log.info("%s: broker %s does not know us; registering again", self.what, self.addr)
             self.register(now)
             return False
         if isinstance(msg, m.Refused) and not self.welcomed:
             self.ever_answered = True
-            self.refusal = msg
+            self.refusal = self.reach.refusal = msg
             self._log.warning("%s: the broker at %s refused our registration: %s%s", self.what,
                               self.addr, msg.reason, f" ({msg.detail})" if msg.detail else "")
-            self._warned = True
             return True
-        if self.welcomed:
-            self._answered_at = now
         return not isinstance(msg, m.Heartbeat)
 
-    def _read_monitor(self) -> None:
-        assert self._monitor is not None and self._parse_event is not None
-        while True:
+    def _read_monitor(self, now: float) -> None:
+        """Note what the monitor saw since the last read (connections, handshakes)."""
+        self._monitor_read = now
+        mon, r = self._monitor, self.reach
+        while mon is not None:
             try:
-                event = self._parse_event(self._monitor.recv_multipart(zmq.NOBLOCK))
+                frames = mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve is not None:
-                self._log.warning(
-                    "%s: the broker at %s did not accept our CURVE key (public key %s): "
-                    "add our .key file to the broker's --curve-allowed directory",
-                    self.what, self.addr, self.curve.public.decode()[:12] + "...")
+            if len(frames) != 2 or len(frames[0]) != _EVENT.size:
+                continue
+            event, value = _EVENT.unpack(frames[0])
+            if event == zmq.EVENT_CONNECTED:
+                r.connected, r.open = now, True
+            elif event == zmq.EVENT_DISCONNECTED:
+                r.open = False
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                r.handshaken, r.failure = now, ""
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                # The most telling failure of the search stays: a server that closes at once
+                # makes some of the same failures read as "no detail" (EPIPE).
+                kind = ("mechanism" if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                        and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH else "handshake")
+                if _TELLING[kind] >= _TELLING[r.failure]:
+                    r.failure = kind
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                r.failure = "auth"
+                if self.curve is not None:
+                    self._log.warning(
+                        "%s: the broker at %s did not accept our CURVE key (public key %s): "
+                        "add our .key file to the broker's --curve-allowed directory",
+                        self.what, self.addr, self.curve.public.decode()[:12] + "...")
+
+    def explain(self) -> str:
+        """Why this link has no broker now, in words (see :func:`explain`)."""
+        return explain(self.reach, self.addr, self.curve is not None, self.keys_hint)
 
     # -- liveness -----------------------------------------------------------------------
     def tick(self) -> None:
         """Heartbeat, hello retries and dead-broker detection; call at least every
         interval/2 (a gap of more than half the timeout is taken as our own absence)."""
         now = time.monotonic()
+        # Also while there is no socket (a reconnect's backoff): the wait for the retry is
+        # not our absence.
+        away = now - self._last_tick
+        self._last_tick = now
+        if self._monitor is not None and now - self._monitor_read >= (
+                self.cfg.heartbeat_interval if self.welcomed else _MONITOR_EVERY):
+            self._read_monitor(now)
+        if not self.welcomed and now >= self._nag_at:
+            self._nag(now)
         if self.socket is None:
             if now >= self._retry_at:
                 self._connect()
             return
-        away = now - self._last_tick
-        self._last_tick = now
         if away > self.cfg.heartbeat_timeout / 2:
             # We were not running (SIGSTOP, a long pause of the process): that is our
             # silence, not the broker's. Restart its clock instead of reconnecting, which
             # would throw away the batches the broker delivered meanwhile.
             self._last_recv = max(self._last_recv, now)
-            self._answered_at = max(self._answered_at, now)
         if now - self._last_recv > self.cfg.heartbeat_timeout:
-            self._log.warning("%s: broker %s silent for %.1fs (it stopped, restarted, or the "
-                              "network between us is down); reconnecting", self.what,
-                              self.addr, now - self._last_recv)
+            if self.welcomed:
+                # The broker that welcomed us went silent: said once here, then by _nag
+                # with backoff for as long as no broker welcomes us again.
+                log.warning("%s: broker %s silent for %.1fs (it stopped, restarted, or the "
+                            "network between us is down); reconnecting", self.what,
+                            self.addr, now - self._last_recv)
+                self.welcomed = False
+                self._lost(now, connection=True)
             self.reconnect()
             return
         if not self.welcomed:
@@ -363,21 +509,23 @@ class Link:
             if now - self._hello_at >= self._hello_retry and self._say_hello(now) \
                     and queued_before:  # the same registration again: a no-op if it arrived
                 self._hello_retry = min(2 * self._hello_retry, self.cfg.heartbeat_timeout)
-                if self._tries > _WARN_AFTER_TRIES and not self._warned:
-                    self._warned = True
-                    self._explain_silence()
         elif now - self._last_send >= self.cfg.heartbeat_interval:
             self.send_msg(m.Heartbeat())
-        if now - self._answered_at > _UNREACHABLE_WARN and not self.welcomed:
-            self._log.warning("%s: cannot reach a broker at %s for %.0fs (is it running, and "
-                              "is this its address?)", self.what, self.addr,
-                              now - self._answered_at)
 
-    def _explain_silence(self) -> None:
-        if self.resets_unanswered:
-            log.warning("%s: %s answers but does not accept our registration (%d RESETs to %d "
-                        "HELLOs): is it a feedline broker of the same version, and the right "
-                        "port?", self.what, self.addr, self.resets_unanswered, self._tries)
+    def _nag(self, now: float) -> None:
+        """Say that no broker has us, and why, at WARNING; again after twice the delay (up
+        to a minute) for as long as that lasts: an operator who looks at the log an hour
+        later still finds it, and it does not fill the log."""
+        if self.reach.welcomed_at is None:
+            log.warning("%s: never %s a broker (trying for %.0fs): %s", self.what,
+                        "registered with" if self.reach.refusal else "connected to",
+                        now - self.reach.since, self.explain())
+        else:
+            log.warning("%s: no broker for %.0fs (the one we had went silent): %s",
+                        self.what, now - self.reach.since, self.explain())
+        self._nagged = True
+        self._nag_delay = min(_NAG_MAX, 2 * self._nag_delay)
+        self._nag_at = now + self._nag_delay
 
     def poll_timeout_ms(self) -> int:
         return max(1, int(self.cfg.heartbeat_interval * 500))
