@@ -39,8 +39,8 @@ import zmq
 from feedline import messages as m
 from feedline import wire
 from feedline.bundle import bundle_frames
+from feedline.errors import AddressError, FeedlineError
 from feedline.errors import BatchTooLarge as BatchTooLarge
-from feedline.errors import FeedlineError
 from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.producer.bundling import gather
@@ -221,6 +221,11 @@ class ProducerIO:
             # owner raises it (one line) instead of waiting for a broker that said no.
             self.out.error = FeedlineError(f"the broker at {ch.link.addr} refused this exact "
                                            f"producer ({msg.reason}): {msg.detail}")
+        if msg.reason == "wrong_port" and not ch.link.welcomed:
+            # A consumer's address (a broker's egress): no retry changes that. One line,
+            # raised by the owner, instead of a producer that waits there for ever.
+            self.out.error = AddressError(f"{ch.link.addr} refused this producer "
+                                          f"(wrong_port): {msg.detail}")
         if msg.reason == "batch_too_large":
             ch.welcome = m.Welcome(broker=msg.broker, max_batch_bytes=msg.limit,
                                    registration=ch.link.registration)
@@ -339,6 +344,8 @@ class ProducerIO:
         ch.largest_sent = max(ch.largest_sent, items[0].prepared.wire_bytes)  # one layout
         self.out.metrics.sent_batches.inc(n)
         self.out.metrics.sent_bytes.inc(nbytes)
+        self.out.sent += n
+        self.out.sent_bytes += nbytes
 
     def _send_bundle(self, ch: Channel, items: list[BatchItem], join: int) -> int:
         frames = bundle_frames([it.prepared for it in items], producer=self._packed_id,
@@ -385,6 +392,10 @@ class ProducerIO:
         left = self._leaving.close(self._bye_seconds(), told)
         if left:
             log.debug("%s: %d broker(s) did not answer BYE in time", self.out.producer_id, left)
+        self.out.bye_unanswered = left
+        # For the exit summary: a target no broker ever answered on is named with why.
+        self.out.unreached = [ch.link.explain() for ch in self.channels
+                              if ch.link.reach.welcomed_at is None]
 
     def _bye_seconds(self) -> float:
         return min(BYE_SECONDS, self._cfg.flush_ms / 1000)

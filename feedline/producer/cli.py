@@ -35,7 +35,7 @@ from feedline.producer.pipeline import (
     parallel_summary,
     pipeline_stages,
 )
-from feedline.producer.sender import send_dataflow
+from feedline.producer.sender import SendStats, send_dataflow
 from feedline.version import __version__
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,22 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
         # What the operator must change (a batch larger than the broker's --max-bytes, a
         # datapoint over the protocol's limits): one line, not a traceback.
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
-    log.info("sent %d batches (%.1f MB) in %.1fs", stats.batches, stats.bytes / 1e6,
-             stats.seconds)
+    log_summary(stats, args.broker)
     return 0
+
+
+def log_summary(stats: SendStats, brokers: list[str]) -> None:
+    """The producer's last line: what brokers took (not what the dataflow made), and, if
+    none ever did, why (a WARNING: the run did nothing)."""
+    if stats.sent == 0 and stats.unreached:
+        log.warning("sent 0 batches in %.1fs: never connected to a broker (%s); %d batches "
+                    "made were not sent", stats.seconds, "; ".join(stats.unreached),
+                    stats.batches)
+        return
+    left = stats.batches - stats.sent
+    log.info("sent %d batches (%.1f MB) in %.1fs%s%s", stats.sent, stats.sent_bytes / 1e6,
+             stats.seconds,
+             f"; {left} more made that no broker took" if left > 0 else "",
+             f"; {stats.bye_unanswered} broker(s) of {', '.join(brokers)} did not answer our "
+             "BYE: what went there last may not have arrived" if stats.bye_unanswered else "")
 

@@ -108,6 +108,17 @@ class Outbox:
     items: Backlog[Item] = field(default_factory=lambda: Backlog(BACKLOG_ITEMS, BACKLOG_BYTES))
     handed: int = 0  # items handed over (written by the owner only) ...
     done: int = 0  # ... and sent or dropped (by the I/O thread only)
+    # Batches (and their array bytes) that went onto the connection of a broker that had
+    # welcomed us and granted credit for them: what a broker took, not what was handed over
+    # (that may wait here, or in the I/O thread, for a broker that never comes). Written by
+    # the I/O thread; read by the owner for the exit summary.
+    sent: int = 0
+    sent_bytes: int = 0
+    # Written by the I/O thread as it closes: why each broker that never welcomed us was
+    # not reached (Link.explain), and how many brokers did not answer our BYE (what was
+    # sent there last may not have arrived).
+    unreached: list[str] = field(default_factory=list)
+    bye_unanswered: int = 0
     idle: threading.Event = field(default_factory=threading.Event)  # set when done == handed
     error: BaseException | None = None  # raised in the owner's next send
     credit: int = 0  # batches the brokers would take now (for the owner's eyes only)

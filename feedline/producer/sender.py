@@ -21,13 +21,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from feedline import endpoints, wire
 from feedline import messages as m
-from feedline import wire
 from feedline.client import ClientLoop, Waker
 from feedline.errors import ConfigError, DataError, FeedlineError, Stopped
 from feedline.link import LinkConfig
@@ -62,13 +62,25 @@ def default_producer_id() -> str:
 
 @dataclass
 class SendStats:
-    """What a :func:`send_dataflow` call did."""
+    """What a :func:`send_dataflow` call did.
+
+    ``batches``/``bytes``: the datapoints the dataflow made and handed to the sender (array
+    bytes); ``sent``/``sent_bytes``: those that went to a broker, onto the connection of a
+    broker that had welcomed this producer and granted credit for them (a batch handed over
+    waits for that, in a bounded backlog; one no broker took is not sent). ``unreached``:
+    for each broker address that never welcomed us, why (in words, :meth:`Link.explain`);
+    ``bye_unanswered``: brokers that did not answer the closing BYE (what went there last
+    may not have arrived; with an answer, everything sent there did)."""
 
     batches: int = 0
     bytes: int = 0
     epochs: int = 0
     seconds: float = 0.0
     credit_wait_seconds: float = 0.0
+    sent: int = 0
+    sent_bytes: int = 0
+    unreached: list[str] = field(default_factory=list)
+    bye_unanswered: int = 0
 
     @property
     def batches_per_second(self) -> float:
@@ -106,6 +118,8 @@ class Sender:
         self.addrs = [addr] if isinstance(addr, str) else list(addr)
         if not self.addrs:
             raise ConfigError("no broker address")
+        for a in self.addrs:  # one line here, not libzmq's ZMQError from the I/O thread
+            endpoints.check_connect(a, "broker address", resolve=False)
         self.targets = Targets(self.addrs)
         self.session = random.getrandbits(62)
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
@@ -129,6 +143,12 @@ class Sender:
     def credit(self) -> int:
         """Batches the brokers would take now (as last seen by the I/O thread)."""
         return self._out.credit
+
+    @property
+    def sent(self) -> tuple[int, int]:
+        """Batches, and their array bytes, that went to a broker that granted credit for
+        them (:class:`SendStats`); final once :meth:`close` returned."""
+        return self._out.sent, self._out.sent_bytes
 
     @property
     def seq(self) -> int:
@@ -397,4 +417,8 @@ def send_dataflow(
         finally:
             stats.seconds = time.monotonic() - t0
             stats.credit_wait_seconds = sender.credit_wait_seconds
+    # After the close: the I/O thread has sent what it could and said why it could not.
+    stats.sent, stats.sent_bytes = sender.sent
+    stats.unreached = list(sender._out.unreached)
+    stats.bye_unanswered = sender._out.bye_unanswered
     return stats
