@@ -134,9 +134,10 @@ def _interface_address(name: str) -> str | None:
         return None
 
 
-def check_connect(addr: str, flag: str) -> Endpoint:
+def check_connect(addr: str, flag: str, resolve: bool = True) -> Endpoint:
     """A client's address: parsed, and its host resolvable (an ipc path may not exist yet: the
-    server may start later)."""
+    server may start later). ``resolve=False``: the syntax only (a library's caller, whose
+    broker's name may appear in DNS after it starts: libzmq resolves it on each attempt)."""
     ep = parse(addr, flag)
     if ep.scheme == "tcp":
         if ep.port is None:
@@ -146,7 +147,8 @@ def check_connect(addr: str, flag: str) -> Endpoint:
             raise AddressError(f"{flag} {addr}: {ep.host} is a listening address, not a host "
                                f"to connect to; use tcp://127.0.0.1:{ep.port} or the server's "
                                "name")
-        _resolve(ep, flag)
+        if resolve:
+            _resolve(ep, flag)
     return ep
 
 

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,10 +28,10 @@ from feedline.bundle import MAX_BUNDLE
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.metrics import ConsumerMetrics
 from feedline.cursor import MAX_CURSOR_BYTES, Cursor
-from feedline.errors import FeedlineError, ProducerError
+from feedline.errors import AddressError, FeedlineError, ProducerError
 from feedline.handover import Inbox
 from feedline.heap import keep_freed_memory
-from feedline.link import Link, LinkConfig
+from feedline.link import KeysHint, Link, LinkConfig, Reach
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
 from feedline.serving.budget import depth, report_after
@@ -76,7 +77,11 @@ _EXPECTING_POLL_MS = 5  # the loop's longest sleep while takes are left for arri
 # Refusals of a registration that no retry changes (the cursor it carries, the stream): the
 # iterator raises them, one line, instead of waiting for batches that will not come.
 FATAL = frozenset({"cursor_mismatch", "bad_cursor", "position_lost", "not_exact",
-                   "too_many_streams", "too_many_pending", "journal_corrupt", "journal_stale"})
+                   "too_many_streams", "too_many_pending", "journal_corrupt", "journal_stale",
+                   "wrong_port"})
+# What a consumer is told to give a broker with CURVE keys (Link.explain).
+KEYS_HINT = KeysHint("CURVE keys (curve=ClientKeys.load(secret, broker_key), on ipc:// too; "
+                     "feedline keys generate makes them)", "the broker_key of ClientKeys.load")
 
 
 class Shared:
@@ -106,6 +111,10 @@ class Shared:
         self.closed = False
         self.answered = False  # a broker has accepted a registration of ours
         self.refusal: m.Refused | None = None
+        # What the link knows of the broker (written by the I/O thread; read here for a
+        # timeout's message): None in direct mode, or before the I/O thread started.
+        self.reach: Reach | None = None
+        self.explain: Callable[[], str] | None = None  # Link.explain (plain reads only)
         self.waker: Waker | None = None
         self.loop: ClientLoop | None = None
         # Exact delivery: what this process took of the current epoch (its cursor), the
@@ -239,7 +248,9 @@ class ConsumerIO:
         self._arrived_at = 0.0  # when the last one did
         self.link = Link(ctx, addr, self._hello, cfg, curve=curve,
                          on_register=self._on_register, on_reject=self._count_reject,
-                         rcvhwm=2 * shared.slots + 64, what=f"consumer {shared.consumer_id}")
+                         rcvhwm=2 * shared.slots + 64, what=f"consumer {shared.consumer_id}",
+                         keys_hint=KEYS_HINT)
+        shared.reach, shared.explain = self.link.reach, self.link.explain
         # libzmq receives into glibc's heap, which gave its free top back and faulted it in
         # again (17-29 page faults a 1 MB batch): keep it, as the daemons do (feedline.heap).
         log.info("reading from %s; %s", addr, keep_freed_memory())
@@ -304,9 +315,12 @@ class ConsumerIO:
                                      msg.reason, msg.detail)
             if msg.reason in FATAL and s.fatal != (msg.reason, msg.detail):
                 s.fatal = (msg.reason, msg.detail)
-                self._put(Marker(FeedlineError(
-                    f"the broker at {link.addr} refused this consumer ({msg.reason}): "
-                    f"{msg.detail}")))
+                text = f"the broker at {link.addr} refused this consumer ({msg.reason}): " \
+                    f"{msg.detail}"
+                # wrong_port: a producers' address (a broker's ingress, a direct-mode trainer):
+                # the address is the mistake, as a ConfigError (ValueError) says.
+                self._put(Marker(AddressError(text) if msg.reason == "wrong_port"
+                                 else FeedlineError(text)))
         else:
             self._count_reject("unexpected_kind")
 

@@ -133,8 +133,14 @@ class RemoteDataZMQ:
             endpoints.check_bind(addr, DIRECT.ingress)
             if self.direct.tensorpack is not None:
                 endpoints.check_bind(self.direct.tensorpack, DIRECT.tensorpack)
-        elif curve is not None and not isinstance(curve, ClientKeys):
-            raise TypeError("curve= takes this process's ClientKeys (or ServerKeys with bind)")
+        else:
+            if curve is not None and not isinstance(curve, ClientKeys):
+                raise TypeError("curve= takes this process's ClientKeys (or ServerKeys with "
+                                "bind)")
+            # Here, one line (AddressError, a ValueError), as the CLI says it: libzmq's
+            # answer to "127.0.0.1:7879" was a ZMQError from the I/O thread, deep in a
+            # traceback. The name is not resolved: libzmq resolves it on each attempt.
+            endpoints.check_connect(addr, "RemoteDataZMQ: address", resolve=False)
         self._shared = Shared(self.consumer_id, random.getrandbits(62), self.config.window,
                               self.config.max_bytes, stream, on_error,
                               registry if registry is not None else CollectorRegistry(),
@@ -297,15 +303,22 @@ class RemoteDataZMQ:
                 raise ReceiveTimeout(self._timeout_text(shared))
 
     def _timeout_text(self, shared: Shared) -> str:
+        """What a consumer that got no batch in time is told: what its link knows."""
         refusal = shared.refusal
         if refusal is not None:
             return (f"the broker at {self.addr} refused this consumer: {refusal.reason}"
                     f"{': ' + refusal.detail if refusal.detail else ''}")
-        if not shared.answered:
-            return (f"the broker at {self.addr} did not answer within {self.timeout:.1f}s. "
-                    "Is it running at that address? If it has CURVE keys, it needs ours "
-                    "(curve=ClientKeys.load(secret, broker_key), with our public key in its "
-                    "--curve-allowed directory), on ipc:// too.")
+        reach, explain = shared.reach, shared.explain
+        waited = f"no batch within {self.timeout:.1f}s"
+        if reach is not None and explain is not None:
+            if reach.welcomed_at is None:
+                return f"{waited}: never connected to a broker: {explain()}"
+            silent = time.monotonic() - reach.heard_at
+            if silent > self.link_config.heartbeat_timeout:
+                # The link knew: the producers are not the story (they may be fine).
+                return (f"{waited}: the broker at {self.addr} has been silent for "
+                        f"{silent:.0f}s (it stopped, restarted, or the network between us is "
+                        f"down): {explain()}")
         producers = sorted(shared.stats_copy())
         return (f"no batch from the broker at {self.addr} within {self.timeout:.1f}s "
                 f"(stream {shared.stream!r}; producers seen so far: {producers or 'none'}). "
