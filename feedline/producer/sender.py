@@ -398,3 +398,9 @@ def send_dataflow(
             stats.seconds = time.monotonic() - t0
             stats.credit_wait_seconds = sender.credit_wait_seconds
     return stats
+
+
+# tensorpack's name for the same call (docs/tensorpack.md): `send_dataflow_zmq(df, addr)` of a
+# tensorpack program runs as it is. Its `hwm=` and `format=` have no counterpart (credit bounds
+# what is in flight, and the wire format is feedline's), so they are refused as unknown.
+send_dataflow_zmq = send_dataflow
