@@ -19,7 +19,7 @@ cores + 1, ``runner N`` for the fake pipeline, and ``auto``. Rounds alternate th
 each run lasts ``--seconds``; reported per setting: the median over rounds of the rate over
 the run's second half (steady: auto has done its exploring) and over the whole run.
 
-    python benchmarks/autotune.py --rounds 3 --seconds 20 --json docs/autotune.json
+    python benchmarks/autotune.py --rounds 3 --seconds 20 --json benchmarks/results/autotune.json
 """
 
 from __future__ import annotations

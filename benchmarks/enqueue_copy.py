@@ -1,7 +1,7 @@
 """Why QueueInput's enqueue copies each batch: where libzmq puts a received array, and when
 TensorFlow's enqueue op takes a NumPy array without copying it.
 
-Two measurements, printed as lines (docs/performance.md, "TensorFlow input overhead"):
+Two measurements, printed as lines (benchmarks/NOTES.md, "TensorFlow input overhead"):
 
 - ``received``: ``--messages`` messages of ``--size`` bytes, pushed over tcp on 127.0.0.1 to
   a PULL socket (``copy=False``, as feedline's consumers receive), and the received array's

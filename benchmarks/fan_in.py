@@ -18,7 +18,7 @@ and, with ``--plot``, the per-producer shares as a bar chart (needs matplotlib:
 ``pip install '.[bench]'``).
 
     python benchmarks/fan_in.py --producers 64 --procs 4 --seconds 20 \\
-        --json docs/fan_in.json --plot docs/fan_in.png
+        --json benchmarks/results/fan_in.json --plot docs/fan_in.png
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ number wanted, the broker's demand estimate, batches the trainer took and the se
 waited. Reported per fleet: producer-seconds (producers connected, integrated over the run),
 the trainer's wait share (all of the run, and after the first phase's ramp), batches taken.
 
-    python benchmarks/fleet.py --json docs/fleet.json
-    python benchmarks/plot_fleet.py docs/fleet.json docs/fleet.png
+    python benchmarks/fleet.py --json benchmarks/results/fleet.json
+    python benchmarks/plot_fleet.py benchmarks/results/fleet.json docs/fleet.png
 """
 
 from __future__ import annotations

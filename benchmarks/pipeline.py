@@ -28,7 +28,7 @@ included): the per-core figure, independent of how many cores were free on a sha
     python benchmarks/make_jpegs.py data/bench-jpeg --count 1024
     python benchmarks/make_jpegs.py data/bench-jpeg-hr --count 512 --set highres
     python benchmarks/pipeline.py --data imagenet=data/bench-jpeg,highres=data/bench-jpeg-hr \
-        --rounds 3 --batches 30 --json docs/pipeline_benchmark.json
+        --rounds 3 --batches 30 --json benchmarks/results/pipeline_benchmark.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plot the fleet benchmark (``fleet.py --json``): demand, supply and producers over time.
 
-    python benchmarks/plot_fleet.py docs/fleet.json docs/fleet.png
+    python benchmarks/plot_fleet.py benchmarks/results/fleet.json docs/fleet.png
 
 Top: the trainer's demand (its schedule: 1 / step), the broker's estimate of it, and what the
 trainer took each second, for each fleet. Middle: producers connected (and, for the

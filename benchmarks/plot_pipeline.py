@@ -1,6 +1,7 @@
 """Plot the pipeline benchmark's results (``pipeline.py --json``) into a PNG for docs/.
 
-    python benchmarks/plot_pipeline.py docs/pipeline_benchmark.json docs/pipeline_benchmark.png
+    python benchmarks/plot_pipeline.py benchmarks/results/pipeline_benchmark.json \\
+        docs/pipeline_benchmark.png
 
 Needs matplotlib (``pip install '.[bench]'``).
 """

@@ -1,7 +1,7 @@
 """Plot the transport sweep (``transport.py --json``) into a PNG for docs/: GB/s against the
 batch size for each variant, and the consumer process's CPU-seconds per GB beside it.
 
-    python benchmarks/plot_transport.py docs/transport_sizes.json docs/transport_sizes.png
+    python benchmarks/plot_transport.py benchmarks/results/transport.json docs/transport.png
 
 Needs matplotlib (``pip install '.[bench]'``).
 """

@@ -1,5 +1,5 @@
 """What the restart markers of a prepared JPEG's crop cost libjpeg-turbo: the upper bound of
-a marker-free prepared format (docs/performance.md, "Prepared JPEGs").
+a marker-free prepared format (benchmarks/NOTES.md, "What the restart markers cost").
 
 A prepared JPEG has a restart marker after every MCU; the fused decoder hands libjpeg-turbo a
 synthetic JPEG of the crop's MCUs, markers included, and libjpeg-turbo's Huffman decoder

@@ -35,8 +35,8 @@ order every other round: a variant's place in a round moved its figure (direct m
 gives, per size, medians of GB/s, batches/s and consumer CPU-seconds per GB, and the ratios
 to the relay, to raw and to tensorpack.
 
-    python benchmarks/transport.py --rounds 5 --seconds 3 --json docs/transport_sizes.json
-    python benchmarks/plot_transport.py docs/transport_sizes.json docs/transport_sizes.png
+    python benchmarks/transport.py --rounds 5 --seconds 3 --json benchmarks/results/transport.json
+    python benchmarks/plot_transport.py benchmarks/results/transport.json docs/transport.png
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "to_torch": "feedline.consumer.torch_input",
     "CudaPrefetcher": "feedline.consumer.torch_prefetch",
     "send_dataflow": "feedline.producer.sender",
+    "send_dataflow_zmq": "feedline.producer.sender",  # tensorpack's name for it
     "Sender": "feedline.producer.sender",
     "Broker": "feedline.broker.core",
     "BrokerConfig": "feedline.broker.config",
@@ -48,7 +49,7 @@ __all__ = [
     "Broker", "BrokerConfig", "ClientKeys", "CudaPrefetcher", "Cursor", "CursorState",
     "DummyConstantInput", "FeedlineError", "OccupancyMonitor", "ProducerStats", "QueueInput",
     "RemoteDataZMQ", "RemoteTorchDataset", "Sender", "ServerKeys", "StagingInput", "__version__",
-    "as_dataset", "send_dataflow", "to_torch",
+    "as_dataset", "send_dataflow", "send_dataflow_zmq", "to_torch",
 ]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports
@@ -65,7 +66,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
     from feedline.consumer.torch_prefetch import CudaPrefetcher
     from feedline.cursor import Cursor
     from feedline.errors import FeedlineError
-    from feedline.producer.sender import Sender, send_dataflow
+    from feedline.producer.sender import Sender, send_dataflow, send_dataflow_zmq
     from feedline.security import ClientKeys, ServerKeys
 
 

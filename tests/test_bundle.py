@@ -91,7 +91,7 @@ def test_a_bundle_decodes_to_what_each_batch_alone_decodes_to(shape):
     (400, JOIN_FORWARDED, False)])
 def test_one_image_batches_travel_joined_and_larger_ones_a_frame_each(side, join, joined):
     """Batches of one 224x224x3 image (150 KB) go joined, 3 frames for 4 batches rather than
-    9 (faster both through a broker and in direct mode: docs/performance.md); 320x320x3
+    9 (faster both through a broker and in direct mode: benchmarks/NOTES.md); 320x320x3
     (300 KB), where joining cost direct mode a fifth, a frame per array of each batch, but
     joined to a broker (``join``: its WELCOME asks for up to JOIN_FORWARDED); 400x400x3
     (480 KB) a frame each to both. The receiver gets each batch's own bytes either way."""

@@ -45,7 +45,8 @@ from tests.doc_support import (
 
 # Pages whose runnable blocks a test below runs (all of them, in order), or another test does.
 RUN_HERE = {"README.md", "operations.md", "security.md", "tensorflow.md", "pipelines.md"}
-RUN_ELSEWHERE = {"pytorch.md": ROOT / "tests" / "test_torch_input.py"}
+RUN_ELSEWHERE = {"pytorch.md": ROOT / "tests" / "test_torch_input.py",
+                 "tensorpack.md": ROOT / "tests" / "test_docs_tensorpack.py"}
 MORE_THAN_QUEUED = 64  # batches: more than any doc's QueueInput capacity + window + stage
 
 PRELUDE = {

@@ -76,7 +76,7 @@ def test_the_operators_malloc_settings_stand() -> None:
 def test_a_direct_mode_trainer_keeps_freed_batches_as_the_daemons_do() -> None:
     """A trainer that serves its producers receives batches in libzmq's I/O thread as a
     broker does (transport at 1 MB: that thread's CPU per batch 251 -> 134 us with the
-    thresholds, docs/performance.md); its serving core sets them when it starts, says so in
+    thresholds, benchmarks/NOTES.md); its serving core sets them when it starts, says so in
     its log line, and leaves the environment's settings alone."""
     addr = f"tcp://127.0.0.1:{free_port()}"
     n, said = faults("direct", None, addr)
@@ -90,7 +90,7 @@ def test_a_direct_mode_trainer_keeps_freed_batches_as_the_daemons_do() -> None:
 def test_a_trainer_that_reads_from_a_broker_keeps_freed_batches_too() -> None:
     """Its batches arrive in memory libzmq's I/O thread allocates, as a direct-mode
     trainer's do (through a broker at 1 MB: 17-29 page faults a batch without the thresholds,
-    none with them, and the training process's CPU per GB -16%, docs/performance.md)."""
+    none with them, and the training process's CPU per GB -16%, benchmarks/NOTES.md)."""
     addr = f"tcp://127.0.0.1:{free_port()}"  # no broker there: the reader waits, and times out
     n, said = faults("reader", None, addr)
     assert f"reading from {addr}" in said and "malloc keeps up to 256 MiB freed" in said

@@ -295,7 +295,7 @@ def test_lmdb_build_prepares_jpegs_and_keeps_everything_else(tmp_path: Path) -> 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="benchmarks/restart_cost.py builds its C harness")
 def test_the_restart_cost_benchmark_measures_the_extensions_own_crops(tmp_path: Path) -> None:
-    """benchmarks/restart_cost.py (docs/performance.md, "What the restart markers cost"):
+    """benchmarks/restart_cost.py (benchmarks/NOTES.md, "What the restart markers cost"):
     its synthetic crops are the extension's (it exits if their pixels differ: its rectangle
     must follow _jpegturbo.c's), and the marker-free copies it times decode to the same pixels
     and are smaller (the markers are all they lose), for every sampling and grey."""

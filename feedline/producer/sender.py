@@ -422,3 +422,9 @@ def send_dataflow(
     stats.unreached = list(sender._out.unreached)
     stats.bye_unanswered = sender._out.bye_unanswered
     return stats
+
+
+# tensorpack's name for the same call (docs/tensorpack.md): `send_dataflow_zmq(df, addr)` of a
+# tensorpack program runs as it is. Its `hwm=` and `format=` have no counterpart (credit bounds
+# what is in flight, and the wire format is feedline's), so they are refused as unknown.
+send_dataflow_zmq = send_dataflow

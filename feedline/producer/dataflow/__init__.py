@@ -39,6 +39,11 @@ from feedline.producer.dataflow.tfrecord import TFRecord
 from feedline.producer.dataflow.webdataset import WebDataset
 from feedline.producer.dataflow.worker import WorkerInfo, get_worker, make_rng
 
+# tensorpack's name for the same stage (docs/tensorpack.md): forked whole copies of `ds`,
+# their datapoints gathered over ZeroMQ. `MultiProcessRunnerZMQ(ds, num_proc)` runs as it is;
+# tensorpack's `hwm=` is `queue_size=` here.
+MultiProcessRunnerZMQ = MultiProcessRunner
+
 __all__ = [
     "BatchData",
     "CountData",
@@ -58,6 +63,7 @@ __all__ = [
     "MapDataComponent",
     "MultiProcessMapData",
     "MultiProcessRunner",
+    "MultiProcessRunnerZMQ",
     "MultiThreadMapData",
     "Parquet",
     "ProxyDataFlow",
