@@ -22,7 +22,12 @@ shard, or a slice of at most ``unit_size`` samples of one; it needs each shard's
 Failures never stop the others: a corrupt record is counted and named
 (``stats.corrupt_records``, logged) and its place skipped; a shard that keeps failing after
 the retries is counted and named (``stats.failed_shards``) and skipped in training, and
-raised (a :class:`~feedline.producer.shards.retry.ShardError`) under exact delivery.
+raised (a :class:`~feedline.producer.shards.retry.ShardError`) under exact delivery. But
+when every shard this source reads has failed since the last one read to its end (none of
+them can be read: a wrong name, an emptied bucket, a server that does not answer byte
+ranges), training stops with :class:`ShardsFailed`, one line naming them and what to check:
+there is nothing left to train on, and with claims the producer would otherwise go through
+epoch after epoch of failing shards for ever.
 
 Memory: each open shard holds at most ``(prefetch + 2) * chunk_size`` bytes
 (:class:`~feedline.producer.shards.stream.ChunkStream`) plus the sample being cut out of it,
@@ -39,11 +44,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from feedline.errors import ConfigError
+from feedline.errors import ConfigError, DataError
 from feedline.producer.dataflow.base import DataFlow, UnknownLength
 from feedline.producer.dataflow.shard import check_shard, shard_positions
 from feedline.producer.shards import manifest as mf
-from feedline.producer.shards.locations import Location, expand, protocol_of
+from feedline.producer.shards.locations import Location, basename, expand, protocol_of
 from feedline.producer.shards.records import CorruptRecord
 from feedline.producer.shards.retry import RetryPolicy, ShardError
 from feedline.producer.shards.stats import ShardStats
@@ -51,6 +56,11 @@ from feedline.producer.shards.stream import ChunkStream
 
 log = logging.getLogger(__name__)
 _UNIT_ORDER = 0xC1A1  # the per-epoch shard order's stream, apart from other draws
+
+
+class ShardsFailed(DataError):
+    """Every shard a training source reads failed, none read to its end since the last one
+    that was: the message names them, why the first failed, and what to check."""
 
 
 @runtime_checkable
@@ -99,6 +109,8 @@ class ShardedSource(DataFlow):
         self._epoch = 0
         self._table: list[tuple[int, int, int]] | None = None  # exact: (shard, start, count)
         self._offsets: list[int] = []
+        # shard index -> why, for the shards that failed since one was last read to its end
+        self._failing: dict[int, str] = {}
         self.set_shard(*shard)
 
     # -- what a subclass implements ---------------------------------------------------
@@ -137,6 +149,7 @@ class ShardedSource(DataFlow):
     def attach(self, feed: ClaimFeed | None) -> None:
         """Read the shards ``feed`` hands out (None: this source's own ``shard`` again)."""
         self._feed, self._held, self._finished = feed, None, False
+        self._failing = {}
 
     @property
     def finished(self) -> bool:
@@ -152,6 +165,7 @@ class ShardedSource(DataFlow):
 
     def reset_state(self) -> None:
         self._epoch = 0
+        self._failing = {}
         self._locs = {}  # a fresh client in this process
 
     def order(self, epoch: int) -> list[int]:
@@ -179,8 +193,10 @@ class ShardedSource(DataFlow):
         self._held = got
         self._finished = got is None
 
-    def _guarded(self, url: str) -> Iterator[Any]:
-        """``_read(url)`` with corrupt records counted and a failed shard skipped."""
+    def _guarded(self, index: int) -> Iterator[Any]:
+        """Shard ``index``'s samples with corrupt records counted and a failed shard skipped;
+        :class:`ShardsFailed` once every shard this source reads has failed in a row."""
+        url = self.urls[index]
         try:
             for item in self._read(url):
                 if isinstance(item, CorruptRecord):
@@ -188,9 +204,32 @@ class ShardedSource(DataFlow):
                 else:
                     yield item
             self.stats.add(shards_read=1)
+            self._failing = {}
         except ShardError as e:
             self.stats.shard_failed(url)
             log.warning("skipped the rest of %s", e)
+            self._failing[index] = e.why
+            mine = shard_positions(len(self.urls), self.shard)
+            if len(self._failing) >= len(mine) and set(self._failing) >= set(mine):
+                raise ShardsFailed(self._all_failed(mine)) from None
+
+    def _all_failed(self, mine: range) -> str:
+        first, why = next(iter(self._failing.items()))
+        others = [basename(self.urls[i]) for i in self._failing if i != first]
+        names = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3
+                                         else "")
+        if "range requests" in why:
+            hint = ("the server does not answer byte ranges: serve the shards from one that "
+                    "does (nginx, an object store, a CDN; not python3 -m http.server), or set "
+                    "chunk_size above the largest shard's size")
+        else:
+            hint = ("check that the shards are where urls (or the manifest) say and that the "
+                    "store serves them to this machine (storage_options: credentials, "
+                    "endpoint_url)")
+        every = "the one shard" if len(mine) == 1 else f"every one of the {len(mine)} shards"
+        return (f"{every} this producer reads failed, none read to its end since: shard "
+                f"{self.urls[first]}: {why}" + (f" (and {names})" if others else "") +
+                f"; {hint}")
 
     def _corrupt(self, e: CorruptRecord) -> None:
         self.stats.record_corrupt(e.where)
@@ -206,7 +245,7 @@ class ShardedSource(DataFlow):
                     nxt = next(shards, None)
                     if nxt is None:
                         break
-                    it = self._guarded(self.urls[nxt])
+                    it = self._guarded(nxt)
                     open_.append(it)
                 if not open_:
                     return
