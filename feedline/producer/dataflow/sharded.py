@@ -109,6 +109,7 @@ class ShardedSource(DataFlow):
         self._epoch = 0
         self._table: list[tuple[int, int, int]] | None = None  # exact: (shard, start, count)
         self._offsets: list[int] = []
+        self._shard_counts: list[int] = []
         # shard index -> why, for the shards that failed since one was last read to its end
         self._failing: dict[int, str] = {}
         self.set_shard(*shard)
@@ -284,6 +285,7 @@ class ShardedSource(DataFlow):
         ``unit_size`` samples of each."""
         counts = self._counts()
         assert counts is not None
+        self._shard_counts = counts
         self._offsets = list(np.cumsum([0, *counts[:-1]])) if counts else []
         table = []
         for s, n in enumerate(counts):
@@ -320,17 +322,29 @@ class ShardedSource(DataFlow):
         corrupt record. ShardError if the shard cannot be read."""
         s, start, count = self._slice(epoch, unit)
         base = int(self._offsets[s])
+        url, total = self.urls[s], self._shard_counts[s]
 
         def in_place() -> Iterator[tuple[int, Any]]:
-            with closing(self._read(self.urls[s])) as records:  # type: ignore[type-var]
+            n, lost = 0, False  # records read; lost: one the reader cannot go on after
+            with closing(self._read(url)) as records:  # type: ignore[type-var]
                 for pos, item in enumerate(records):
                     if pos >= start + count:
-                        break
-                    if pos >= start:
-                        if isinstance(item, CorruptRecord):
+                        # One record more than the count, read only by a shard's last unit:
+                        # samples no unit would ever serve.
+                        raise self._miscounted(url, f"more than the {total} records")
+                    n = pos + 1
+                    if isinstance(item, CorruptRecord):
+                        lost = not item.resumable
+                        if pos >= start:
                             self._corrupt(item)
-                            item = None
-                        yield base + pos, item
+                    if pos >= start:
+                        yield base + pos, None if isinstance(item, CorruptRecord) else item
+                    if n == start + count < total:
+                        return  # the unit's last: the shard goes on for the next units
+            if n < start + count and not lost:
+                # The shard ended before its count without a corrupt record that cut it
+                # short (that one is logged, and the places after it left empty).
+                raise self._miscounted(url, f"{n} records, not the {total}")
         items = in_place()
         if shuffle:
             rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, unit])
@@ -338,6 +352,17 @@ class ShardedSource(DataFlow):
         for k, item in enumerate(items):
             if k >= skip:
                 yield item
+
+    def _miscounted(self, url: str, holds: str) -> mf.ManifestError:
+        """A shard whose records are not its count: exact delivery would lose or never
+        serve samples, silently; the error says what to rebuild."""
+        if self.manifest is None:
+            return mf.ManifestError(f"shard {url} holds {holds} it had when the producer "
+                                    "started: it changed; restart the producers")
+        return mf.ManifestError(
+            f"shard {url} holds {holds} that {self.manifest_url} says: it changed since the "
+            f"manifest was written; rebuild it (feedline info URLS --manifest OUT.json) and "
+            f"point manifest: at it")
 
     def fingerprint(self) -> list[str]:
         """What identifies the dataset for exact delivery: the shard names, in order."""
