@@ -92,7 +92,7 @@ def test_a_server_without_byte_ranges_is_named_with_what_to_do(tmp_path: Path):
     WARNING per shard, for ever, with claims or without."""
     make_wds(tmp_path, shards=3, per_shard=8, nbytes=3000)  # ~50 KB each
     handler = type("NoRanges3", (NoRanges,), {"gets": Counter()})
-    with serve(partial(handler, directory=str(tmp_path))) as url:
+    with serve(partial(handler, directory=str(tmp_path))) as url:  # type: ignore[arg-type]
         urls = f"{url}/train-{{000000..000002}}.tar"
         static = WebDataset(urls, fields=FIELDS, chunk_size=16384, claim=False)
         static.reset_state()

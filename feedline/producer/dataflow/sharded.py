@@ -5,7 +5,9 @@ a list, a glob, braces, or the shards a manifest lists) from wherever they live,
 front to back at a time per open slot, ``read_ahead`` shards open at once and their samples
 interleaved. What a subclass adds is :meth:`ShardedSource._read`: one shard's samples in
 order, each a datapoint or, in its place, the
-:class:`~feedline.producer.shards.records.CorruptRecord` that stood there.
+:class:`~feedline.producer.shards.records.CorruptRecord` that stood there; or, for a format
+whose records start at known bytes (tar, TFRecord), :meth:`ShardedSource._read_from`: the
+same from a given byte to another, each with the byte where its record starts.
 
 Which shards a pass reads (training, :meth:`__iter__`):
 
@@ -17,7 +19,10 @@ Which shards a pass reads (training, :meth:`__iter__`):
 
 Exact delivery reads it by units instead (:meth:`units`, :meth:`read_unit`): a unit is a
 shard, or a slice of at most ``unit_size`` samples of one; it needs each shard's sample count
-(a manifest, or the Parquet footers).
+(a manifest, or the Parquet footers), and a shard that holds another number of records is a
+:class:`~feedline.producer.shards.manifest.ManifestError`. A slice reads only its own bytes
+where it can: from its first record, at the byte an earlier read of that shard found it at
+(kept per shard: one offset per unit), to the next slice's first byte.
 
 Failures never stop the others: a corrupt record is counted and named
 (``stats.corrupt_records``, logged) and its place skipped; a shard that keeps failing after
@@ -110,15 +115,31 @@ class ShardedSource(DataFlow):
         self._table: list[tuple[int, int, int]] | None = None  # exact: (shard, start, count)
         self._offsets: list[int] = []
         self._shard_counts: list[int] = []
+        self._unit_size: int | None = None
+        # exact: per shard, where its units start: record position -> byte offset, as reads
+        # found them (so a unit starts reading at its own first record, not at byte 0)
+        self._starts: dict[int, dict[int, int]] = {}
         # shard index -> why, for the shards that failed since one was last read to its end
         self._failing: dict[int, str] = {}
         self.set_shard(*shard)
 
-    # -- what a subclass implements ---------------------------------------------------
+    # -- what a subclass implements (one of _read and _read_from) -----------------------
     def _read(self, url: str) -> Iterator[Any]:
         """The shard's samples in order: datapoints, or a CorruptRecord in the place of one
         that cannot be read. Raises ShardError when the shard cannot be read at all."""
-        raise NotImplementedError
+        for _, item in self._read_from(url):
+            yield item
+
+    def _read_from(self, url: str, start: int = 0, end: int | None = None,
+                   chunk: int | None = None) -> Iterator[tuple[int | None, Any]]:
+        """``_read``'s samples from byte ``start`` (where an earlier read said a record
+        starts) up to byte ``end`` (None: the shard's end), each with the byte where its
+        record starts; None for a format without such places (read from its start only).
+        ``chunk``: bytes per request, if not ``chunk_size``."""
+        if start:
+            raise NotImplementedError(f"{type(self).__name__} reads a shard from its start")
+        for item in self._read(url):
+            yield None, item
 
     def _count(self, url: str) -> int | None:
         """The shard's sample count without reading it, where the format says (else None)."""
@@ -132,9 +153,11 @@ class ShardedSource(DataFlow):
             loc = self._locs[p] = Location(p, self.options, self.timeout)
         return loc
 
-    def stream(self, url: str) -> ChunkStream:
-        return ChunkStream(self.location(url), url, chunk_size=self.chunk_size,
-                           prefetch=self.prefetch, retry=self.retry, stats=self.stats)
+    def stream(self, url: str, start: int = 0, end: int | None = None,
+               chunk: int | None = None) -> ChunkStream:
+        return ChunkStream(self.location(url), url, chunk_size=chunk or self.chunk_size,
+                           prefetch=self.prefetch, retry=self.retry, stats=self.stats,
+                           start=start, end=end)
 
     def memory_bound(self) -> int:
         """The bytes this source's reads hold at most (the module docstring's formula)."""
@@ -285,7 +308,7 @@ class ShardedSource(DataFlow):
         ``unit_size`` samples of each."""
         counts = self._counts()
         assert counts is not None
-        self._shard_counts = counts
+        self._shard_counts, self._unit_size, self._starts = counts, unit_size, {}
         self._offsets = list(np.cumsum([0, *counts[:-1]])) if counts else []
         table = []
         for s, n in enumerate(counts):
@@ -324,23 +347,37 @@ class ShardedSource(DataFlow):
         base = int(self._offsets[s])
         url, total = self.urls[s], self._shard_counts[s]
 
+        # Read from the nearest unit start found so far at or before this one, up to the
+        # next unit's first byte where known (the shard's last unit reads to the end: one
+        # record more there is a miscount).
+        starts = self._starts.setdefault(s, {0: 0})
+        first = max(p for p in starts if p <= start)
+        stop = starts.get(start + count) if start + count < total else None
+        step = self._unit_size or max(total, 1)
+        # Where the unit's end is not known yet, requests of a few of its records each: a
+        # full chunk (and the chunks fetched ahead) would mostly be past its end.
+        chunk = None if stop is not None else self._guess_chunk(s, count)
+
         def in_place() -> Iterator[tuple[int, Any]]:
-            n, lost = 0, False  # records read; lost: one the reader cannot go on after
-            with closing(self._read(url)) as records:  # type: ignore[type-var]
-                for pos, item in enumerate(records):
+            n, lost = first, False  # records up to here; lost: one the reader cannot pass
+            reads = self._read_from(url, starts[first], stop, chunk)
+            with closing(reads) as records:  # type: ignore[type-var]
+                for pos, (at, item) in enumerate(records, first):
+                    if at is not None and pos % step == 0 and not lost:
+                        starts[pos] = at
                     if pos >= start + count:
-                        # One record more than the count, read only by a shard's last unit:
-                        # samples no unit would ever serve.
+                        if start + count < total:
+                            return  # the next unit's first record: its start is known now
+                        # One record more than the count, in the shard's last unit: samples
+                        # no unit would ever serve.
                         raise self._miscounted(url, f"more than the {total} records")
                     n = pos + 1
                     if isinstance(item, CorruptRecord):
-                        lost = not item.resumable
+                        lost = lost or not item.resumable
                         if pos >= start:
                             self._corrupt(item)
                     if pos >= start:
                         yield base + pos, None if isinstance(item, CorruptRecord) else item
-                    if n == start + count < total:
-                        return  # the unit's last: the shard goes on for the next units
             if n < start + count and not lost:
                 # The shard ended before its count without a corrupt record that cut it
                 # short (that one is logged, and the places after it left empty).
@@ -352,6 +389,22 @@ class ShardedSource(DataFlow):
         for k, item in enumerate(items):
             if k >= skip:
                 yield item
+
+    def _guess_chunk(self, s: int, count: int) -> int | None:
+        """Bytes per request for a unit of ``count`` records of shard ``s`` whose end is not
+        known: a quarter of what the unit likely holds (the record size from the unit
+        starts found so far, else from the manifest's bytes), at least 64 KiB; None (the
+        chunk size) where nothing says."""
+        starts = self._starts.get(s, {})
+        far = max(starts)
+        per: float | None = starts[far] / far if far else None
+        if per is None and self.manifest is not None and self._shard_counts[s]:
+            name = basename(self.urls[s])
+            size = next((i.bytes for i in self.manifest.shards if basename(i.name) == name), 0)
+            per = size / self._shard_counts[s] if size else None
+        if per is None:
+            return None
+        return max(64 << 10, min(self.chunk_size, int(per * count / 4)))
 
     def _miscounted(self, url: str, holds: str) -> mf.ManifestError:
         """A shard whose records are not its count: exact delivery would lose or never
