@@ -157,3 +157,18 @@ def test_some_shards_failing_are_skipped_epoch_after_epoch(tmp_path: Path):
         got = [sorted(int(i) for _, i in ds) for _ in range(4)]
     assert got == [[0, 1, 4, 5]] * 4
     assert ds.stats.failed_shards == 4 and ds.finished
+
+
+def test_a_run_whose_claims_all_failed_ends_with_the_error_not_quietly(tmp_path: Path):
+    """Two producers, one epoch, every shard 404: each is handed half of the list, so
+    neither tried them all. Before: each finished its run quietly, 0 batches sent, and the
+    trainer waited. Now the end of the run says what failed."""
+    make_wds(tmp_path, shards=1, per_shard=2, nbytes=100)
+    with file_server(str(tmp_path)) as url:
+        ds = WebDataset(f"{url}/gone-{{000000..000003}}.tar", fields=FIELDS)
+        ds.reset_state()
+        ds.attach(EpochsOfClaims(2, epochs=1))  # units 0 and 1 here; the others elsewhere
+        with pytest.raises(ShardsFailed, match=r"every shard this producer was handed "
+                                               r"\(2 of 4\) failed") as err:
+            list(ds)
+    assert "gone-" in str(err.value) and ds.finished

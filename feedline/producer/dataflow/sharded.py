@@ -237,7 +237,9 @@ class ShardedSource(DataFlow):
             if len(self._failing) >= len(mine) and set(self._failing) >= set(mine):
                 raise ShardsFailed(self._all_failed(mine)) from None
 
-    def _all_failed(self, mine: range) -> str:
+    def _all_failed(self, mine: range | None) -> str:
+        """The one line of a ShardsFailed: every shard of ``mine`` failed (None: every
+        shard this producer was handed in its run)."""
         first, why = next(iter(self._failing.items()))
         others = [basename(self.urls[i]) for i in self._failing if i != first]
         names = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3
@@ -250,8 +252,14 @@ class ShardedSource(DataFlow):
             hint = ("check that the shards are where urls (or the manifest) say and that the "
                     "store serves them to this machine (storage_options: credentials, "
                     "endpoint_url)")
-        every = "the one shard" if len(mine) == 1 else f"every one of the {len(mine)} shards"
-        return (f"{every} this producer reads failed, none read to its end since: shard "
+        if mine is None:
+            every = (f"every shard this producer was handed ({len(self._failing)} of "
+                     f"{len(self.urls)}) failed, none read to its end in its run")
+        else:
+            every = ("the one shard" if len(mine) == 1 else
+                     f"every one of the {len(mine)} shards") + \
+                " this producer reads failed, none read to its end since"
+        return (f"{every}: shard "
                 f"{self.urls[first]}: {why}" + (f" (and {names})" if others else "") +
                 f"; {hint}")
 
@@ -272,6 +280,11 @@ class ShardedSource(DataFlow):
                     it = self._guarded(nxt)
                     open_.append(it)
                 if not open_:
+                    if self._finished and self._failing and not self.stats.shards_read:
+                        # The run is over (the broker handed out every epoch's shards) and
+                        # no shard this producer was handed could be read: its epochs ended
+                        # before its claims covered the list.
+                        raise ShardsFailed(self._all_failed(None))
                     return
                 it = open_.popleft()
                 dp = next(it, _END)
