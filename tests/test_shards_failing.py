@@ -172,3 +172,23 @@ def test_a_run_whose_claims_all_failed_ends_with_the_error_not_quietly(tmp_path:
                                                r"\(2 of 4\) failed") as err:
             list(ds)
     assert "gone-" in str(err.value) and ds.finished
+
+
+def test_a_static_share_that_all_fails_ends_once_every_shard_it_may_get_failed(tmp_path):
+    """A static ``shard: {index, count}``: unshuffled, its share is fixed, and that share
+    failing is the end; shuffled, it is another set of shards each epoch, so only all of them
+    failing is."""
+    make_wds(tmp_path, shards=4, per_shard=2, nbytes=100)
+    for k in (1, 3):
+        (tmp_path / f"train-{k:06d}.tar").unlink()
+    urls = str(tmp_path / "train-{000000..000003}.tar")
+    fixed = WebDataset(urls, fields=FIELDS, shuffle=False, claim=False)
+    fixed.set_shard(1, 2)  # shards 1 and 3: both gone
+    fixed.reset_state()
+    with pytest.raises(ShardsFailed, match="every one of the 2 shards"):
+        list(fixed)
+    drawn = WebDataset(urls, fields=FIELDS, seed=3, claim=False)
+    drawn.set_shard(1, 2)
+    drawn.reset_state()
+    got = sorted(int(i) for _ in range(6) for _, i in drawn)  # never the end: 0 and 2 live
+    assert got and set(got) <= {0, 1, 4, 5}

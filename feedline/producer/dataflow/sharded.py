@@ -233,9 +233,17 @@ class ShardedSource(DataFlow):
             self.stats.shard_failed(url)
             log.warning("skipped the rest of %s", e)
             self._failing[index] = e.why
-            mine = shard_positions(len(self.urls), self.shard)
+            mine = self._reachable()
             if len(self._failing) >= len(mine) and set(self._failing) >= set(mine):
                 raise ShardsFailed(self._all_failed(mine)) from None
+
+    def _reachable(self) -> range:
+        """The shards a pass of this source may read: any, with claims or where its static
+        share is drawn from a shuffled order (another set each epoch); else its share."""
+        n = len(self.urls)
+        if self._feed is not None or self.shuffle or self.shard[1] == 1:
+            return range(n)
+        return shard_positions(n, self.shard)
 
     def _all_failed(self, mine: range | None) -> str:
         """The one line of a ShardsFailed: every shard of ``mine`` failed (None: every
