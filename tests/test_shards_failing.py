@@ -82,8 +82,9 @@ def test_claimed_shards_that_all_404_end_the_producer_and_the_trainer_is_told(
     assert f"{url}/gone-" in text and "check that the shards are where urls" in text
     assert p.proc.returncode != 0
     assert "ShardsFailed" in p.log_text() or "every one of the 4 shards" in p.log_text()
-    # one try of each shard, not epoch after epoch of them
-    assert sum(counting.gets.values()) <= 8, counting.gets
+    # a try of each shard (and of those already open beside the last), not epoch after
+    # epoch of them: before, ~100 a second for as long as it ran
+    assert sum(counting.gets.values()) <= 16, counting.gets
 
 
 def test_a_server_without_byte_ranges_is_named_with_what_to_do(tmp_path: Path):
