@@ -203,3 +203,42 @@ def test_runner_mode_needs_a_static_shard_and_a_shard_turns_claims_off(tmp_path)
         build_pipeline({"source": {"webdataset": {"fields": ["bin"]}}})
     with pytest.raises(ConfigError, match=r"source.webdataset.chunk: unknown key"):
         build_pipeline({"source": {"webdataset": {**src["webdataset"], "chunk": 1}}})
+
+
+def test_runner_mode_over_url_shards_as_its_error_advises_serves_each_sample_once_per_epoch(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Issue 53, finding 12: ``parallel: {mode: runner}`` over ``urls`` shards (no manifest),
+    fixed as the refusal says: ``claim: false`` on one producer, or a static ``shard:`` on
+    each of two. Before: both producers ended at once with "the sample count needs a
+    manifest" and the trainer timed out. Now the runner's workers split the producer's
+    shards among themselves: every sample arrives once per epoch."""
+    make_wds(tmp_path / "shards", shards=6, per_shard=4, nbytes=300)
+    broker_proc()
+    with file_server(str(tmp_path / "shards")) as url:
+        base = {"epochs": 2, "seed": 4, "parallel": {"mode": "runner", "workers": 2},
+                "source": {"webdataset": {"urls": f"{url}/train-{{000000..000005}}.tar",
+                                          "fields": ["bin", "cls"]}},
+                "steps": [{"map": {"function": "tests.shard_support:id_and_digest",
+                                   "component": None}},
+                          {"batch": {"batch_size": 4, "remainder": True}}]}
+        one = {**base, "stream": "one",
+               "source": {"webdataset": {**base["source"]["webdataset"], "claim": False}}}
+        two = [{**base, "stream": "two", "shard": {"index": k, "count": 2}} for k in range(2)]
+        for name, cfgs in (("one", [one]), ("two", two)):
+            procs = []
+            for k, cfg in enumerate(cfgs):
+                path = tmp_path / f"{name}-{k}.yaml"
+                path.write_text(yaml.safe_dump(cfg))
+                procs.append(daemons("feedline.producer", "--config", path, "--broker",
+                                     endpoints.ingress, "--id", f"{name}{k}", *LIVENESS,
+                                     name=f"{name}{k}"))
+            seen: Counter = Counter()
+            with RemoteDataZMQ(endpoints.egress, stream=name, timeout=30, link=FAST) as src:
+                it = iter(src)
+                while sum(seen.values()) < 48:
+                    ids, _ = next(it)
+                    seen.update(int(i) for i in np.asarray(ids))
+            wait_for(lambda: not any(p.alive() for p in procs), 30,  # noqa: B023
+                     what="producers to finish")
+            assert seen == Counter({i: 2 for i in range(24)}), (name, seen)
+            assert all(p.proc.returncode == 0 for p in procs), [p.log_text() for p in procs]

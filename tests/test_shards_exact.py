@@ -171,3 +171,29 @@ def test_a_corrupt_record_leaves_its_place_empty_in_every_run(tmp_path: Path):
     assert again == got
     src = pipe.source
     assert src.stats.corrupt_records == 2  # type: ignore[union-attr]  # once per run
+
+
+def test_a_shard_whose_count_is_not_the_manifests_is_an_error_naming_it(tmp_path: Path):
+    """Issue 53, finding 7: a shard re-written shorter (or longer) than its manifest says.
+    Before: the epoch ended normally, the missing places empty (shorter) or the extra
+    samples never served (longer), with no word of it."""
+    import pytest
+
+    from feedline.producer.shards.manifest import ManifestError
+
+    make_wds(tmp_path, shards=2, per_shard=8, nbytes=100)
+    for counts, holds in (([8, 10], "holds 8 records, not the 10"),
+                          ([8, 6], "holds more than the 6 records")):
+        for unit_size in (None, 3):
+            pipe = build_exact(_exact(_manifest(tmp_path, counts), unit_size))
+            with pytest.raises(ManifestError, match=holds) as err:
+                for u in range(pipe.source.units()):  # type: ignore[union-attr]
+                    list(pipe.batches(0, u))
+            text = str(err.value)
+            assert "train-000001.tar" in text and "feedline info" in text, text
+    # the counts right: every sample, in slices of any size
+    for unit_size in (None, 3, 5):
+        pipe = build_exact(_exact(_manifest(tmp_path, [8, 8]), unit_size))
+        got = sorted(i for u in range(pipe.source.units())  # type: ignore[union-attr]
+                     for b in ids_of(pipe.batches(0, u)) for i in b or [])
+        assert got == list(range(16))

@@ -57,7 +57,7 @@ from feedline.producer.dataflow.autotune import AutoWorkers, ModeTuner, cpu_budg
 from feedline.producer.dataflow.base import Counted, Shardable, as_dataflow, stages
 from feedline.producer.dataflow.map_data import ComponentFunc, reseed
 from feedline.producer.dataflow.parallel_map import ParallelMapBase
-from feedline.producer.dataflow.shard import check_shard
+from feedline.producer.dataflow.shard import check_shard, source_of
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.pipeline_spec import (
     MAP_STEPS,
@@ -236,8 +236,13 @@ def parallel_summary(df: DataFlow) -> str:
 
 
 def _runner(ds: DataFlow, par: dict[str, Any]) -> DataFlow:
+    # Over shards the workers split the producer's shards (worker k of n reads every n-th):
+    # each of its shards once per pass, a pass ending when every worker has read its own.
+    # Unstrict copies would each read all of them, and a pass would be len(ds) datapoints,
+    # which shards named by urls do not know (no manifest).
+    strict = par["strict"] or isinstance(source_of(ds), ShardedSource)
     try:
-        return MultiProcessRunner(ds, par["workers"], par["buffer_size"], par["strict"])
+        return MultiProcessRunner(ds, par["workers"], par["buffer_size"], strict)
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from None
 

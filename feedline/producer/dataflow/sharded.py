@@ -5,7 +5,9 @@ a list, a glob, braces, or the shards a manifest lists) from wherever they live,
 front to back at a time per open slot, ``read_ahead`` shards open at once and their samples
 interleaved. What a subclass adds is :meth:`ShardedSource._read`: one shard's samples in
 order, each a datapoint or, in its place, the
-:class:`~feedline.producer.shards.records.CorruptRecord` that stood there.
+:class:`~feedline.producer.shards.records.CorruptRecord` that stood there; or, for a format
+whose records start at known bytes (tar, TFRecord), :meth:`ShardedSource._read_from`: the
+same from a given byte to another, each with the byte where its record starts.
 
 Which shards a pass reads (training, :meth:`__iter__`):
 
@@ -17,12 +19,20 @@ Which shards a pass reads (training, :meth:`__iter__`):
 
 Exact delivery reads it by units instead (:meth:`units`, :meth:`read_unit`): a unit is a
 shard, or a slice of at most ``unit_size`` samples of one; it needs each shard's sample count
-(a manifest, or the Parquet footers).
+(a manifest, or the Parquet footers), and a shard that holds another number of records is a
+:class:`~feedline.producer.shards.manifest.ManifestError`. A slice reads only its own bytes
+where it can: from its first record, at the byte an earlier read of that shard found it at
+(kept per shard: one offset per unit), to the next slice's first byte.
 
 Failures never stop the others: a corrupt record is counted and named
 (``stats.corrupt_records``, logged) and its place skipped; a shard that keeps failing after
 the retries is counted and named (``stats.failed_shards``) and skipped in training, and
-raised (a :class:`~feedline.producer.shards.retry.ShardError`) under exact delivery.
+raised (a :class:`~feedline.producer.shards.retry.ShardError`) under exact delivery. But
+when every shard this source reads has failed since the last one read to its end (none of
+them can be read: a wrong name, an emptied bucket, a server that does not answer byte
+ranges), training stops with :class:`ShardsFailed`, one line naming them and what to check:
+there is nothing left to train on, and with claims the producer would otherwise go through
+epoch after epoch of failing shards for ever.
 
 Memory: each open shard holds at most ``(prefetch + 2) * chunk_size`` bytes
 (:class:`~feedline.producer.shards.stream.ChunkStream`) plus the sample being cut out of it,
@@ -39,11 +49,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from feedline.errors import ConfigError
+from feedline.errors import ConfigError, DataError
 from feedline.producer.dataflow.base import DataFlow, UnknownLength
 from feedline.producer.dataflow.shard import check_shard, shard_positions
 from feedline.producer.shards import manifest as mf
-from feedline.producer.shards.locations import Location, expand, protocol_of
+from feedline.producer.shards.locations import Location, basename, expand, protocol_of
 from feedline.producer.shards.records import CorruptRecord
 from feedline.producer.shards.retry import RetryPolicy, ShardError
 from feedline.producer.shards.stats import ShardStats
@@ -51,6 +61,11 @@ from feedline.producer.shards.stream import ChunkStream
 
 log = logging.getLogger(__name__)
 _UNIT_ORDER = 0xC1A1  # the per-epoch shard order's stream, apart from other draws
+
+
+class ShardsFailed(DataError):
+    """Every shard a training source reads failed, none read to its end since the last one
+    that was: the message names them, why the first failed, and what to check."""
 
 
 @runtime_checkable
@@ -99,13 +114,32 @@ class ShardedSource(DataFlow):
         self._epoch = 0
         self._table: list[tuple[int, int, int]] | None = None  # exact: (shard, start, count)
         self._offsets: list[int] = []
+        self._shard_counts: list[int] = []
+        self._unit_size: int | None = None
+        # exact: per shard, where its units start: record position -> byte offset, as reads
+        # found them (so a unit starts reading at its own first record, not at byte 0)
+        self._starts: dict[int, dict[int, int]] = {}
+        # shard index -> why, for the shards that failed since one was last read to its end
+        self._failing: dict[int, str] = {}
         self.set_shard(*shard)
 
-    # -- what a subclass implements ---------------------------------------------------
+    # -- what a subclass implements (one of _read and _read_from) -----------------------
     def _read(self, url: str) -> Iterator[Any]:
         """The shard's samples in order: datapoints, or a CorruptRecord in the place of one
         that cannot be read. Raises ShardError when the shard cannot be read at all."""
-        raise NotImplementedError
+        for _, item in self._read_from(url):
+            yield item
+
+    def _read_from(self, url: str, start: int = 0, end: int | None = None,
+                   chunk: int | None = None) -> Iterator[tuple[int | None, Any]]:
+        """``_read``'s samples from byte ``start`` (where an earlier read said a record
+        starts) up to byte ``end`` (None: the shard's end), each with the byte where its
+        record starts; None for a format without such places (read from its start only).
+        ``chunk``: bytes per request, if not ``chunk_size``."""
+        if start:
+            raise NotImplementedError(f"{type(self).__name__} reads a shard from its start")
+        for item in self._read(url):
+            yield None, item
 
     def _count(self, url: str) -> int | None:
         """The shard's sample count without reading it, where the format says (else None)."""
@@ -119,9 +153,11 @@ class ShardedSource(DataFlow):
             loc = self._locs[p] = Location(p, self.options, self.timeout)
         return loc
 
-    def stream(self, url: str) -> ChunkStream:
-        return ChunkStream(self.location(url), url, chunk_size=self.chunk_size,
-                           prefetch=self.prefetch, retry=self.retry, stats=self.stats)
+    def stream(self, url: str, start: int = 0, end: int | None = None,
+               chunk: int | None = None) -> ChunkStream:
+        return ChunkStream(self.location(url), url, chunk_size=chunk or self.chunk_size,
+                           prefetch=self.prefetch, retry=self.retry, stats=self.stats,
+                           start=start, end=end)
 
     def memory_bound(self) -> int:
         """The bytes this source's reads hold at most (the module docstring's formula)."""
@@ -137,6 +173,7 @@ class ShardedSource(DataFlow):
     def attach(self, feed: ClaimFeed | None) -> None:
         """Read the shards ``feed`` hands out (None: this source's own ``shard`` again)."""
         self._feed, self._held, self._finished = feed, None, False
+        self._failing = {}
 
     @property
     def finished(self) -> bool:
@@ -152,6 +189,7 @@ class ShardedSource(DataFlow):
 
     def reset_state(self) -> None:
         self._epoch = 0
+        self._failing = {}
         self._locs = {}  # a fresh client in this process
 
     def order(self, epoch: int) -> list[int]:
@@ -179,8 +217,10 @@ class ShardedSource(DataFlow):
         self._held = got
         self._finished = got is None
 
-    def _guarded(self, url: str) -> Iterator[Any]:
-        """``_read(url)`` with corrupt records counted and a failed shard skipped."""
+    def _guarded(self, index: int) -> Iterator[Any]:
+        """Shard ``index``'s samples with corrupt records counted and a failed shard skipped;
+        :class:`ShardsFailed` once every shard this source reads has failed in a row."""
+        url = self.urls[index]
         try:
             for item in self._read(url):
                 if isinstance(item, CorruptRecord):
@@ -188,9 +228,48 @@ class ShardedSource(DataFlow):
                 else:
                     yield item
             self.stats.add(shards_read=1)
+            self._failing = {}
         except ShardError as e:
             self.stats.shard_failed(url)
             log.warning("skipped the rest of %s", e)
+            self._failing[index] = e.why
+            mine = self._reachable()
+            if len(self._failing) >= len(mine) and set(self._failing) >= set(mine):
+                raise ShardsFailed(self._all_failed(mine)) from None
+
+    def _reachable(self) -> range:
+        """The shards a pass of this source may read: any, with claims or where its static
+        share is drawn from a shuffled order (another set each epoch); else its share."""
+        n = len(self.urls)
+        if self._feed is not None or self.shuffle or self.shard[1] == 1:
+            return range(n)
+        return shard_positions(n, self.shard)
+
+    def _all_failed(self, mine: range | None) -> str:
+        """The one line of a ShardsFailed: every shard of ``mine`` failed (None: every
+        shard this producer was handed in its run)."""
+        first, why = next(iter(self._failing.items()))
+        others = [basename(self.urls[i]) for i in self._failing if i != first]
+        names = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3
+                                         else "")
+        if "range requests" in why:
+            hint = ("the server does not answer byte ranges: serve the shards from one that "
+                    "does (nginx, an object store, a CDN; not python3 -m http.server), or set "
+                    "chunk_size above the largest shard's size")
+        else:
+            hint = ("check that the shards are where urls (or the manifest) say and that the "
+                    "store serves them to this machine (storage_options: credentials, "
+                    "endpoint_url)")
+        if mine is None:
+            every = (f"every shard this producer was handed ({len(self._failing)} of "
+                     f"{len(self.urls)}) failed, none read to its end in its run")
+        else:
+            every = ("the one shard" if len(mine) == 1 else
+                     f"every one of the {len(mine)} shards") + \
+                " this producer reads failed, none read to its end since"
+        return (f"{every}: shard "
+                f"{self.urls[first]}: {why}" + (f" (and {names})" if others else "") +
+                f"; {hint}")
 
     def _corrupt(self, e: CorruptRecord) -> None:
         self.stats.record_corrupt(e.where)
@@ -206,9 +285,14 @@ class ShardedSource(DataFlow):
                     nxt = next(shards, None)
                     if nxt is None:
                         break
-                    it = self._guarded(self.urls[nxt])
+                    it = self._guarded(nxt)
                     open_.append(it)
                 if not open_:
+                    if self._finished and self._failing and not self.stats.shards_read:
+                        # The run is over (the broker handed out every epoch's shards) and
+                        # no shard this producer was handed could be read: its epochs ended
+                        # before its claims covered the list.
+                        raise ShardsFailed(self._all_failed(None))
                     return
                 it = open_.popleft()
                 dp = next(it, _END)
@@ -245,6 +329,7 @@ class ShardedSource(DataFlow):
         ``unit_size`` samples of each."""
         counts = self._counts()
         assert counts is not None
+        self._shard_counts, self._unit_size, self._starts = counts, unit_size, {}
         self._offsets = list(np.cumsum([0, *counts[:-1]])) if counts else []
         table = []
         for s, n in enumerate(counts):
@@ -281,17 +366,43 @@ class ShardedSource(DataFlow):
         corrupt record. ShardError if the shard cannot be read."""
         s, start, count = self._slice(epoch, unit)
         base = int(self._offsets[s])
+        url, total = self.urls[s], self._shard_counts[s]
+
+        # Read from the nearest unit start found so far at or before this one, up to the
+        # next unit's first byte where known (the shard's last unit reads to the end: one
+        # record more there is a miscount).
+        starts = self._starts.setdefault(s, {0: 0})
+        first = max(p for p in starts if p <= start)
+        stop = starts.get(start + count) if start + count < total else None
+        step = self._unit_size or max(total, 1)
+        # Where the unit's end is not known yet, requests of a few of its records each: a
+        # full chunk (and the chunks fetched ahead) would mostly be past its end.
+        chunk = None if stop is not None else self._guess_chunk(s, count)
 
         def in_place() -> Iterator[tuple[int, Any]]:
-            with closing(self._read(self.urls[s])) as records:  # type: ignore[type-var]
-                for pos, item in enumerate(records):
+            n, lost = first, False  # records up to here; lost: one the reader cannot pass
+            reads = self._read_from(url, starts[first], stop, chunk)
+            with closing(reads) as records:  # type: ignore[type-var]
+                for pos, (at, item) in enumerate(records, first):
+                    if at is not None and pos % step == 0 and not lost:
+                        starts[pos] = at
                     if pos >= start + count:
-                        break
-                    if pos >= start:
-                        if isinstance(item, CorruptRecord):
+                        if start + count < total:
+                            return  # the next unit's first record: its start is known now
+                        # One record more than the count, in the shard's last unit: samples
+                        # no unit would ever serve.
+                        raise self._miscounted(url, f"more than the {total} records")
+                    n = pos + 1
+                    if isinstance(item, CorruptRecord):
+                        lost = lost or not item.resumable
+                        if pos >= start:
                             self._corrupt(item)
-                            item = None
-                        yield base + pos, item
+                    if pos >= start:
+                        yield base + pos, None if isinstance(item, CorruptRecord) else item
+            if n < start + count and not lost:
+                # The shard ended before its count without a corrupt record that cut it
+                # short (that one is logged, and the places after it left empty).
+                raise self._miscounted(url, f"{n} records, not the {total}")
         items = in_place()
         if shuffle:
             rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, unit])
@@ -299,6 +410,33 @@ class ShardedSource(DataFlow):
         for k, item in enumerate(items):
             if k >= skip:
                 yield item
+
+    def _guess_chunk(self, s: int, count: int) -> int | None:
+        """Bytes per request for a unit of ``count`` records of shard ``s`` whose end is not
+        known: a quarter of what the unit likely holds (the record size from the unit
+        starts found so far, else from the manifest's bytes), at least 64 KiB; None (the
+        chunk size) where nothing says."""
+        starts = self._starts.get(s, {})
+        far = max(starts)
+        per: float | None = starts[far] / far if far else None
+        if per is None and self.manifest is not None and self._shard_counts[s]:
+            name = basename(self.urls[s])
+            size = next((i.bytes for i in self.manifest.shards if basename(i.name) == name), 0)
+            per = size / self._shard_counts[s] if size else None
+        if per is None:
+            return None
+        return max(64 << 10, min(self.chunk_size, int(per * count / 4)))
+
+    def _miscounted(self, url: str, holds: str) -> mf.ManifestError:
+        """A shard whose records are not its count: exact delivery would lose or never
+        serve samples, silently; the error says what to rebuild."""
+        if self.manifest is None:
+            return mf.ManifestError(f"shard {url} holds {holds} it had when the producer "
+                                    "started: it changed; restart the producers")
+        return mf.ManifestError(
+            f"shard {url} holds {holds} that {self.manifest_url} says: it changed since the "
+            f"manifest was written; rebuild it (feedline info URLS --manifest OUT.json) and "
+            f"point manifest: at it")
 
     def fingerprint(self) -> list[str]:
         """What identifies the dataset for exact delivery: the shard names, in order."""

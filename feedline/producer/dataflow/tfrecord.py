@@ -29,18 +29,19 @@ class TFRecord(ShardedSource):
         if not self.fields:
             raise ConfigError("fields: at least one feature key")
 
-    def _read(self, url: str) -> Iterator[Any]:
-        stream = self.stream(url)
+    def _read_from(self, url: str, start: int = 0, end: int | None = None,
+                   chunk: int | None = None) -> Iterator[tuple[int | None, Any]]:
+        stream = self.stream(url, start, end, chunk)
         try:
             while True:
                 try:
                     at = stream.offset
                     for data in records(stream, url, self.max_sample_bytes):
-                        yield self._example(data, f"{url}#{at}")
+                        yield at, self._example(data, f"{url}#{at}")
                         at = stream.offset
                     return
                 except CorruptRecord as e:
-                    yield e
+                    yield at, e
                     if not e.resumable:
                         return
         finally:

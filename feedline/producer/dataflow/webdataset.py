@@ -48,32 +48,38 @@ class WebDataset(ShardedSource):
                 pick(members_, spec, where)  # raises: the sample has none of them
         return out
 
-    def _read(self, url: str) -> Iterator[Any]:
-        stream = self.stream(url)
+    def _read_from(self, url: str, start: int = 0, end: int | None = None,
+                   chunk: int | None = None) -> Iterator[tuple[int | None, Any]]:
+        stream = self.stream(url, start, end, chunk)
         try:
             key: str | None = None
+            key_at = at = start  # where the sample being gathered / the next member starts
             fields: dict[str, bytes] = {}
             while True:
                 try:
                     for name, data in members(stream, url, self.max_sample_bytes):
                         k, ext = split_key(name)
-                        if k != key and key is not None:
-                            yield self._guard(url, key, fields)
-                            fields = {}
+                        if k != key:
+                            if key is not None:
+                                yield key_at, self._guard(url, key, fields)
+                                fields = {}
+                            key_at = at
                         key = k
                         fields[ext] = data
+                        at = stream.offset  # members() stops after a member's padding
                     break
                 except CorruptRecord as e:
                     # The sample read so far stands if it has every field (its members were
                     # whole); the corrupt member takes a place of its own.
                     if key is not None:
-                        yield self._guard(url, key, fields)
-                    yield e
+                        yield key_at, self._guard(url, key, fields)
+                    yield at, e
                     key, fields = None, {}
+                    at = stream.offset
                     if not e.resumable:
                         return
             if key is not None:
-                yield self._guard(url, key, fields)
+                yield key_at, self._guard(url, key, fields)
         finally:
             stream.close()
 

@@ -41,12 +41,13 @@ class ChunkStream:
 
     def __init__(self, loc: Location, url: str, *, chunk_size: int = 2 << 20, prefetch: int = 2,
                  retry: RetryPolicy | None = None, stats: ShardStats | None = None,
-                 start: int = 0) -> None:
+                 start: int = 0, end: int | None = None) -> None:
         if chunk_size < 1 or prefetch < 1:
             raise ConfigError(f"chunk_size and prefetch must be >= 1, got {chunk_size}, "
                              f"{prefetch}")
         self.loc, self.url = loc, url
         self.chunk_size, self.retry = chunk_size, retry or RetryPolicy()
+        self.end = end  # the bytes from ``start`` to ``end`` only (None: to the shard's end)
         self.stats = stats if stats is not None else ShardStats()
         self.size: int | None = None
         self._q: queue.Queue[bytes | ShardError] = queue.Queue(prefetch)
@@ -75,11 +76,16 @@ class ChunkStream:
         try:
             while not self._stop.is_set():
                 try:
-                    if f is None:
-                        f = self._open(offset)
-                    data = f.read(self.chunk_size)
+                    n = self.chunk_size if self.end is None else \
+                        max(0, min(self.chunk_size, self.end - offset))
+                    if not n:
+                        data = b""  # at ``end``: the stream ends here
+                    else:
+                        if f is None:
+                            f = self._open(offset)
+                        data = f.read(n)
                     if self.size is not None:
-                        want = min(self.chunk_size, self.size - offset)
+                        want = min(n, self.size - offset)
                         if len(data) < want:
                             raise ShortRead(f"{len(data)} of {want} bytes at offset {offset}")
                 except Exception as e:  # every failure of a read is judged below, none lost
