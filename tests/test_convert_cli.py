@@ -51,7 +51,53 @@ def test_an_image_folder_as_shards_in_order_with_a_manifest(tmp_path: Path):
     assert shards_of(tmp_path / "one") == [(bytes(folder.sample(i)[0]), folder.sample(i)[1])
                                            for i in range(18)]
     again = feedline("convert", str(tmp_path / "images"), str(tmp_path / "one"))
-    assert again.returncode == 1 and "exists (--overwrite replaces it)" in again.stderr
+    assert again.returncode == 1 and "exists (--overwrite replaces" in again.stderr
+
+
+def samples_of_glob(pattern: str) -> list[int]:
+    """The labels of every sample a pipeline reading ``pattern`` (the docs' glob) gets."""
+    ds = WebDataset(pattern, fields=("cls",), shuffle=False, read_ahead=1)
+    ds.reset_state()
+    return [int(d[0]) for d in ds]
+
+
+def test_overwrite_replaces_the_whole_previous_conversion(tmp_path: Path):
+    """Issue 53 finding 9: ``--overwrite`` with a larger ``--shard-size`` left the old
+    conversion's extra shards beside the new manifest, and the docs' glob ``shard-*.tar``
+    then read 78 of 90 samples twice. Now the shards the old manifest lists that the new
+    conversion does not write are removed (and said so); a file no manifest names is never
+    removed: the conversion refuses it in one line before writing anything."""
+    make_folder(tmp_path / "images", classes=3, per_class=30, seed=1)
+    out = tmp_path / "out"
+    small = feedline("convert", str(tmp_path / "images"), str(out), "--shard-size", "10KB",
+                     "--no-progress")
+    assert small.returncode == 0, small.stderr
+    before = sorted(p.name for p in out.glob("shard-*.tar"))
+    assert len(before) > 4
+    big = feedline("convert", str(tmp_path / "images"), str(out), "--shard-size", "1MB",
+                   "--no-progress", "--overwrite")
+    assert big.returncode == 0, big.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert sorted(p.name for p in out.glob("shard-*.tar")) == [s["name"] for s in m["shards"]]
+    assert f"removed {len(before) - len(m['shards'])} shards of the previous" in big.stdout
+    labels = samples_of_glob(str(out / "shard-*.tar"))
+    assert len(labels) == 90 and sorted(labels) == sorted(i // 30 for i in range(90))
+
+    # A shard this prefix names that no manifest lists: refused, nothing written or removed.
+    (out / "shard-000123.tar").write_bytes(b"not ours")
+    (out / "notes.txt").write_text("mine")
+    state = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    r = feedline("convert", str(tmp_path / "images"), str(out), "--shard-size", "10KB",
+                 "--no-progress", "--overwrite")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "shard-000123.tar: a shard that" in r.stderr and "does not list" in r.stderr
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == state
+    (out / "shard-000123.tar").unlink()
+    # Without --overwrite a folder holding a conversion is refused as well.
+    r = feedline("convert", str(tmp_path / "images"), str(out), "--prefix", "other",
+                 "--no-progress")
+    assert r.returncode == 1 and "manifest.json exists (--overwrite replaces" in r.stderr
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_an_lmdb_as_shards(tmp_path: Path):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -284,3 +285,78 @@ def test_producers_added_to_a_running_fleet_join_its_run(daemons, tmp_path: Path
         assert "--join-run" in sup._argv("A-2")
     finally:
         sup.close()
+
+
+def test_a_broker_restart_leaves_the_fleet_its_producers(daemons, tmp_path: Path) -> None:
+    """Issue 53 finding 15: a broker killed with ``kill -9`` and back 3 s later, under
+    ``feedline fleet --max 4`` and an unchanged trainer (one that wants more than 4 producers
+    bring, so the fleet runs its --max), exported at once a number held from the producers
+    that had reconnected so far ("wanted 1"): the fleet stopped 3 of its 4 producers and
+    started 3 new ones seconds later. Producers come back one by one (their heartbeats and
+    backoffs differ); here 3 of the 4 are held (SIGSTOP) while the broker is away and let go
+    1 s after it is back, so that they reconnect a second after the first, every run. Now a
+    broker says no number until its peers had time to reconnect (``SizingConfig.settle``:
+    twice its heartbeat timeout), the fleet keeps what runs while there is none, the first
+    number counts the 4 that came back, and the trainer's demand is its own (its first TAKEN
+    to the new broker carries its whole life's wait: read as this window's, 20x the demand).
+    """
+    cfg = tmp_path / "paced.yaml"
+    cfg.write_text(yaml.safe_dump(PACED))
+    port, metrics_port = free_port(), free_port()
+    ingress, egress = f"tcp://127.0.0.1:{port}", f"ipc://{tmp_path}/egress.sock"
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    argv = ("--ingress", ingress, "--egress", egress, "--metrics-port", metrics_port,
+            "--sizing-window", "4", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5")
+
+    def broker() -> Daemon:
+        d = daemons("feedline.broker", *argv, name="broker")
+        wait_for(lambda: tcp_ready(port) or not d.alive(), 20, what="broker port")
+        assert d.alive(), d.log_text()
+        return d
+
+    first = broker()
+    fleet = start_fleet(daemons, cfg, ingress, metrics, "A", 1, 4)
+    step = 0.02  # 50 batches/s wanted, 10 per producer: the number is above --max 4
+    daemons("feedline.commands", "drain", "--broker", egress, "--step-seconds", step,
+            name="trainer")
+
+    def fleet_runs(n: int) -> bool:
+        s = scrape(metrics, 1.0)
+        return (not s.error and s.get("feedline_broker_fleet_producers", stream="default",
+                                      fleet="A") == n
+                and (s.get("feedline_broker_stream_producers_wanted", stream="default")
+                     or 0) >= n)
+
+    wait_for(lambda: fleet_runs(4), 90, interval=0.5, what="the fleet at its --max of 4")
+    producers = psutil.Process(fleet.pid).children()
+    assert len(producers) == 4, producers
+    held = producers[1:]
+    before = len(fleet.log_text())
+    first.kill9()
+    try:
+        for p in held:
+            p.suspend()
+        time.sleep(3.0)  # the scenario: the broker is away 3 s (not a wait for a connection)
+        broker()
+        time.sleep(1.0)  # the scenario: 3 producers come back 1 s after the first
+    finally:
+        for p in held:
+            p.resume()
+    wanted: list[float] = []  # the restarted broker's numbers, in order
+    demand: list[float] = []
+
+    def watched_two_windows() -> bool:
+        s = scrape(metrics, 1.0)
+        if not s.error:
+            w = s.get("feedline_broker_stream_producers_wanted", stream="default")
+            d = s.get("feedline_broker_stream_demand_batches_per_second", stream="default")
+            wanted.extend([] if w is None else [w])
+            demand.extend([] if d is None or math.isnan(d) else [d])
+        return len(wanted) >= 16  # scraped every 0.5 s: two sizing windows of numbers
+
+    wait_for(watched_two_windows, 60, interval=0.5, what="the restarted broker's numbers")
+    after = fleet.log_text()[before:]
+    assert wanted[0] >= 4, f"the restarted broker's first number {wanted[0]}: {wanted}"
+    assert max(demand, default=0.0) <= 2 / step, f"demand {demand}, a trainer of {1 / step}/s"
+    assert "stopping A-" not in after and "started A-" not in after, after[-3000:]
+    wait_for(lambda: fleet_runs(4), 10, interval=0.5, what="the fleet's 4, reconnected")

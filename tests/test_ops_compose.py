@@ -96,7 +96,10 @@ class NativeCompose:
         out = {}
         svc = self.config["services"][service]
         for vol in svc.get("volumes", []):
-            src, dst = vol.split(":")[:2]
+            if isinstance(vol, dict):  # the long syntax (a bind whose source must exist)
+                src, dst = vol["source"], vol["target"]
+            else:
+                src, dst = vol.split(":")[:2]
             if not src.startswith("/"):
                 src = str(self.workdir / "volumes" / src)
                 Path(src).mkdir(parents=True, exist_ok=True)

@@ -142,7 +142,8 @@ def test_data_machine_compose_runs_producers_against_the_remote_broker() -> None
 def _mounted_from(binds: list[str], path: str) -> str:
     """The host path a compose service's bind mounts put at container ``path``."""
     for vol in binds:
-        src, dst = vol.split(":")[:2]
+        src, dst = ((vol["source"], vol["target"]) if isinstance(vol, dict)
+                    else vol.split(":")[:2])
         if path == dst or path.startswith(dst + "/"):
             return src + path[len(dst):]
     raise AssertionError(f"{path} is not mounted")
@@ -153,9 +154,10 @@ def _mounted_from(binds: list[str], path: str) -> str:
                          ids=["training-host", "data-machine"])
 def test_compose_services_speak_curve_with_keys_from_feedline_keys(
         files: tuple[Path, ...], tmp_path: Path) -> None:
-    """Every feedline service gets its secret key as a compose secret and public keys as
-    read-only mounts, all from FEEDLINE_KEYS; none runs --insecure. (test_ops_compose.py
-    runs these services with real keys.)"""
+    """Every feedline service gets its secret key and the broker's public key as compose
+    secrets (a missing file stops `up`), the broker its allowed keys as a read-only
+    long-syntax bind (which must exist), all from FEEDLINE_KEYS; none runs --insecure.
+    (test_ops_compose.py runs these services with real keys.)"""
     from feedline.commands.main import build_parser
 
     keys = tmp_path / "keys"
@@ -167,16 +169,18 @@ def test_compose_services_speak_curve_with_keys_from_feedline_keys(
         if svc is None:
             continue
         args = parser.parse_args(svc["command"])
-        (secret,) = svc["secrets"]
-        assert args.curve_secret == f"/run/secrets/{secret['target']}", name
-        assert cfg["secrets"][secret["source"]]["file"] == str(keys / secret["target"]), name
+        secrets = {f"/run/secrets/{s['target']}": cfg["secrets"][s["source"]]["file"]
+                   for s in svc["secrets"]}
+        assert secrets[args.curve_secret] == str(keys / Path(args.curve_secret).name), name
         binds = svc.get("volumes", [])
         if name == "broker":
-            assert not args.insecure
+            assert not args.insecure and len(secrets) == 1
             assert _mounted_from(binds, args.curve_allowed) == str(keys / "allowed")
         else:
-            assert _mounted_from(binds, args.curve_broker_key) == str(keys / "broker.key")
-        assert all(v.endswith(":ro") for v in binds if v.startswith(str(keys))), name
+            assert secrets[args.curve_broker_key] == str(keys / "broker.key"), name
+        for v in binds:  # nothing from FEEDLINE_KEYS by a short-syntax bind, all read-only
+            assert isinstance(v, dict) or not v.startswith(str(keys)), (name, v)
+            assert not isinstance(v, dict) or v["read_only"], (name, v)
         checked.add(name)
     assert checked == ({"producer"} if files == (COMPOSE_PRODUCERS,) else
                        set(FEEDLINE_SERVICES))

@@ -142,7 +142,8 @@ class Broker:
                                    self.budget, config.max_peers, self.instance,
                                    server.refusals.cut_off, self.exact)
         server.attach(egress, self.egress)
-        self.sizing = BrokerSizing(self.metrics, SizingConfig.for_window(config.sizing_window))
+        self.sizing = BrokerSizing(self.metrics, SizingConfig.for_window(
+            config.sizing_window, settle=2 * config.heartbeat_timeout))
         self.ingress_endpoint = server.ingress.endpoint
         self.egress_endpoint = egress.endpoint
         self.tensorpack_endpoint = (server.tensorpack.endpoint.endpoint

@@ -1,7 +1,12 @@
 """The broker's side of sizing: it samples what its producers and consumers do, keeps one
 :class:`~feedline.serving.sizing.StreamSizer` per stream and exports the number.
 
-Called on every tick of the broker's loop (a few times a second): about once a second it
+Called on every tick of the broker's loop (a few times a second): once
+:attr:`~feedline.serving.sizing.SizingConfig.settle` seconds have passed since the first tick
+(a broker that just started, or restarted, says no number while its producers and trainers
+reconnect one by one: a sizer started then would hold a partial count, "1" for a fleet of 4
+coming back, and the fleet would stop the others; nor does it sample them), about once a
+second it
 hands each stream's counters to its sizer (with the time every producer held unused credit,
 which the credit planner keeps exactly: what tells a producer that runs free from one the
 trainers hold back) and sets
@@ -45,11 +50,16 @@ class BrokerSizing:
         self._quiet: dict[str, float] = {}  # stream -> since when it has no peer
         self._fleet_series: set[tuple[str, str]] = set()
         self._next = 0.0
+        self._started: float | None = None  # the first tick
 
     def tick(self, now: float, ingress: Any, egress: Any) -> None:
+        if self._started is None:
+            self._started = now
         if now < self._next:
             return
         self._next = now + _EVERY
+        if now - self._started < self.cfg.settle:
+            return  # peers still reconnecting: what is connected now is a partial count
         self._estimate(now, ingress, egress)
 
     def _estimate(self, now: float, ingress: Any, egress: Any) -> None:

@@ -17,6 +17,10 @@ Scaling down is graceful (:mod:`feedline.commands.fleet_pool`). A producer that 
 failure is started again (the log says so; at most one restart per ``--interval``, backing off
 when they keep failing); one that exits 0 finished its epochs and is not. SIGTERM or Ctrl-C
 stops every producer gracefully and exits.
+
+While the broker says no number (its metrics unreachable, or a broker that just started and
+exports none until its producers had time to reconnect: ``SizingConfig.settle``) the fleet
+keeps the producers it runs, so a broker restart leaves them running.
 """
 
 from __future__ import annotations
@@ -74,8 +78,9 @@ def target_from(s: Scrape, stream: str, me: str, my_max: int) -> Target:
         return Target(None, why=f"broker metrics at {s.url} unreachable ({s.error})")
     wanted = s.get("feedline_broker_stream_producers_wanted", stream=stream)
     if wanted is None:
-        return Target(None, why=f"the broker has no number for stream {stream!r} yet (nothing "
-                      "connected to it, or a broker without sizing)")
+        return Target(None, why=f"the broker has no number for stream {stream!r} yet (a "
+                      "broker that just started waits for its producers to reconnect, or "
+                      "nothing is connected to the stream): keeping what runs")
     limits = {f: int(v) for f, v in _of_stream(s, "feedline_broker_fleet_producers_max",
                                                stream).items()}
     verdict = next((dict(lab)["verdict"] for lab, v in

@@ -3,10 +3,12 @@
 Sample the input queue's occupancy once per step. A queue that stays full means batches wait
 for the model (model-bound: the input keeps up). A queue that stays empty means the model
 waits for batches (input-bound: add producers or make the pipeline faster). The monitor keeps
-an exponential moving average, logs a summary line every ``every`` steps, and exports the same
-figures as Prometheus gauges from the training process. The verdict it gives is held until
-the average is clearly on another side for a few steps (:class:`feedline.verdict.
-VerdictTracker`), so a steady run does not flap between input-bound and model-bound.
+an exponential moving average, logs a summary line at INFO every ``every`` steps (the Keras
+callback prints it instead: a user who added it to ``fit`` sees it without configuring
+logging), and exports the same figures as Prometheus gauges from the training process. The
+verdict it gives is held until the average is clearly on another side for a few steps
+(:class:`feedline.verdict.VerdictTracker`), so a steady run does not flap between input-bound
+and model-bound.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class OccupancyMonitor:
         self.last_size = 0
         self.tracker = VerdictTracker()
 
-    def step(self) -> int:
-        """Sample the queue now; log the summary every ``every`` steps. Returns the size."""
+    def step(self, *, echo: bool = False) -> int:
+        """Sample the queue now; every ``every`` steps, the summary line: logged at INFO, or
+        with ``echo`` printed to stdout instead. Returns the size."""
         size = int(self.input.size())
         ratio = size / self.capacity
         self.average = ratio if self.average is None else (
@@ -59,7 +62,12 @@ class OccupancyMonitor:
         self.metrics.average.set(self.average)
         self.tracker.update(self.average)
         if self.every and self.steps % self.every == 0:
-            log.info("%s", self.summary())
+            if echo:
+                # A line of its own: Keras' progress bar may be mid-line (Keras' own
+                # callbacks, e.g. ModelCheckpoint, start their messages the same way).
+                print(f"\n{self.summary()}", flush=True)
+            else:
+                log.info("%s", self.summary())
         return size
 
     def summary(self) -> str:
@@ -73,13 +81,16 @@ class OccupancyMonitor:
         'unknown' before the first step."""
         return self.tracker.current or "unknown"
 
-    def keras_callback(self) -> Any:
+    def keras_callback(self, verbose: int = 1) -> Any:
+        """A Keras callback that calls :meth:`step` after each training batch. ``verbose=1``
+        (the default) prints the summary line every ``every`` steps, as Keras' own callbacks
+        print theirs; ``verbose=0`` logs it at INFO, as :meth:`step` does."""
         import tensorflow as tf
 
-        monitor = self
+        monitor, echo = self, bool(verbose)
 
         class _Callback(tf.keras.callbacks.Callback):
             def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-                monitor.step()
+                monitor.step(echo=echo)
 
         return _Callback()

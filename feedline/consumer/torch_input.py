@@ -30,9 +30,17 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
-from torch.utils.data import IterableDataset, get_worker_info
+
+from feedline.consumer.torch_extra import TorchMissing, is_torch_missing
+
+try:
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import IterableDataset, get_worker_info
+except ModuleNotFoundError as e:  # one line naming the extra, not "No module named 'torch'"
+    if not is_torch_missing(e):
+        raise
+    raise TorchMissing() from None
 
 from feedline import wire
 from feedline.consumer.remote import RemoteDataZMQ

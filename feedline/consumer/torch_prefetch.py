@@ -26,7 +26,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
+from feedline.consumer.torch_extra import TorchMissing, is_torch_missing
+
+try:
+    import torch
+except ModuleNotFoundError as e:  # one line naming the extra, as torch_input says it
+    if not is_torch_missing(e):
+        raise
+    raise TorchMissing() from None
 
 from feedline.consumer.torch_input import to_torch
 from feedline.errors import ConfigError, Unavailable

@@ -5,6 +5,14 @@ Writes ``OUT_DIR/PREFIX-000000.tar, ...`` of about ``--shard-size`` bytes each (
 ``--workers`` processes with a progress bar, and ``OUT_DIR/manifest.json`` (each shard's
 sample count, size and sha256): a pipeline's ``source: {webdataset: {manifest: ...}}`` reads
 the shards from it, wherever they are copied to (same names beside it).
+
+``OUT_DIR`` holds one conversion per prefix: without ``--overwrite`` a folder that already
+has this prefix's shards or a ``manifest.json`` is refused; with it, the new conversion
+replaces the whole previous one: the shards the old ``manifest.json`` lists that the new one
+does not write are removed once the new manifest is in place (only those: never a file the
+old manifest does not name). A ``PREFIX-*.tar`` there that no manifest names (not written by
+the conversion being replaced) is refused before anything is written, as it would be read
+with the new shards by a glob such as ``OUT_DIR/shard-*.tar``.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prepare-jpeg", action="store_true",
                    help="transcode each JPEG losslessly to restart intervals with an index "
                    "(decoding then reads only the crop's blocks; pixels never change)")
-    p.add_argument("--overwrite", action="store_true", help="replace shards that exist")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the previous conversion in OUT_DIR: its shards, and its "
+                   "manifest; shards of it that this one does not write are removed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -137,9 +147,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     jobs = [ShardJob(str(out / f"{args.prefix}-{k:06d}.tar"), r)
             for k, r in enumerate(plan_shards(_sizes(_SOURCE), target))]
-    existing = [j.path for j in jobs if Path(j.path).exists()]
-    if existing and not args.overwrite:
-        return fail(f"{existing[0]} exists (--overwrite replaces it)")
+    try:
+        stale = _previous_conversion(out, args.prefix, {Path(j.path).name for j in jobs},
+                                     args.overwrite)
+    except ConfigError as e:
+        return fail(str(e))
     write = partial(write_shard, read=partial(_read, prepare=prepare))
     total = sum(len(j.samples) for j in jobs)
     infos = []
@@ -158,6 +170,51 @@ def run(args: argparse.Namespace) -> int:
     tmp = out / ".manifest.json.partial"
     tmp.write_text(manifest.to_json())
     tmp.replace(out / "manifest.json")
+    for old in stale:  # after the new manifest: a conversion cut short keeps the old one whole
+        old.unlink(missing_ok=True)
+    removed = f"; removed {len(stale)} shards of the previous conversion" if stale else ""
     print(f"wrote {total} samples in {len(infos)} shards to {out} "
-          f"({sum(i.bytes for i in infos) / 1e6:.1f} MB), manifest {out / 'manifest.json'}")
+          f"({sum(i.bytes for i in infos) / 1e6:.1f} MB), manifest {out / 'manifest.json'}"
+          f"{removed}")
     return 0
+
+
+def _previous_conversion(out: Path, prefix: str, writing: set[str],
+                         overwrite: bool) -> list[Path]:
+    """The shards of the conversion already in ``out`` that this one (writing the file names
+    ``writing``) replaces and does not rewrite: to remove once its manifest is in place.
+
+    ConfigError (one line, what to do) where the folder holds a previous conversion and
+    ``overwrite`` is off, or a ``PREFIX-*.tar`` that neither the old ``manifest.json`` nor
+    this conversion names: a file this command did not write is never removed, and left
+    there it would be read twice over by a glob of the shards.
+    """
+    from feedline.producer.shards.manifest import ManifestError, parse
+
+    manifest = out / "manifest.json"
+    ours = sorted(p for p in out.glob(f"{prefix}-*.tar") if p.is_file())
+    if not overwrite:
+        there = [p for p in ours if p.name in writing] or ours
+        if there:
+            raise ConfigError(f"{there[0]} exists (--overwrite replaces the previous "
+                              "conversion)")
+        if manifest.exists():
+            raise ConfigError(f"{manifest} exists (--overwrite replaces that conversion)")
+        return []
+    listed: set[str] = set()
+    if manifest.is_file():
+        try:
+            old = parse(manifest.read_text(), str(manifest))
+        except (ManifestError, OSError, UnicodeDecodeError):
+            old = None  # nothing it names is known: a shard of this prefix there is refused
+        if old is not None:
+            # Only bare names, as convert writes them: a name with a directory or ".." is
+            # someone else's file, never removed from here.
+            listed = {s.name for s in old.shards if s.name == Path(s.name).name
+                      and s.name not in ("", ".", "..")}
+    strays = [p for p in ours if p.name not in writing and p.name not in listed]
+    if strays:
+        raise ConfigError(f"{strays[0]}: a shard that {manifest} does not list (not written "
+                          f"by the conversion --overwrite replaces); remove it or convert "
+                          f"to another folder")
+    return sorted(out / n for n in listed - writing if (out / n).is_file())

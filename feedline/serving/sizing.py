@@ -26,7 +26,9 @@ the lowest of them), down when every proposal of the last ``down_hold`` seconds 
 with ``band`` more headroom (to the highest of them). Proposals up also look at the demand
 of the last half window (a rise shows there first); proposals down at the whole window. A
 need that wanders inside the band never reverses the number (tests/test_sizing.py proves it
-with Hypothesis).
+with Hypothesis). The first number is the producers connected at the first sample, so the
+broker takes none until :attr:`SizingConfig.settle` has passed since it started (its
+producers, after a restart, are all back by then).
 
 Guards where the figures and the verdict disagree: model-bound never asks for more
 producers than are connected (a number above them comes down after ``down_hold``), unless
@@ -47,6 +49,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from feedline.errors import ConfigError
+from feedline.liveness import HEARTBEAT_TIMEOUT
 from feedline.verdict import VerdictTracker
 
 IDLE = "idle"  # no consumer reads the stream
@@ -68,17 +71,25 @@ class SizingConfig:
     unthrottled: float = 0.9  # share of time holding credit for a rate to count as capacity
     min_busy: float = 0.05  # a consumer's busy share is at least this (demand <= 20x take)
     learn: float = 0.3  # weight of a new capacity measurement in the moving average
+    # Seconds after the broker starts before it says any number: the peers of a broker that
+    # restarted come back one by one within their reconnect window, and a number held from a
+    # partial count (1 of 4 producers back) had the fleet stop the other 3 (issue 53, 15).
+    settle: float = 2 * HEARTBEAT_TIMEOUT
 
     def __post_init__(self) -> None:
-        if self.window <= 0 or self.up_hold < 0 or self.down_hold < 0:
-            raise ConfigError("window must be > 0 and the holds >= 0")
+        if self.window <= 0 or self.up_hold < 0 or self.down_hold < 0 or self.settle < 0:
+            raise ConfigError("window must be > 0, the holds and settle >= 0")
         if self.headroom < 0 or self.band < 0:
             raise ConfigError("headroom and band must be >= 0")
 
     @classmethod
-    def for_window(cls, window: float) -> SizingConfig:
-        """The defaults scaled to a window: up after a fifth of it, down after all of it."""
-        return cls(window=window, up_hold=window / 5, down_hold=window)
+    def for_window(cls, window: float, settle: float = 2 * HEARTBEAT_TIMEOUT
+                   ) -> SizingConfig:
+        """The defaults scaled to a window: up after a fifth of it, down after all of it;
+        no number for ``settle`` seconds after the start (the broker passes twice its
+        heartbeat timeout: a peer that was connected before a restart has noticed the
+        silence and reconnected by then)."""
+        return cls(window=window, up_hold=window / 5, down_hold=window, settle=settle)
 
 
 @dataclass(frozen=True)
@@ -252,9 +263,20 @@ class StreamSizer:
 
     def _base(self, kind: str, key: object, since: float = -math.inf) -> _Sample | None:
         """The oldest sample of the window (not before ``since``) that has ``key`` (a
-        consumer or a producer)."""
+        consumer or a producer); for a consumer, one after its first TAKEN.
+
+        A consumer's ``waited`` counts from the start of its process, not of its
+        registration: a trainer that reconnects (its broker restarted) says with its first
+        TAKEN the seconds it waited all its life. Taken as waited since a sample before that
+        (0), it read as a trainer waiting the whole window, demand 20x its take (749
+        batches/s from a trainer of 50: "wanted 91").
+        """
         for s in self._samples:
             if s.t >= since and key in getattr(s, kind):
+                if kind == "consumers":
+                    c = s.consumers[key]
+                    if c.taken == 0 and c.waited == 0.0:
+                        continue  # no TAKEN yet: its counters are not a base
                 return s
         return None
 
