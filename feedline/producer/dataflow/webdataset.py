@@ -8,8 +8,8 @@ from typing import Any
 from feedline.errors import ConfigError
 from feedline.producer.dataflow.shard_fields import pick, wds_field
 from feedline.producer.dataflow.sharded import ShardedSource
-from feedline.producer.shards.records import CorruptRecord
-from feedline.producer.shards.tar import members, split_key
+from feedline.producer.shards.records import CorruptRecord, Readable
+from feedline.producer.shards.tar import samples
 
 DEFAULT_FIELDS = ("jpg;jpeg;png;webp", "cls")
 
@@ -22,8 +22,10 @@ class WebDataset(ShardedSource):
     :class:`~feedline.producer.dataflow.sharded.ShardedSource`'s.
 
     A member cut short, a header whose checksum is wrong, a sample without one of the
-    fields: that sample is a corrupt record (counted, named ``shard#key``), and the rest of
-    the shard too when the tar cannot be followed past it.
+    fields, a sample whose fields hold more than ``max_sample_bytes``: that sample is a
+    corrupt record (counted, named ``shard#key``), and the rest of the shard too when the
+    tar cannot be followed past it. Members whose extension is not among ``fields`` are
+    skipped without being read into memory.
     """
 
     format = "webdataset"
@@ -34,8 +36,9 @@ class WebDataset(ShardedSource):
         if not self.fields:
             raise ConfigError("fields: at least one member extension")
         self._alts = [spec.split(";") for spec in self.fields]
+        self._wanted = frozenset(ext for alts in self._alts for ext in alts)
 
-    def _sample(self, url: str, key: str, members_: dict[str, bytes]) -> list[Any]:
+    def _sample(self, url: str, key: str, members_: dict[str, bytes | None]) -> list[Any]:
         where = f"{url}#{key}"
         out = []
         for alts, spec in zip(self._alts, self.fields, strict=True):
@@ -51,33 +54,22 @@ class WebDataset(ShardedSource):
     def _read(self, url: str) -> Iterator[Any]:
         stream = self.stream(url)
         try:
-            key: str | None = None
-            fields: dict[str, bytes] = {}
-            while True:
-                try:
-                    for name, data in members(stream, url, self.max_sample_bytes):
-                        k, ext = split_key(name)
-                        if k != key and key is not None:
-                            yield self._guard(url, key, fields)
-                            fields = {}
-                        key = k
-                        fields[ext] = data
-                    break
-                except CorruptRecord as e:
-                    # The sample read so far stands if it has every field (its members were
-                    # whole); the corrupt member takes a place of its own.
-                    if key is not None:
-                        yield self._guard(url, key, fields)
-                    yield e
-                    key, fields = None, {}
-                    if not e.resumable:
-                        return
-            if key is not None:
-                yield self._guard(url, key, fields)
+            yield from self.read_stream(stream, url)
         finally:
             stream.close()
 
-    def _guard(self, url: str, key: str, fields: dict[str, bytes]) -> Any:
+    def read_stream(self, stream: Readable, url: str) -> Iterator[Any]:
+        """One shard's samples from ``stream`` (:meth:`_read`'s, on any Readable): each a
+        datapoint or the CorruptRecord in its place; raises nothing else but the stream's
+        ShardError. Members of extensions not in ``fields`` are skipped unread, and a
+        sample's fields hold at most ``max_sample_bytes``."""
+        for item in samples(stream, url, self.max_sample_bytes, self._wanted):
+            if isinstance(item, CorruptRecord):
+                yield item
+            else:
+                yield self._guard(url, *item)
+
+    def _guard(self, url: str, key: str, fields: dict[str, bytes | None]) -> Any:
         try:
             return self._sample(url, key, fields)
         except CorruptRecord as e:
