@@ -60,10 +60,18 @@ class _Hashing:
 
 
 def scan(url: str, fmt: str, loc: Any) -> tuple[int, Counter, int, str, list[str]]:
-    """(samples, field counts, bytes, sha256, corrupt records) of one shard."""
+    """(samples, field counts, bytes, sha256, corrupt records) of one shard.
+
+    The samples are counted as the source reads them (:func:`~feedline.producer.shards.tar.
+    samples`, :meth:`TFRecord.read_stream`): one place per sample or per corrupt record
+    standing where one was, so that exact delivery over the manifest finds every place
+    where the count says. Raises ShardError (the shard cannot be read at all), nothing
+    else."""
+    from feedline.errors import DataError
     from feedline.producer.shards.records import CorruptRecord
+    from feedline.producer.shards.retry import ShardError
     from feedline.producer.shards.stream import ChunkStream
-    from feedline.producer.shards.tar import members, split_key
+    from feedline.producer.shards.tar import samples
     from feedline.producer.shards.tfrecord import parse_example, records
 
     fields: Counter = Counter()
@@ -75,28 +83,38 @@ def scan(url: str, fmt: str, loc: Any) -> tuple[int, Counter, int, str, list[str
             s.skip(1 << 62)
             import pyarrow.parquet as pq
 
-            with loc.fs().open(url, "rb") as f:
-                pf = pq.ParquetFile(f)
-                n = pf.metadata.num_rows
-                fields.update({c: n for c in pf.schema_arrow.names})
-            return n, fields, s.offset, s.sha.hexdigest(), corrupt
-        key, done = None, False
-        while not done:
             try:
-                if fmt == "webdataset":
-                    for name, _ in members(s, url):
-                        k, ext = split_key(name)
-                        n += k != key
-                        key = k
-                        fields[ext] += 1
+                with loc.fs().open(url, "rb") as f:
+                    pf = pq.ParquetFile(f)
+                    n = pf.metadata.num_rows
+                    fields.update({c: n for c in pf.schema_arrow.names})
+            except Exception as e:  # pyarrow's errors on a file that is not Parquet
+                raise ShardError(url, f"not a Parquet file ({type(e).__name__}: {e})") from None
+            return n, fields, s.offset, s.sha.hexdigest(), corrupt
+        if fmt == "webdataset":
+            for item in samples(s, url, wanted=()):  # names only: nothing held
+                n += 1
+                if isinstance(item, CorruptRecord):
+                    corrupt.append(str(item))
                 else:
+                    fields.update(item[1].keys())
+        else:
+            while True:
+                try:
+                    at = s.offset
                     for rec in records(s, url):
                         n += 1
-                        fields.update(parse_example(rec).keys())
-                done = True
-            except CorruptRecord as e:
-                corrupt.append(str(e))
-                done = not e.resumable
+                        try:
+                            fields.update(parse_example(rec).keys())
+                        except DataError as e:  # the source counts it corrupt, in its place
+                            corrupt.append(f"{url}#{at}: not a tf.train.Example: {e}")
+                        at = s.offset
+                    break
+                except CorruptRecord as e:
+                    n += 1  # a place, as the source yields it
+                    corrupt.append(str(e))
+                    if not e.resumable:
+                        break
         s.skip(1 << 62)  # the rest (end blocks), so that the hash covers the file
         return n, fields, s.offset, s.sha.hexdigest(), corrupt
 
@@ -134,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"feedline info: {e}", file=sys.stderr)
             return 1
         corrupt += bad
-        infos.append(mf.ShardInfo(basename(url), n, size, sha))
+        name = mf.relative_name(url, args.manifest) if args.manifest else basename(url)
+        infos.append(mf.ShardInfo(name, n, size, sha))
         rows.append((url, size, n, ", ".join(f"{k} ({v})" for k, v in sorted(fields.items()))))
     _table(rows, corrupt)
     if args.manifest:
