@@ -59,30 +59,60 @@ class _Hashing:
         return got
 
 
-def scan(url: str, fmt: str, loc: Any) -> tuple[int, Counter, int, str, list[str]]:
-    """(samples, field counts, bytes, sha256, corrupt records) of one shard.
-
-    The samples are counted as the source reads them (:func:`~feedline.producer.shards.tar.
-    samples`, :meth:`TFRecord.read_stream`): one place per sample or per corrupt record
-    standing where one was, so that exact delivery over the manifest finds every place
-    where the count says. Raises ShardError (the shard cannot be read at all), nothing
-    else."""
+def places(stream: Any, url: str, fmt: str) -> tuple[int, Counter, list[str]]:
+    """(samples, field counts, corrupt records) of a WebDataset or TFRecord shard on
+    ``stream`` (a Readable), counted as the source reads them (:func:`~feedline.producer.
+    shards.tar.samples`, :meth:`TFRecord.read_stream`): one place per sample or per corrupt
+    record standing where one was, so that exact delivery over the manifest finds every
+    place where the count says. Raises nothing but the stream's ShardError."""
     from feedline.errors import DataError
     from feedline.producer.shards.records import CorruptRecord
-    from feedline.producer.shards.retry import ShardError
-    from feedline.producer.shards.stream import ChunkStream
     from feedline.producer.shards.tar import samples
     from feedline.producer.shards.tfrecord import parse_example, records
 
     fields: Counter = Counter()
     corrupt: list[str] = []
     n = 0
+    if fmt == "webdataset":
+        for item in samples(stream, url, wanted=()):  # names only: nothing held
+            n += 1
+            if isinstance(item, CorruptRecord):
+                corrupt.append(str(item))
+            else:
+                fields.update(item[1].keys())
+        return n, fields, corrupt
+    while True:
+        try:
+            at = stream.offset
+            for rec in records(stream, url):
+                n += 1
+                try:
+                    fields.update(parse_example(rec).keys())
+                except DataError as e:  # the source counts it corrupt, in its place
+                    corrupt.append(f"{url}#{at}: not a tf.train.Example: {e}")
+                at = stream.offset
+            return n, fields, corrupt
+        except CorruptRecord as e:
+            n += 1  # a place, as the source yields it
+            corrupt.append(str(e))
+            if not e.resumable:
+                return n, fields, corrupt
+
+
+def scan(url: str, fmt: str, loc: Any) -> tuple[int, Counter, int, str, list[str]]:
+    """(samples, field counts, bytes, sha256, corrupt records) of one shard (samples as
+    :func:`places` counts them). Raises ShardError (the shard cannot be read at all),
+    nothing else."""
+    from feedline.producer.shards.retry import ShardError
+    from feedline.producer.shards.stream import ChunkStream
+
     with ChunkStream(loc, url) as raw:
         s = _Hashing(raw)
         if fmt == "parquet":
             s.skip(1 << 62)
             import pyarrow.parquet as pq
 
+            fields: Counter = Counter()
             try:
                 with loc.fs().open(url, "rb") as f:
                     pf = pq.ParquetFile(f)
@@ -90,31 +120,8 @@ def scan(url: str, fmt: str, loc: Any) -> tuple[int, Counter, int, str, list[str
                     fields.update({c: n for c in pf.schema_arrow.names})
             except Exception as e:  # pyarrow's errors on a file that is not Parquet
                 raise ShardError(url, f"not a Parquet file ({type(e).__name__}: {e})") from None
-            return n, fields, s.offset, s.sha.hexdigest(), corrupt
-        if fmt == "webdataset":
-            for item in samples(s, url, wanted=()):  # names only: nothing held
-                n += 1
-                if isinstance(item, CorruptRecord):
-                    corrupt.append(str(item))
-                else:
-                    fields.update(item[1].keys())
-        else:
-            while True:
-                try:
-                    at = s.offset
-                    for rec in records(s, url):
-                        n += 1
-                        try:
-                            fields.update(parse_example(rec).keys())
-                        except DataError as e:  # the source counts it corrupt, in its place
-                            corrupt.append(f"{url}#{at}: not a tf.train.Example: {e}")
-                        at = s.offset
-                    break
-                except CorruptRecord as e:
-                    n += 1  # a place, as the source yields it
-                    corrupt.append(str(e))
-                    if not e.resumable:
-                        break
+            return n, fields, s.offset, s.sha.hexdigest(), []
+        n, fields, corrupt = places(s, url, fmt)
         s.skip(1 << 62)  # the rest (end blocks), so that the hash covers the file
         return n, fields, s.offset, s.sha.hexdigest(), corrupt
 

@@ -261,9 +261,9 @@ def samples(stream: Readable, shard: str, max_sample: int = 1 << 30,
             old = fields.get(ext)
             have = held - (len(old) if old else 0)
             if have + size > max_sample:
+                tar.skip_data()  # first: a member cut short ends the shard as in `info`
                 over = have + size
                 fields, held = {}, 0  # drop what it held: the sample is corrupt
-                tar.skip_data()
                 continue
             fields[ext] = tar.data()
             held = have + size

@@ -79,8 +79,8 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
         b = buf[i]
         i += 1
         result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, i
+        if b < 0x80:  # ten bytes carry 70 bits: protobuf keeps the low 64
+            return result & 0xFFFFFFFFFFFFFFFF, i
         shift += 7
 
 
@@ -126,7 +126,9 @@ def _int64s(items: Iterable[tuple[int, int, Any]]) -> list[int]:
 
 
 def _feature(buf: bytes) -> Any:
-    for kind, _, body in _fields(buf):
+    for kind, wt, body in _fields(buf):
+        if wt != 2:  # a list is length-delimited; anything else is no feature value
+            raise DataError(f"feature value field {kind} of wire type {wt}")
         items = list(_fields(body))
         if kind == 1:  # bytes_list
             return [v for num, wt, v in items if num == 1 and wt == 2]
