@@ -15,6 +15,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.dataflow.tfrecord import TFRecord
@@ -196,6 +197,16 @@ def test_a_manifest_whose_names_do_not_match_one_to_one_is_refused_in_one_line(t
     # and the one line reaches the user of ``feedline info`` too
     r = feedline("info", str(root / "old.json"))
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "twice" in r.stderr
+    # and of an exact producer, before it looks for a broker
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump({
+        "delivery": "exact", "epochs": 1, "steps": [{"batch": {"batch_size": 2}}],
+        "source": {"webdataset": {"urls": urls, "manifest": str(root / "one.json"),
+                                  "fields": ["bin", "cls"]}}}))
+    r = subprocess.run([sys.executable, "-m", "feedline.producer", "--config",
+                        str(tmp_path / "one.yaml"), "--broker", "tcp://127.0.0.1:1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
+    assert "both match shard-000000.tar" in r.stderr and "feedline info" in r.stderr
 
 
 def test_a_tar_member_cut_short_under_info_and_the_reader_agree(tmp_path: Path):
