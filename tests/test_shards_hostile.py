@@ -238,3 +238,22 @@ def test_a_sample_made_of_other_members_reads_the_same_with_pax_written_by_tarfi
     (tmp_path / "p.tar").write_bytes(buf.getvalue())
     got, ds = _read(str(tmp_path / "p.tar"))
     assert got == [1] and ds.stats.corrupt_records == 0
+
+
+def test_a_parquet_file_without_a_column_is_a_failed_shard_not_a_key_error(tmp_path: Path):
+    """The fuzz harness's finding: read_row_group leaves a column the file lacks out without
+    a word, and table.column then raised KeyError out of the reader (the producer died).
+    Now it is a ShardError naming the column: skipped and counted in training."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from feedline.producer.dataflow.parquet import Parquet
+    from feedline.producer.shards.retry import ShardError
+
+    pq.write_table(pa.table({"image": [b"a", b"b"], "label": [0, 1]}), tmp_path / "p-0.parquet")
+    pq.write_table(pa.table({"image": [b"c"], "lbbel": [2]}), tmp_path / "p-1.parquet")
+    ds = Parquet(str(tmp_path / "p-*.parquet"), shuffle=False, read_ahead=1)
+    ds.reset_state()
+    assert [int(lbl) for _, lbl in ds] == [0, 1]
+    assert list(ds.stats.failed) == [str(tmp_path / "p-1.parquet")]
+    with pytest.raises(ShardError, match="no column 'label'"):
+        list(ds._read(str(tmp_path / "p-1.parquet")))
