@@ -29,6 +29,7 @@ import io
 import tarfile
 from collections.abc import Container, Iterator
 
+from feedline.errors import DataError
 from feedline.producer.shards.records import CorruptRecord, Readable
 
 BLOCK = 512
@@ -61,21 +62,21 @@ def _octal(field: bytes, shard: str, at: int) -> int:
 
 def _pax(data: bytes) -> dict[bytes, bytes]:
     """The records of a pax header, ``LENGTH KEY=VALUE\\n`` each (LENGTH counts the whole
-    record); ValueError naming what is wrong."""
+    record); DataError naming what is wrong."""
     out: dict[bytes, bytes] = {}
     i, n = 0, len(data)
     while i < n and data[i] != 0:  # NUL padding ends it, as tarfile reads it
         sp = data.find(b" ", i, i + 21)
         length = data[i:sp] if sp > i else b""
         if not length or not _DIGITS.issuperset(length):
-            raise ValueError(f"a pax record whose length is not a number "
+            raise DataError(f"a pax record whose length is not a number "
                              f"({data[i:i + 12]!r})")
         end = i + int(length)
         if end <= sp + 1 or end > n or data[end - 1] != 0x0A:
-            raise ValueError(f"a pax record of {int(length)} bytes that does not fit")
+            raise DataError(f"a pax record of {int(length)} bytes that does not fit")
         key, eq, value = data[sp + 1:end - 1].partition(b"=")
         if not eq or not key:
-            raise ValueError(f"a pax record without KEY=VALUE ({key[:20]!r})")
+            raise DataError(f"a pax record without KEY=VALUE ({key[:20]!r})")
         out[key] = value
         i = end
     return out
@@ -130,12 +131,12 @@ class _Headers:
                     pax = _pax(data)
                     if b"size" in pax:
                         if not pax[b"size"] or not _DIGITS.issuperset(pax[b"size"]):
-                            raise ValueError(f"a pax size that is not a number "
+                            raise DataError(f"a pax size that is not a number "
                                              f"({pax[b'size'][:20]!r})")
                         pax_size = int(pax[b"size"])
                     if b"path" in pax:
                         long_name = _name(pax[b"path"])
-                except ValueError as e:
+                except ValueError as e:  # DataError, or int() of a 5000-digit size
                     bad_pax = (at, str(e))
                 continue
             if pax_size is not None:
