@@ -36,7 +36,6 @@ BLOCK = 512
 _ZERO = bytes(BLOCK)
 _REGULAR = (b"0", b"\0", b"7")
 _META_LIMIT = 1 << 20  # a long name or pax header larger than this is not one
-_OCTAL = frozenset(b"01234567")
 _DIGITS = frozenset(b"0123456789")
 MAX_UNREAD_NAMES = 64  # the extensions not asked for a sample remembers (for messages)
 
@@ -55,9 +54,12 @@ def _octal(field: bytes, shard: str, at: int) -> int:
     text = field.split(b"\0", 1)[0].strip(b" ")
     if not text:
         return 0
-    if not _OCTAL.issuperset(text):
-        raise CorruptRecord(f"{shard}#{at}", f"bad number {text!r} in a tar header", False)
-    return int(text, 8)
+    if text.isdigit():  # ASCII digits only: no sign, underscore or space, which int() takes
+        try:
+            return int(text, 8)
+        except ValueError:  # an 8 or a 9
+            pass
+    raise CorruptRecord(f"{shard}#{at}", f"bad number {text!r} in a tar header", False)
 
 
 def _pax(data: bytes) -> dict[bytes, bytes]:
