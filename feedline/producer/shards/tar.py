@@ -246,30 +246,28 @@ def samples(stream: Readable, shard: str, max_sample: int = 1 << 30,
                 if key is not None:
                     yield finish()
                 key, fields, held, unread, over, broken = k, {}, 0, 0, 0, None
-            if tar.bad is not None and broken is None:
-                broken = tar.bad  # one member lost: the sample is, in its place
-            if broken is not None:
+            if tar.bad is not None or broken is not None:
+                broken = broken or tar.bad  # one member lost: the sample is, in its place
                 fields, held = {}, 0
                 tar.skip_data()
-                continue
-            if wanted is not None and ext not in wanted:
+            elif wanted is not None and ext not in wanted:
                 tar.skip_data()
                 if ext not in fields and unread < MAX_UNREAD_NAMES:
                     fields[ext], unread = None, unread + 1
-                continue
-            if over:
+            elif over:
                 over += size
                 tar.skip_data()
-                continue
-            old = fields.get(ext)
-            have = held - (len(old) if old else 0)
-            if have + size > max_sample:
-                tar.skip_data()  # first: a member cut short ends the shard as in `info`
-                over = have + size
-                fields, held = {}, 0  # drop what it held: the sample is corrupt
-                continue
-            fields[ext] = tar.data()
-            held = have + size
+            else:
+                have = held
+                if ext in fields:  # the same extension again: it replaces the first
+                    have -= len(fields[ext] or b"")
+                if have + size > max_sample:
+                    tar.skip_data()  # first: a member cut short ends the shard as in info
+                    over = have + size
+                    fields, held = {}, 0  # drop what it held: the sample is corrupt
+                else:
+                    fields[ext] = tar.data()
+                    held = have + size
         except CorruptRecord as e:
             if key is not None and (fields or over or broken):  # members of it were read
                 yield finish()
