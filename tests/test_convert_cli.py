@@ -117,10 +117,10 @@ def test_info_lists_shards_writes_their_manifest_and_names_corrupt_records(tmp_p
     assert feedline("convert", str(tmp_path / "images"), str(tmp_path / "out"),
                     "--shard-size", "20KB", "--no-progress").returncode == 0
     r = feedline("info", str(tmp_path / "out" / "shard-*.tar"), "--manifest",
-                 str(tmp_path / "check.json"))
+                 str(tmp_path / "out" / "check.json"))  # beside them: the same names
     assert r.returncode == 0, r.stderr
     assert "10 samples" in r.stdout and "jpg (" in r.stdout and "cls (" in r.stdout
-    mine = json.loads((tmp_path / "check.json").read_text())
+    mine = json.loads((tmp_path / "out" / "check.json").read_text())
     theirs = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert [(s["name"], s["samples"], s["sha256"]) for s in mine["shards"]] == \
         [(s["name"], s["samples"], s["sha256"]) for s in theirs["shards"]]

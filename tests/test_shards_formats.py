@@ -134,7 +134,8 @@ def test_an_oversized_member_is_skipped_and_the_next_sample_read(tmp_path: Path)
     (tmp_path / "big.tar").write_bytes(tar_bytes(4))
     ds = WebDataset(str(tmp_path / "big.tar"), fields=["bin", "cls"], max_sample_bytes=1000)
     assert ids(ds) == []  # every .bin is 1500 bytes: four corrupt samples, each named
-    assert ds.stats.corrupt_records == 8  # 4 members too big + 4 samples without a .bin
+    assert ds.stats.corrupt_records == 4  # one per sample: its place, not one per member
+    assert [c.rsplit("#", 1)[1] for c in ds.stats.corrupt] == ["0000", "0001", "0002", "0003"]
 
 
 def test_a_sample_without_a_field_or_with_a_bad_label_is_corrupt(tmp_path: Path):

@@ -59,44 +59,69 @@ class _Hashing:
         return got
 
 
-def scan(url: str, fmt: str, loc: Any) -> tuple[int, Counter, int, str, list[str]]:
-    """(samples, field counts, bytes, sha256, corrupt records) of one shard."""
+def places(stream: Any, url: str, fmt: str) -> tuple[int, Counter, list[str]]:
+    """(samples, field counts, corrupt records) of a WebDataset or TFRecord shard on
+    ``stream`` (a Readable), counted as the source reads them (:func:`~feedline.producer.
+    shards.tar.samples`, :meth:`TFRecord.read_stream`): one place per sample or per corrupt
+    record standing where one was, so that exact delivery over the manifest finds every
+    place where the count says. Raises nothing but the stream's ShardError."""
+    from feedline.errors import DataError
     from feedline.producer.shards.records import CorruptRecord
-    from feedline.producer.shards.stream import ChunkStream
-    from feedline.producer.shards.tar import members, split_key
+    from feedline.producer.shards.tar import samples
     from feedline.producer.shards.tfrecord import parse_example, records
 
     fields: Counter = Counter()
     corrupt: list[str] = []
     n = 0
+    if fmt == "webdataset":
+        for item in samples(stream, url, wanted=()):  # names only: nothing held
+            n += 1
+            if isinstance(item, CorruptRecord):
+                corrupt.append(str(item))
+            else:
+                fields.update(item[1].keys())
+        return n, fields, corrupt
+    while True:
+        try:
+            at = stream.offset
+            for rec in records(stream, url):
+                n += 1
+                try:
+                    fields.update(parse_example(rec).keys())
+                except DataError as e:  # the source counts it corrupt, in its place
+                    corrupt.append(f"{url}#{at}: not a tf.train.Example: {e}")
+                at = stream.offset
+            return n, fields, corrupt
+        except CorruptRecord as e:
+            n += 1  # a place, as the source yields it
+            corrupt.append(str(e))
+            if not e.resumable:
+                return n, fields, corrupt
+
+
+def scan(url: str, fmt: str, loc: Any) -> tuple[int, Counter, int, str, list[str]]:
+    """(samples, field counts, bytes, sha256, corrupt records) of one shard (samples as
+    :func:`places` counts them). Raises ShardError (the shard cannot be read at all),
+    nothing else."""
+    from feedline.producer.shards.retry import ShardError
+    from feedline.producer.shards.stream import ChunkStream
+
     with ChunkStream(loc, url) as raw:
         s = _Hashing(raw)
         if fmt == "parquet":
             s.skip(1 << 62)
             import pyarrow.parquet as pq
 
-            with loc.fs().open(url, "rb") as f:
-                pf = pq.ParquetFile(f)
-                n = pf.metadata.num_rows
-                fields.update({c: n for c in pf.schema_arrow.names})
-            return n, fields, s.offset, s.sha.hexdigest(), corrupt
-        key, done = None, False
-        while not done:
+            fields: Counter = Counter()
             try:
-                if fmt == "webdataset":
-                    for name, _ in members(s, url):
-                        k, ext = split_key(name)
-                        n += k != key
-                        key = k
-                        fields[ext] += 1
-                else:
-                    for rec in records(s, url):
-                        n += 1
-                        fields.update(parse_example(rec).keys())
-                done = True
-            except CorruptRecord as e:
-                corrupt.append(str(e))
-                done = not e.resumable
+                with loc.fs().open(url, "rb") as f:
+                    pf = pq.ParquetFile(f)
+                    n = pf.metadata.num_rows
+                    fields.update({c: n for c in pf.schema_arrow.names})
+            except Exception as e:  # pyarrow's errors on a file that is not Parquet
+                raise ShardError(url, f"not a Parquet file ({type(e).__name__}: {e})") from None
+            return n, fields, s.offset, s.sha.hexdigest(), []
+        n, fields, corrupt = places(s, url, fmt)
         s.skip(1 << 62)  # the rest (end blocks), so that the hash covers the file
         return n, fields, s.offset, s.sha.hexdigest(), corrupt
 
@@ -134,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"feedline info: {e}", file=sys.stderr)
             return 1
         corrupt += bad
-        infos.append(mf.ShardInfo(basename(url), n, size, sha))
+        name = mf.relative_name(url, args.manifest) if args.manifest else basename(url)
+        infos.append(mf.ShardInfo(name, n, size, sha))
         rows.append((url, size, n, ", ".join(f"{k} ({v})" for k, v in sorted(fields.items()))))
     _table(rows, corrupt)
     if args.manifest:

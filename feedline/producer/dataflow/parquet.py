@@ -60,6 +60,17 @@ class Parquet(ShardedSource):
                 self.stats.add(retries=1)
                 self.retry.wait(failures, None)
 
+    def _check_columns(self, url: str, pf: Any) -> None:
+        """ShardError naming a field the file has no column for (read_row_group would
+        leave it out without a word)."""
+        try:
+            names = list(pf.schema_arrow.names)
+        except Exception as e:  # a schema the footer cannot give
+            raise ShardError(url, f"no schema: {type(e).__name__}: {e}") from None
+        missing = [c for c in self.fields if c not in names]
+        if missing:
+            raise ShardError(url, f"no column {missing[0]!r} (it has {names[:8]})")
+
     def _read(self, url: str) -> Iterator[Any]:
         state: dict[str, Any] = {}
 
@@ -76,10 +87,14 @@ class Parquet(ShardedSource):
         try:
             pf, state["f"] = self._retrying(url, lambda: self._open(url))
             state["pf"] = pf
+            self._check_columns(url, pf)
             for i in range(pf.num_row_groups):
                 table = self._retrying(url, lambda i=i: group(i))
                 self.stats.add(bytes_read=int(table.nbytes))
-                cols = [table.column(c).to_pylist() for c in self.fields]
+                try:
+                    cols = [table.column(c).to_pylist() for c in self.fields]
+                except Exception as e:  # pyarrow's, on a row group its footer misdescribes
+                    raise ShardError(url, f"row group {i}: {type(e).__name__}: {e}") from None
                 for r in range(table.num_rows):
                     where = f"{url}#{i}:{r}"
                     yield [column_value(col[r], where) for col in cols]

@@ -4,7 +4,10 @@ Image bytes (and any other opaque bytes) become a 1-D uint8 array that remembers
 came from (:class:`~feedline.producer.dataflow.image_folder.FileBytes`, ``shard#key.ext``),
 so that a decoder's error names the record; a class label becomes an int, JSON an object,
 text a str. A field that is missing or does not parse is a resumable
-:class:`~feedline.producer.shards.records.CorruptRecord` naming the record.
+:class:`~feedline.producer.shards.records.CorruptRecord` naming the record, and nothing
+else: the bytes are hostile (``tests/test_shards_fuzz.py`` holds every decoder to that). JSON
+nested deeper than :data:`MAX_JSON_DEPTH` is corrupt too: Python's parser recurses, and a
+datapoint that deep could not be sent anyway (the wire takes 16 levels).
 """
 
 from __future__ import annotations
@@ -20,6 +23,39 @@ from feedline.producer.shards.records import CorruptRecord
 
 INT_EXTS = ("cls", "cls2", "class", "label", "index", "idx", "id")
 TEXT_EXTS = ("txt", "text")
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other in one .json field
+_TOO_DEEP = object()
+
+
+def _json_depth(obj: Any, limit: int) -> int:
+    """How deep ``obj`` nests, counted without recursion, up to ``limit + 1``."""
+    if not isinstance(obj, (list, dict)):
+        return 0
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        if d > limit:
+            return d
+        deepest = max(deepest, d)
+        stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node)
+                     if isinstance(v, (list, dict)))  # containers only: scalars cannot nest
+    return deepest
+
+
+def json_field(data: bytes, where: str) -> Any:
+    """A ``.json`` member as an object; CorruptRecord if it does not parse or nests deeper
+    than MAX_JSON_DEPTH."""
+    # Fewer brackets than the limit cannot nest past it: most fields skip the depth walk.
+    deep = data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH
+    try:
+        obj = json.loads(data)
+    except RecursionError:  # deeper than the interpreter's stack allows
+        deep, obj = True, _TOO_DEEP
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a 5000-digit int
+        raise CorruptRecord(where, f"not JSON: {e}", True) from None
+    if deep and (obj is _TOO_DEEP or _json_depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH):
+        raise CorruptRecord(where, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", True)
+    return obj
 
 
 def as_array(data: bytes | bytearray, where: str) -> np.ndarray:
@@ -33,7 +69,7 @@ def wds_field(ext: str, data: bytes, where: str) -> Any:
         if last in INT_EXTS:
             return int(data.decode("ascii").strip())
         if last == "json":
-            return json.loads(data)
+            return json_field(data, where)
         if last in TEXT_EXTS:
             return data.decode("utf-8")
     except (ValueError, UnicodeDecodeError) as e:

@@ -8,8 +8,8 @@ from typing import Any
 from feedline.errors import ConfigError
 from feedline.producer.dataflow.shard_fields import pick, wds_field
 from feedline.producer.dataflow.sharded import ShardedSource
-from feedline.producer.shards.records import CorruptRecord
-from feedline.producer.shards.tar import members, split_key
+from feedline.producer.shards.records import CorruptRecord, Readable
+from feedline.producer.shards.tar import samples_at
 
 DEFAULT_FIELDS = ("jpg;jpeg;png;webp", "cls")
 
@@ -22,8 +22,10 @@ class WebDataset(ShardedSource):
     :class:`~feedline.producer.dataflow.sharded.ShardedSource`'s.
 
     A member cut short, a header whose checksum is wrong, a sample without one of the
-    fields: that sample is a corrupt record (counted, named ``shard#key``), and the rest of
-    the shard too when the tar cannot be followed past it.
+    fields, a sample whose fields hold more than ``max_sample_bytes``: that sample is a
+    corrupt record (counted, named ``shard#key``), and the rest of the shard too when the
+    tar cannot be followed past it. Members whose extension is not among ``fields`` are
+    skipped without being read into memory.
     """
 
     format = "webdataset"
@@ -34,8 +36,9 @@ class WebDataset(ShardedSource):
         if not self.fields:
             raise ConfigError("fields: at least one member extension")
         self._alts = [spec.split(";") for spec in self.fields]
+        self._wanted = frozenset(ext for alts in self._alts for ext in alts)
 
-    def _sample(self, url: str, key: str, members_: dict[str, bytes]) -> list[Any]:
+    def _sample(self, url: str, key: str, members_: dict[str, bytes | None]) -> list[Any]:
         where = f"{url}#{key}"
         out = []
         for alts, spec in zip(self._alts, self.fields, strict=True):
@@ -52,38 +55,25 @@ class WebDataset(ShardedSource):
                    chunk: int | None = None) -> Iterator[tuple[int | None, Any]]:
         stream = self.stream(url, start, end, chunk)
         try:
-            key: str | None = None
-            key_at = at = start  # where the sample being gathered / the next member starts
-            fields: dict[str, bytes] = {}
-            while True:
-                try:
-                    for name, data in members(stream, url, self.max_sample_bytes):
-                        k, ext = split_key(name)
-                        if k != key:
-                            if key is not None:
-                                yield key_at, self._guard(url, key, fields)
-                                fields = {}
-                            key_at = at
-                        key = k
-                        fields[ext] = data
-                        at = stream.offset  # members() stops after a member's padding
-                    break
-                except CorruptRecord as e:
-                    # The sample read so far stands if it has every field (its members were
-                    # whole); the corrupt member takes a place of its own.
-                    if key is not None:
-                        yield key_at, self._guard(url, key, fields)
-                    yield at, e
-                    key, fields = None, {}
-                    at = stream.offset
-                    if not e.resumable:
-                        return
-            if key is not None:
-                yield key_at, self._guard(url, key, fields)
+            yield from self.read_stream_at(stream, url)
         finally:
             stream.close()
 
-    def _guard(self, url: str, key: str, fields: dict[str, bytes]) -> Any:
+    def read_stream(self, stream: Readable, url: str) -> Iterator[Any]:
+        """One shard's samples from ``stream`` (:meth:`_read`'s, on any Readable): each a
+        datapoint or the CorruptRecord in its place; raises nothing else but the stream's
+        ShardError. Members of extensions not in ``fields`` are skipped unread, and a
+        sample's fields hold at most ``max_sample_bytes``."""
+        for _, item in self.read_stream_at(stream, url):
+            yield item
+
+    def read_stream_at(self, stream: Readable, url: str) -> Iterator[tuple[int, Any]]:
+        """:meth:`read_stream`'s items, each with the byte of the shard where its first
+        member's header starts (where a slice that begins with it seeks to)."""
+        for at, item in samples_at(stream, url, self.max_sample_bytes, self._wanted):
+            yield at, (item if isinstance(item, CorruptRecord) else self._guard(url, *item))
+
+    def _guard(self, url: str, key: str, fields: dict[str, bytes | None]) -> Any:
         try:
             return self._sample(url, key, fields)
         except CorruptRecord as e:

@@ -79,8 +79,8 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
         b = buf[i]
         i += 1
         result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, i
+        if b < 0x80:  # ten bytes carry 70 bits: protobuf keeps the low 64
+            return result & 0xFFFFFFFFFFFFFFFF, i
         shift += 7
 
 
@@ -126,12 +126,16 @@ def _int64s(items: Iterable[tuple[int, int, Any]]) -> list[int]:
 
 
 def _feature(buf: bytes) -> Any:
-    for kind, _, body in _fields(buf):
+    for kind, wt, body in _fields(buf):
+        if wt != 2:  # a list is length-delimited; anything else is no feature value
+            raise DataError(f"feature value field {kind} of wire type {wt}")
         items = list(_fields(body))
         if kind == 1:  # bytes_list
             return [v for num, wt, v in items if num == 1 and wt == 2]
         if kind == 2:  # float_list
             raw = b"".join(v for num, wt, v in items if num == 1 and wt in (2, 5))
+            if len(raw) % 4:
+                raise DataError(f"a float list of {len(raw)} bytes (not a multiple of 4)")
             return np.frombuffer(raw, "<f4").astype(np.float32)
         if kind == 3:
             return _int64s(items)
@@ -141,7 +145,8 @@ def _feature(buf: bytes) -> Any:
 def parse_example(data: bytes, keys: Sequence[str] | None = None) -> dict[str, Any]:
     """The features of a serialized ``tf.train.Example``: key -> list of bytes (bytes_list),
     list of int (int64_list) or float32 array (float_list); only ``keys`` if given. Raises
-    ValueError for what is not a well-formed Example."""
+    :class:`~feedline.errors.DataError` (a ValueError), and nothing else, for what is not a
+    well-formed Example (``tests/test_shards_fuzz.py`` holds it to that)."""
     want = None if keys is None else set(keys)
     out: dict[str, Any] = {}
     for num, wt, features in _fields(data):
