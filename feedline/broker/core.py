@@ -32,6 +32,7 @@ from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
 from feedline.broker.sizing import BrokerSizing
 from feedline.bundle import JOIN_FORWARDED, MAX_BUNDLE
+from feedline.logs import RateLimitedLog
 from feedline.serving.exact_streams import ExactConfig
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -110,6 +111,7 @@ class Broker:
         self._sink = _Sink(self)
         self.stats = BrokerStats()
         self._exact_labelled: set[str] = set()  # exact streams with series last tick
+        self._evict_log = RateLimitedLog(log, interval=10.0, burst=4)
         self.server: Server | None = None
         try:
             self.server = server = Server(self.ctx, ServingConfig(
@@ -209,10 +211,22 @@ class Broker:
         self._stream_gauges()
 
     def _enforce_shares(self) -> None:
-        """A stream that nobody reads keeps at most its share of the budget buffered (half an
-        equal part when several streams are produced: ``Budget.per_stream``): the oldest
-        batches beyond it are dropped and counted (an exact stream's are produced again
-        later), so that it cannot hold the budget the others need."""
+        """What unread streams may keep of the budget, in two rules:
+
+        - A stream that nobody reads keeps at most its share buffered (half an equal part
+          when several streams are produced: ``Budget.per_stream``, counted for the deepest
+          count the budget has had, so that a producer of large batches joining evicts
+          nothing granted to small ones).
+        - A stream that is read and produced always gets room for its floor
+          (``Budget.stream_floor`` of the budget in force, in batches and in bytes): what it
+          holds and was granted under it that the budget's free room cannot cover is taken
+          from the unread streams, oldest batches first (:meth:`_room_for_read`). Without it
+          an unread stream's leftovers of small batches, counted against the budget's batches
+          for a read stream's large ones, starved that stream for as long as they stayed
+          (issue 53, finding 1).
+
+        An evicted batch is dropped and counted (an exact stream's is produced again
+        later)."""
         held = self.buffer.by_stream()
         if not held:
             return
@@ -221,18 +235,76 @@ class Broker:
         over = unread & held.keys()  # unread streams with something buffered
         if not over:
             return
-        shares = self.ingress.planner.shares(self._sink.held_by_stream(), unread)
+        by_stream = self._sink.held_by_stream()
+        shares = self.ingress.planner.shares(by_stream, unread)
         for s in over:
             b, y = held[s]
             share = shares.get(s)
             if share is None or (b <= share.batches and y <= share.nbytes):
                 continue
-            coord = self.exact.get(s)
-            self.ingress.dirty = True  # room freed: a plan
-            for item in self.buffer.evict(s, share.batches, share.nbytes):
-                self.metrics.evicted.labels(self.metrics.stream_label.label(s)).inc(item.count)
-                if coord is not None and item.batch is not None:
-                    coord.lost(item.batch.key)
+            self._evict(s, share.batches, share.nbytes)
+        self._room_for_read(unread)
+
+    def _room_for_read(self, unread: set[str]) -> None:
+        """Evict the oldest batches of the ``unread`` streams (those that hold most first)
+        until the budget in force has room for what the read streams that are produced lack
+        of their floor. A read stream counts while one of its producers may ask for credit
+        (not one that gave its credit back and has not asked again: a finished one)."""
+        planner = self.ingress.planner
+        floor = planner.budget.stream_floor  # the count in force: shares() rescaled it
+        need_b = need_y = 0
+        needy: list[str] = []
+        by_stream = self._sink.held_by_stream()
+        mine: dict[str, list[int]] = {}
+        for p in planner.producers.values():
+            if p.stream in unread:
+                continue
+            t = mine.setdefault(p.stream, [0, 0, 0])
+            t[0] += p.outstanding
+            t[1] += p.reserved
+            t[2] |= int((not p.idle or p.wanting) and p.revoking_since is None)
+        for s, (ob, oy, asking) in mine.items():
+            if not asking:
+                continue
+            b, y = by_stream.get(s, (0, 0))
+            if b + ob < floor.batches or y + oy < floor.nbytes:
+                needy.append(s)
+                need_b += max(0, floor.batches - b - ob)
+                need_y += max(0, floor.nbytes - y - oy)
+        if not needy:
+            return
+        held_b, held_y = self._sink.held()
+        out_b, out_y = planner.outstanding()
+        short_b = need_b - (planner.budget.max_batches - held_b - out_b)
+        short_y = need_y - (planner.budget.max_bytes - held_y - out_y)
+        if short_b <= 0 and short_y <= 0:
+            return
+        held = self.buffer.by_stream()
+        for s in sorted(unread & held.keys(), key=lambda s: held[s], reverse=True):
+            if short_b <= 0 and short_y <= 0:
+                break
+            b, y = held[s]
+            gone_b, gone_y = self._evict(s, b - max(0, short_b), y - max(0, short_y))
+            short_b, short_y = short_b - gone_b, short_y - gone_y
+            self._evict_log.info(
+                "stream %s: %d batches (%s) that nobody reads evicted to make room for %s "
+                "(read; its floor is %d batches, %s, of a budget of %d batches counted for "
+                "its batches)", s, gone_b, _size(gone_y), ", ".join(sorted(needy)),
+                floor.batches, _size(floor.nbytes), planner.budget.max_batches)
+
+    def _evict(self, stream: str, batches: int, nbytes: int) -> tuple[int, int]:
+        """Drop the oldest batches of ``stream`` until it holds at most ``batches`` and
+        ``nbytes``; count them; returns (batches, bytes) dropped."""
+        coord = self.exact.get(stream)
+        self.ingress.dirty = True  # room freed: a plan
+        gone_b = gone_y = 0
+        label = self.metrics.stream_label.label(stream)
+        for item in self.buffer.evict(stream, max(0, batches), max(0, nbytes)):
+            self.metrics.evicted.labels(label).inc(item.count)
+            gone_b, gone_y = gone_b + item.count, gone_y + item.nbytes
+            if coord is not None and item.batch is not None:
+                coord.lost(item.batch.key)
+        return gone_b, gone_y
 
     def _stream_gauges(self) -> None:
         """Per-stream series: buffered batches, peers, and exact streams' progress."""
@@ -270,3 +342,7 @@ class Broker:
             self.server.close()
         if self._own_ctx and not self.ctx.closed:
             self.ctx.term()
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes} bytes"
