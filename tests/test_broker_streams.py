@@ -7,10 +7,16 @@ Real processes: a broker, ``feedline producer`` daemons with ``fake`` sources, a
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from feedline.commands import top
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.procs import wait_for
@@ -52,3 +58,48 @@ def test_an_unread_streams_batches_leave_a_read_stream_its_floor(
     assert got == TRAIN, f"{got} of {TRAIN} batches of train ({left:.0f} of idle buffered)"
     evicted = metrics.value("feedline_broker_evicted_batches_total", stream="idle")
     assert evicted > 0 if leaves else evicted >= left, (evicted, left)
+
+
+def test_top_and_the_help_say_what_the_batch_count_bounds(
+        tmp_path: Path, broker_proc, daemons, endpoints) -> None:
+    """50 tiny batches held on a stream nobody reads (granted under a count of 4,096), then a
+    producer of 8 MiB batches registers: the count in force is 32, and the broker holds 50.
+    `feedline top` says what is held (buffered, in flight, granted) against that limit and
+    why it is over it (before: "buffer 50/32 batches (156%)", unexplained); the metric's
+    description and ``--max-batches``'s help say what the number counts (before: "at most",
+    and "the configured one, small batches counted by their bytes")."""
+    _, metrics = start_broker(broker_proc)
+    tiny = start_producer(daemons, endpoints.ingress, fake_yaml(
+        tmp_path, "tiny", [[16]], ["uint8"], size=50, epochs=1), "tiny")
+    wait_for(lambda: metrics.value("feedline_broker_buffer_batches") >= 50, 20,
+             what="the 50 tiny batches")
+    wait_for(lambda: not tiny.alive(), 20, what="the tiny producer's exit")
+    start_producer(daemons, endpoints.ingress, fake_yaml(
+        tmp_path, "large", [[2048, 1024]], ["float32"], size=3, epochs=1), "large")
+    wait_for(lambda: metrics.value("feedline_broker_buffer_capacity_batches") == 32, 20,
+             what="the count in force for 8 MiB batches")
+    url = f"http://127.0.0.1:{metrics.port}/metrics"
+    first = top.snapshot([url])
+    screen = top.render(first, top.snapshot([url]))
+    lines = screen.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("held "))
+    assert lines[at].split() == (
+        "held 50 batches of 32 (over it; --max-batches for the largest batches): "
+        "50 buffered, 0 in flight, 0 granted").split(), lines[at]
+    assert lines[at + 1].strip().startswith(
+        "over it: granted while only smaller batches were produced"), lines[at + 1]
+    assert not re.search(r"\b(1\d\d|[2-9]\d\d+)%", screen), screen
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        page = r.read().decode()
+    described = next(ln for ln in page.splitlines()
+                     if ln.startswith("# HELP feedline_broker_buffer_capacity_batches "))
+    assert "buffered, in flight to consumers and granted to producers" in described
+    assert "count by their bytes" in described
+    helptext = subprocess.run([sys.executable, "-m", "feedline", "broker", "--help"],
+                              capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "COLUMNS": "400"}).stdout
+    flag = " ".join(helptext.split("\n  --max-batches MAX_BATCHES", 1)[1]
+                    .split("\n  --max-bytes")[0].split())
+    assert "counted for batches of 8 MiB or more" in flag and "111 of 2.4 MB" in flag, flag
+    assert "(default: 32)" in flag, flag

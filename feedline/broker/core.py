@@ -199,8 +199,9 @@ class Broker:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        _, in_y = self.egress.inflight()
+        in_b, in_y = self.egress.inflight()
         m.buffer_batches.set(self.buffer.batches)
+        m.inflight_batches.set(in_b)
         # The batch limit in force: --max-batches, small batches counted by their bytes.
         m.buffer_capacity_batches.set(self.ingress.planner.budget.max_batches)
         m.buffer_bytes.set(self.buffer.nbytes)

@@ -62,7 +62,8 @@ class BrokerMetrics:
             "feedline_broker_dropped_peers", "Peers dropped, by role and reason.",
             ["role", "reason"], registry=r)
         self.buffer_batches = Gauge(
-            "feedline_broker_buffer_batches", "Batches waiting in the broker.", registry=r)
+            "feedline_broker_buffer_batches",
+            "Batches waiting in the broker (a bundle counts as the batches in it).", registry=r)
         self.buffer_bytes = Gauge(
             "feedline_broker_buffer_bytes",
             "Bytes of the batches waiting in the broker (headers included).", registry=r)
@@ -70,12 +71,20 @@ class BrokerMetrics:
             "feedline_broker_inflight_bytes",
             "Bytes delivered to consumers and not yet reported taken (counted against "
             "--max-bytes: they sit in the broker's socket queues or the network).", registry=r)
+        self.inflight_batches = Gauge(
+            "feedline_broker_inflight_batches",
+            "Batches delivered to consumers and not yet reported taken (counted against "
+            "--max-batches).", registry=r)
         self.reserved_bytes = Gauge(
             "feedline_broker_reserved_bytes",
             "Bytes of credit granted to producers and not yet used.", registry=r)
         self.buffer_capacity_batches = Gauge(
             "feedline_broker_buffer_capacity_batches",
-            "Batch limit in force: the configured one, small batches counted by their bytes.",
+            "What --max-batches bounds now: batches buffered, in flight to consumers and "
+            "granted to producers, together, counted for the largest batches of the producers "
+            "registered (batches under 8 MiB count by their bytes: up to 128 per batch of "
+            "--max-batches). What was granted while only smaller batches were produced may "
+            "exceed it until taken; no credit is granted meanwhile.",
             registry=r)
         self.buffer_capacity_bytes = Gauge(
             "feedline_broker_buffer_capacity_bytes", "Configured byte limit.", registry=r)
