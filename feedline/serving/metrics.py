@@ -109,6 +109,11 @@ class BrokerMetrics:
             "Batches of a stream nobody reads dropped so that another stream gets room "
             "(with several streams, an unread one keeps half its share), by stream.",
             ["stream"], registry=r)
+        self.replaced = Counter(
+            "feedline_broker_replaced_batches",
+            "Batches left in the buffer by a producer that left, dropped because a pipeline "
+            "with another fingerprint produces their stream now (its end and error messages "
+            "too, not counted here), by stream.", ["stream"], registry=r)
         self.exact_epoch = Gauge(
             "feedline_broker_exact_epoch", "Exact streams: the epoch being served.",
             ["stream"], registry=r)
@@ -170,7 +175,7 @@ class BrokerMetrics:
         self.fleet_label = BoundedLabel(64)
 
     def _forget_stream(self, label: str) -> None:
-        for metric in (self.stream_batches, self.stream_buffer, self.evicted,
+        for metric in (self.stream_batches, self.stream_buffer, self.evicted, self.replaced,
                        self.demand, self.capacity, self.supply, self.consumer_wait,
                        self.producers_wanted):
             try:
