@@ -289,18 +289,26 @@ class Broker:
         for p in planner.producers.values():
             if p.stream in unread:
                 continue
-            t = mine.setdefault(p.stream, [0, 0, 0])
+            t = mine.setdefault(p.stream, [0, 0, 0, 0])
             t[0] += p.outstanding
             t[1] += p.reserved
             t[2] |= int((not p.idle or p.wanting) and p.revoking_since is None)
-        for s, (ob, oy, asking) in mine.items():
+            t[3] = max(t[3], p.unit)
+        for s, (ob, oy, asking, unit) in mine.items():
             if not asking:
                 continue
+            # No more of either than its batches can use: the floor's batches of its
+            # largest, or as many as the floor's bytes hold (evicting for bytes it could
+            # never be granted would lose batches for nothing).
+            fb, fy = floor.batches, floor.nbytes
+            if unit:
+                fb = min(fb, max(1, fy // unit))
+                fy = min(fy, fb * unit)
             b, y = by_stream.get(s, (0, 0))
-            if b + ob < floor.batches or y + oy < floor.nbytes:
+            if b + ob < fb or y + oy < fy:
                 needy.append(s)
-                need_b += max(0, floor.batches - b - ob)
-                need_y += max(0, floor.nbytes - y - oy)
+                need_b += max(0, fb - b - ob)
+                need_y += max(0, fy - y - oy)
         if not needy:
             return
         held_b, held_y = self._sink.held()
