@@ -10,6 +10,7 @@ Real processes: a broker, ``feedline producer`` daemons, ``RemoteDataZMQ`` on it
 
 from __future__ import annotations
 
+import textwrap
 import time
 
 import pytest
@@ -26,6 +27,7 @@ from tests.flow_support import (
     CountingConsumer,
     fake_yaml,
     queue_when_settled,
+    run_script,
     start_broker,
     start_producer,
 )
@@ -85,13 +87,25 @@ def test_a_producer_of_large_batches_joining_evicts_nothing_granted(broker_proc,
     """End to end: 50 tiny batches arrive while nobody reads their stream (their producer
     is done and gone), then a producer of 8 MiB batches registers. A consumer that comes
     later gets all 50 and the large ones; the broker evicted none (the same with the eviction
-    share counted for the budget now: 18 evicted)."""
+    share counted for the budget now: 18 evicted). The tiny ones' producer says no pipeline
+    fingerprint (``send_dataflow`` without one): a departed pipeline's batches of another
+    fingerprint than the one producing would be dropped (tests/test_broker_pipelines.py)."""
     _, metrics = start_broker(broker_proc)
-    tiny = start_producer(daemons, endpoints.ingress, fake_yaml(
-        tmp_path, "tiny", [[16]], ["uint8"], size=50, epochs=1), "tiny")
-    wait_for(lambda: metrics.value("feedline_broker_received_batches_total") >= 50, 20,
-             what="the 50 tiny batches")
-    wait_for(lambda: not tiny.alive(), 20, what="the tiny producer's exit")
+    tiny = run_script(textwrap.dedent(f"""
+        import numpy as np
+        from feedline.link import LinkConfig
+        from feedline.producer import send_dataflow
+        send_dataflow([[np.zeros(16, np.uint8)] for _ in range(50)], {endpoints.ingress!r},
+                      epochs=1, producer_id="tiny",
+                      link=LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5))
+        """), tmp_path / "tiny.log")
+    try:
+        wait_for(lambda: metrics.value("feedline_broker_received_batches_total") >= 50, 20,
+                 what="the 50 tiny batches")
+        assert tiny.wait(20) == 0, (tmp_path / "tiny.log").read_text()
+    finally:
+        tiny.kill()
+        tiny.wait(10)
     start_producer(daemons, endpoints.ingress, fake_yaml(
         tmp_path, "large", [[2048, 1024]], ["float32"], size=3, epochs=1), "large")
     wait_for(lambda: metrics.value("feedline_broker_peers", role="producer") >= 1, 20,

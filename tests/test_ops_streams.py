@@ -206,7 +206,9 @@ def test_top_lists_a_direct_mode_trainer_as_broker_and_consumer(tmp_path: Path,
         screen = out.stdout
         assert f"PRODUCERS (as direct-mode trainer {direct.url}" in screen, screen
         assert re.search(r"^\s+to-direct\s+[\d.]+", screen, re.M), screen
-        assert re.search(rf"BROKER \(direct mode\)  buffer \d+/{DEPTH * 4} batches", screen), screen
+        assert re.search(r"BROKER \(direct mode\)  buffer \d+ batches", screen), screen
+        assert re.search(rf"held \d+ batches of {DEPTH * 4} \(\d+%; window for the largest",
+                         screen), screen
         assert "CONSUMERS" in screen, screen
         (row,) = [line for line in screen.splitlines()
                   if line.strip().startswith(f"127.0.0.1:{direct.port}")]

@@ -105,12 +105,17 @@ class Buffer:
         return list(self._streams.get(stream, ()))
 
     def discard(self, stream: str, void: Callable[[Held], bool]) -> int:
-        """Drop the items of ``stream`` for which ``void`` holds; returns how many."""
+        """Drop the items of ``stream`` for which ``void`` holds (called once an item, in
+        order: it may count what it drops); returns how many."""
         q = self._streams.get(stream)
         if not q:
             return 0
-        keep = deque(h for h in q if not void(h))
-        dropped = [h for h in q if void(h)]
+        keep: deque[Held] = deque()
+        dropped: list[Held] = []
+        for h in q:
+            (dropped if void(h) else keep).append(h)
+        if not dropped:
+            return 0
         for h in dropped:
             if h.broadcast:
                 self.controls -= 1

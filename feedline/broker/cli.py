@@ -45,8 +45,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also accept tensorpack send_dataflow_zmq (TENSORPACK_SERIALIZE="
                    "msgpack) on this address; off when not given")
     p.add_argument("--max-batches", type=int, default=d.max_batches,
-                   help="batches buffered, in flight to consumers and granted to producers, "
-                   "at most")
+                   help="batches buffered, in flight to consumers and granted to producers "
+                   "together, at most, counted for batches of 8 MiB or more: smaller ones count "
+                   "by their bytes, up to 128 per batch given (32 holds 32 batches of 8 MiB, "
+                   "111 of 2.4 MB, 4,096 of 64 KiB or less); a bundle counts as its batches. "
+                   "feedline_broker_buffer_capacity_batches is the count in force "
+                   "(docs/architecture.md, flow control)")
     p.add_argument("--max-bytes", type=parse_size, default=d.max_bytes,
                    help="the broker's memory budget: bytes buffered, in flight to consumers "
                    "and granted to producers, at most (docs/architecture.md)")

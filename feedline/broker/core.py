@@ -32,6 +32,7 @@ from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
 from feedline.broker.sizing import BrokerSizing
 from feedline.bundle import JOIN_FORWARDED, MAX_BUNDLE
+from feedline.logs import RateLimitedLog
 from feedline.serving.exact_streams import ExactConfig
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -42,6 +43,23 @@ from feedline.wire import Batch
 log = logging.getLogger(__name__)
 
 PLAN_EVERY = 0.05  # seconds: the longest a credit plan waits (leases run on the clock)
+
+
+@dataclass
+class _Session:
+    """A producer session whose batches the buffer may hold: who, of which pipeline, and
+    when it was seen to come and to leave (by the loop's tick)."""
+
+    name: str
+    stream: str
+    pipeline: int  # its HELLO's fingerprint (0: not said)
+    joined: float
+    left: float | None = None
+    told: bool = False  # its leftovers being served was logged
+
+
+def _fp(pipeline: int) -> str:
+    return f"pipeline {pipeline:016x}" if pipeline else "a pipeline that says no fingerprint"
 
 
 @dataclass
@@ -110,6 +128,13 @@ class Broker:
         self._sink = _Sink(self)
         self.stats = BrokerStats()
         self._exact_labelled: set[str] = set()  # exact streams with series last tick
+        self._evict_log = RateLimitedLog(log, interval=10.0, burst=4)
+        # Producer sessions seen, and departed ones whose batches may still be buffered
+        # (bounded: the registered producers, and departed ones with something buffered).
+        self._sessions: dict[int, _Session] = {}
+        self._pipeline_log = RateLimitedLog(log, interval=10.0, burst=8)
+        self._registered = 0  # producers registered when _leftovers last looked
+        self._departed = False  # ... and whether departed ones' batches were held then
         self.server: Server | None = None
         try:
             self.server = server = Server(self.ctx, ServingConfig(
@@ -174,6 +199,11 @@ class Broker:
                 if events:
                     server.on_ready([s for s in events if isinstance(s, zmq.Socket)])
                 now = time.monotonic()
+                if len(self.ingress.producers) != self._registered or (
+                        self.egress.freed and self._departed):
+                    # A producer came or left, or a consumer came while departed ones' batches
+                    # are held: what they left is judged before anything of it is sent.
+                    self._leftovers(now)
                 self.stats.forwarded += self.egress.dispatch(now)
                 # A plan when it may grant more (feedline.serving.credit: ``due``, and
                 # ``blocked`` with room freed by a consumer: once it took ``wake`` batches, or
@@ -192,14 +222,16 @@ class Broker:
                     self._update_gauges()
                     self.sizing.tick(now, self.ingress, self.egress)
                     self._enforce_shares()
+                    self._leftovers(now)
                     next_tick = now + tick
         finally:
             self.close()
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        _, in_y = self.egress.inflight()
+        in_b, in_y = self.egress.inflight()
         m.buffer_batches.set(self.buffer.batches)
+        m.inflight_batches.set(in_b)
         # The batch limit in force: --max-batches, small batches counted by their bytes.
         m.buffer_capacity_batches.set(self.ingress.planner.budget.max_batches)
         m.buffer_bytes.set(self.buffer.nbytes)
@@ -210,10 +242,22 @@ class Broker:
         self._stream_gauges()
 
     def _enforce_shares(self) -> None:
-        """A stream that nobody reads keeps at most its share of the budget buffered (half an
-        equal part when several streams are produced: ``Budget.per_stream``): the oldest
-        batches beyond it are dropped and counted (an exact stream's are produced again
-        later), so that it cannot hold the budget the others need."""
+        """What unread streams may keep of the budget, in two rules:
+
+        - A stream that nobody reads keeps at most its share buffered (half an equal part
+          when several streams are produced: ``Budget.per_stream``, counted for the deepest
+          count the budget has had, so that a producer of large batches joining evicts
+          nothing granted to small ones).
+        - A stream that is read and produced always gets room for its floor
+          (``Budget.stream_floor`` of the budget in force, in batches and in bytes): what it
+          holds and was granted under it that the budget's free room cannot cover is taken
+          from the unread streams, oldest batches first (:meth:`_room_for_read`). Without it
+          an unread stream's leftovers of small batches, counted against the budget's batches
+          for a read stream's large ones, starved that stream for as long as they stayed
+          (issue 53, finding 1).
+
+        An evicted batch is dropped and counted (an exact stream's is produced again
+        later)."""
         held = self.buffer.by_stream()
         if not held:
             return
@@ -222,18 +266,180 @@ class Broker:
         over = unread & held.keys()  # unread streams with something buffered
         if not over:
             return
-        shares = self.ingress.planner.shares(self._sink.held_by_stream(), unread)
+        by_stream = self._sink.held_by_stream()
+        shares = self.ingress.planner.shares(by_stream, unread)
         for s in over:
             b, y = held[s]
             share = shares.get(s)
             if share is None or (b <= share.batches and y <= share.nbytes):
                 continue
-            coord = self.exact.get(s)
-            self.ingress.dirty = True  # room freed: a plan
-            for item in self.buffer.evict(s, share.batches, share.nbytes):
-                self.metrics.evicted.labels(self.metrics.stream_label.label(s)).inc(item.count)
-                if coord is not None and item.batch is not None:
-                    coord.lost(item.batch.key)
+            self._evict(s, share.batches, share.nbytes)
+        self._room_for_read(unread)
+
+    def _room_for_read(self, unread: set[str]) -> None:
+        """Evict the oldest batches of the ``unread`` streams (those that hold most first)
+        until the budget in force has room for what the read streams that are produced lack
+        of their floor. A read stream counts while one of its producers may ask for credit
+        (not one that gave its credit back and has not asked again: a finished one)."""
+        planner = self.ingress.planner
+        floor = planner.budget.stream_floor  # the count in force: shares() rescaled it
+        need_b = need_y = 0
+        needy: list[str] = []
+        by_stream = self._sink.held_by_stream()
+        mine: dict[str, list[int]] = {}
+        for p in planner.producers.values():
+            if p.stream in unread:
+                continue
+            t = mine.setdefault(p.stream, [0, 0, 0, 0])
+            t[0] += p.outstanding
+            t[1] += p.reserved
+            t[2] |= int((not p.idle or p.wanting) and p.revoking_since is None)
+            t[3] = max(t[3], p.unit)
+        for s, (ob, oy, asking, unit) in mine.items():
+            if not asking:
+                continue
+            # No more of either than its batches can use: the floor's batches of its
+            # largest, or as many as the floor's bytes hold (evicting for bytes it could
+            # never be granted would lose batches for nothing).
+            fb, fy = floor.batches, floor.nbytes
+            if unit:
+                fb = min(fb, max(1, fy // unit))
+                fy = min(fy, fb * unit)
+            b, y = by_stream.get(s, (0, 0))
+            if b + ob < fb or y + oy < fy:
+                needy.append(s)
+                need_b += max(0, fb - b - ob)
+                need_y += max(0, fy - y - oy)
+        if not needy:
+            return
+        held_b, held_y = self._sink.held()
+        out_b, out_y = planner.outstanding()
+        short_b = need_b - (planner.budget.max_batches - held_b - out_b)
+        short_y = need_y - (planner.budget.max_bytes - held_y - out_y)
+        if short_b <= 0 and short_y <= 0:
+            return
+        held = self.buffer.by_stream()
+        for s in sorted(unread & held.keys(), key=lambda s: held[s], reverse=True):
+            if short_b <= 0 and short_y <= 0:
+                break
+            b, y = held[s]
+            gone_b, gone_y = self._evict(s, b - max(0, short_b), y - max(0, short_y))
+            short_b, short_y = short_b - gone_b, short_y - gone_y
+            self._evict_log.info(
+                "stream %s: %d batches (%s) that nobody reads evicted to make room for %s "
+                "(read; its floor is %d batches, %s, of a budget of %d batches counted for "
+                "its batches)", s, gone_b, _size(gone_y), ", ".join(sorted(needy)),
+                floor.batches, _size(floor.nbytes), planner.budget.max_batches)
+
+    def _evict(self, stream: str, batches: int, nbytes: int) -> tuple[int, int]:
+        """Drop the oldest batches of ``stream`` until it holds at most ``batches`` and
+        ``nbytes``; count them; returns (batches, bytes) dropped."""
+        coord = self.exact.get(stream)
+        self.ingress.dirty = True  # room freed: a plan
+        gone_b = gone_y = 0
+        label = self.metrics.stream_label.label(stream)
+        for item in self.buffer.evict(stream, max(0, batches), max(0, nbytes)):
+            self.metrics.evicted.labels(label).inc(item.count)
+            gone_b, gone_y = gone_b + item.count, gone_y + item.nbytes
+            if coord is not None and item.batch is not None:
+                coord.lost(item.batch.key)
+        return gone_b, gone_y
+
+    def _leftovers(self, now: float) -> None:
+        """What departed producers left in a (training) stream's buffer, against what
+        produces the stream now:
+
+        - batches of a departed pipeline whose fingerprint differs from those the producers
+          of the stream now say, one of which registered since it left, are dropped, counted
+          (``feedline_broker_replaced_batches_total``) and logged once, naming both: a
+          consumer of the stream expects the batches of what produces it (before, a Keras
+          ``fit`` got the last run's, of another shape, minutes later);
+        - a departed producer's end and error messages are dropped as soon as a producer
+          of the stream has registered since it left (its run was replaced: a trainer
+          started now must not get the old run's ``ProducerError``);
+        - leftovers that stay (the same pipeline, or no producer now, or one that says no
+          fingerprint) are served, and logged once a departed session (WARNING unless the
+          same pipeline produces the stream now) when a consumer reads them.
+
+        Exact streams are left alone: their coordinator knows their pipeline and units."""
+        self._registered = len(self.ingress.producers)
+        live: dict[str, list[_Session]] = {}
+        keys = set()
+        for p in self.ingress.producers:
+            keys.add(p.session)
+            s = self._sessions.get(p.session)
+            if s is None or s.stream != p.stream:
+                s = self._sessions[p.session] = _Session(p.name, p.stream, p.pipeline, now)
+            s.left = None  # (back, if it had left)
+            live.setdefault(p.stream, []).append(s)
+        gone: dict[str, dict[int, _Session]] = {}
+        for key, s in self._sessions.items():
+            if s.left is None and key not in keys:
+                s.left = now
+            if s.left is not None:
+                gone.setdefault(s.stream, {})[key] = s
+        for stream, departed in gone.items():
+            if self.exact.get(stream) is None:
+                self._drop_leftovers(stream, departed, live.get(stream, []))
+            held = {h.session for h in self.buffer.items(stream)}
+            for key in departed:
+                if key not in held:
+                    del self._sessions[key]
+        self._departed = any(s.left is not None for s in self._sessions.values())
+
+    def _drop_leftovers(self, stream: str, departed: dict[int, _Session],
+                        current: list[_Session]) -> None:
+        """:meth:`_leftovers` for one stream: ``departed`` sessions, by key, and those of the
+        producers registered on it ``current``."""
+        fps = {s.pipeline for s in current if s.pipeline}
+        # Replaced: a producer registered since it left (of another pipeline, for its
+        # batches). One of another pipeline that produced beside it (two pipelines feeding
+        # one stream on purpose) replaces nothing: what it left is served.
+        replaced = {k for k, s in departed.items()
+                    if s.left is not None and any(n.joined >= s.left for n in current)}
+        stale = {k for k, s in departed.items()
+                 if k in replaced and s.pipeline and fps and s.pipeline not in fps
+                 and any(n.pipeline and n.joined >= (s.left or 0.0) for n in current)}
+        if stale or replaced:
+            dropped: dict[int, list[int]] = {}  # session -> [batches, end/error messages]
+
+            def void(h: Held) -> bool:
+                if h.session in stale or (h.broadcast and h.session in replaced):
+                    n = dropped.setdefault(h.session, [0, 0])
+                    n[h.broadcast] += 1 if h.broadcast else h.count
+                    return True
+                return False
+
+            if self.buffer.discard(stream, void):
+                self.ingress.dirty = True  # room freed: a plan
+                label = self.metrics.stream_label.label(stream)
+                currentnames = ", ".join(sorted({n.name for n in current}))
+                for key, (n, controls) in dropped.items():
+                    s = departed[key]
+                    self.metrics.replaced.labels(label).inc(n)
+                    self._pipeline_log.warning(
+                        "stream %s: dropped %d batches%s left by producer %s (%s), which "
+                        "left: producer %s (%s) produces the stream now", stream, n,
+                        f" and {controls} end/error message(s)" if controls else "",
+                        s.name, _fp(s.pipeline), currentnames,
+                        ", ".join(_fp(f) for f in sorted(fps)) or _fp(0))
+        if not self.egress.demand(stream):
+            return
+        left = {h.session for h in self.buffer.items(stream) if not h.broadcast}
+        for key in left & departed.keys():
+            s = departed[key]
+            if s.told:
+                continue
+            s.told = True
+            same = bool(s.pipeline) and fps == {s.pipeline}
+            self._pipeline_log.log(
+                logging.INFO if same else logging.WARNING,
+                "stream %s: serving batches left by producer %s (%s), which left; %s",
+                stream, s.name, _fp(s.pipeline),
+                "the same pipeline produces the stream now" if same else
+                "no producer of the stream is registered now" if not current else
+                "its producers now say no fingerprint to compare" if not fps else
+                "it says no fingerprint to compare with the producers' now")
 
     def _stream_gauges(self) -> None:
         """Per-stream series: buffered batches, peers, and exact streams' progress."""
@@ -271,3 +477,7 @@ class Broker:
             self.server.close()
         if self._own_ctx and not self.ctx.closed:
             self.ctx.term()
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes} bytes"

@@ -10,7 +10,8 @@ scrapes them all and shows, from the difference between two scrapes:
   done out of all;
 - per producer endpoint: how much of its time it waits for credit (the trainer is slower) or
   for its own pipeline (preprocessing is slower);
-- the broker's buffer fill, peers, losses and rejects;
+- the broker's buffer, what its batch budget holds against its limit in force (and why, when
+  over it), peers, losses and rejects;
 - per stream, the broker's sizing: its trainers' demand, its producers' supply, the producers
   it needs (``feedline_broker_stream_producers_wanted``) and why (the stream's verdict), and
   each supervisor's share (``feedline fleet``);
@@ -93,6 +94,30 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:8.1f}"
 
 
+def _budget_lines(b: Scrape, direct: bool) -> list[str]:
+    """What the broker's batch budget holds against its limit in force, saying what both
+    count: ``--max-batches`` bounds the batches buffered, in flight to consumers and granted
+    to producers together, counted for the largest batches registered (smaller ones by their
+    bytes: feedline.serving.budget.depth). Held above the limit (granted while only smaller
+    batches were produced) is said so, on a line of its own, not shown as a fill over 100%.
+    ``direct``: a direct-mode trainer, whose count is its ``window``."""
+    cap = b.get("feedline_broker_buffer_capacity_batches") or 0.0
+    buffered = b.get("feedline_broker_buffer_batches") or 0.0
+    inflight = b.get("feedline_broker_inflight_batches") or 0.0
+    granted = b.get("feedline_broker_credit_outstanding_batches") or 0.0
+    held = buffered + inflight + granted
+    over = bool(cap) and held > cap
+    fill = "over it" if over else f"{100 * held / cap:.0f}%" if cap else "none known"
+    flag = "window" if direct else "--max-batches"
+    lines = [f"        held {held:.0f} batches of {cap:.0f} ({fill}; {flag} for the "
+             f"largest batches): {buffered:.0f} buffered, {inflight:.0f} in flight, "
+             f"{granted:.0f} granted"]
+    if over:
+        lines.append("          over it: granted while only smaller batches were produced "
+                     "(they count by their bytes); no credit until they are taken")
+    return lines
+
+
 def render(prev: Snapshot, cur: Snapshot, width: int = 120,
            history: Sequence[Snapshot] = (), tracker: VerdictTracker | None = None) -> str:
     """The screen for two successive snapshots of the same endpoints (pure but for
@@ -126,16 +151,16 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120,
             lines.append(f"  {pid[:32]:<32} {rb:>10.1f} {_mb(ry)} {lost:>6.0f}")
         lines.append(f"  {'total':<32} {tot_b:>10.1f} {_mb(tot_y)}")
         fill = b.get("feedline_broker_buffer_batches") or 0.0
-        cap = b.get("feedline_broker_buffer_capacity_batches") or 0.0
         fill_b = b.get("feedline_broker_buffer_bytes") or 0.0
         fwd = _rate(p, b, "feedline_broker_forwarded_batches_total")
         lines.append("")
         lines.append(
-            f"BROKER{' (direct mode)' if direct else ''}  buffer {fill:.0f}/{cap:.0f} batches"
-            f" ({100 * fill / cap if cap else 0:.0f}%) {fill_b / 2**20:.1f} MiB   forwarded"
+            f"BROKER{' (direct mode)' if direct else ''}  buffer {fill:.0f} batches"
+            f" {fill_b / 2**20:.1f} MiB   forwarded"
             f" {fwd:.1f} batches/s   peers: "
             f"{b.get('feedline_broker_peers', role='producer') or 0:.0f} producers, "
             f"{b.get('feedline_broker_peers', role='consumer') or 0:.0f} consumers")
+        lines += _budget_lines(b, direct)
         lines.append(
             f"        lost {b.total('feedline_broker_lost_batches_total'):.0f}   rejected "
             f"{b.total('feedline_broker_rejected_messages_total'):.0f}   dropped peers "

@@ -157,7 +157,7 @@ class ProducerIO:
                 last_broker=(ch.link.broker_id or 0) if ch else 0,
                 delivery=x.delivery if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
                 unit_size=x.unit_size if x else 0, epochs=x.epochs if x else 0,
-                pipeline=x.fingerprint if x else 0,
+                pipeline=x.fingerprint if x and x.fingerprint else self.out.pipeline,
                 fleet=self.out.fleet[0], fleet_max=self.out.fleet[1])
 
         def registered(_registration: int) -> None:

@@ -34,6 +34,7 @@ from feedline.producer.pipeline import (
     load_config,
     parallel_summary,
     pipeline_stages,
+    training_fingerprint,
 )
 from feedline.producer.sender import SendStats, send_dataflow
 from feedline.version import __version__
@@ -224,7 +225,8 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
                               stream=cfg.get("stream", "default"),
                               log_interval=args.log_interval,
                               skipped=lambda: sum(s.skipped for s in stages),
-                              fleet=(args.fleet, args.fleet_max, args.join_run))
+                              fleet=(args.fleet, args.fleet_max, args.join_run),
+                              pipeline=training_fingerprint(cfg))
     except FeedlineError as e:
         # What the operator must change (a batch larger than the broker's --max-bytes, a
         # datapoint over the protocol's limits): one line, not a traceback.

@@ -132,6 +132,10 @@ class Outbox:
     loop: ClientLoop | None = None
     exact: ExactSpec | None = None
     fleet: Fleet = Fleet()  # the supervisor that started us
+    # A training pipeline's fingerprint (0: not said), declared in HELLO: a broker drops the
+    # leftovers of a departed pipeline once another produces the stream (docs/architecture.md,
+    # "Streams"). An exact pipeline's is its spec's.
+    pipeline: int = 0
     units: queue.Queue[m.Unit | m.UnitWait] = field(default_factory=lambda: queue.Queue(8))
 
     def nudge(self) -> None:

@@ -37,6 +37,8 @@ the worker processes and the runner adds their counts to this process's stages.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,22 @@ def load_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ConfigError("top level must be a map with 'source' or 'factory'")
     return cfg
+
+
+# What a pipeline file says that does not change the batches it makes: where they go, and
+# for how long.
+_NOT_THE_PIPELINE = ("stream", "epochs")
+
+
+def training_fingerprint(cfg: Mapping[str, Any]) -> int:
+    """The pipeline a (training) pipeline file describes, as one number (1 .. 2**63 - 1):
+    everything in it but its stream and epochs (``--data`` applied). Producers of one file
+    have the same; a broker drops what a departed pipeline left on a stream once one with
+    another fingerprint produces it (docs/architecture.md, "Streams")."""
+    what = {k: v for k, v in cfg.items() if k not in _NOT_THE_PIPELINE}
+    text = json.dumps(what, sort_keys=True, default=str)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 1) or 1
 
 
 class Chain:

@@ -95,7 +95,12 @@ class Sender:
     """A producer's connection to one broker, or to several (``addr`` a list, or a DNS name
     that resolves to several hosts, resolved again every 30 s: each batch goes to one of
     them, by credit, so a faster host gets more and one that dies or restarts does not stop
-    the others being served). Use it from one thread; it runs its own I/O thread."""
+    the others being served). Use it from one thread; it runs its own I/O thread.
+
+    ``pipeline``: a fingerprint of what makes the batches (1 .. 2**63 - 1; 0: not said),
+    declared in HELLO. A broker drops what a departed producer left on the stream once a
+    producer of another fingerprint produces it (docs/architecture.md, "Streams");
+    ``feedline producer`` passes its pipeline file's."""
 
     def __init__(
         self,
@@ -108,6 +113,7 @@ class Sender:
         stream: str = m.DEFAULT_STREAM,
         exact: ExactSpec | None = None,
         fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0),
+        pipeline: int = 0,
     ) -> None:
         cfg = link or LinkConfig()
         self.limits = cfg.limits
@@ -129,8 +135,10 @@ class Sender:
         self._ask = 0  # ... and the number of our last request for one
         self._closed = False
         self.stopped = False  # set when told to stop (not at the dataflow's end): see flush
+        if not 0 <= pipeline < 1 << 63:
+            raise ConfigError(f"pipeline must be a fingerprint in 0 .. 2**63 - 1, not {pipeline}")
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
-                                 exact=exact, fleet=Fleet(*fleet))
+                                 exact=exact, fleet=Fleet(*fleet), pipeline=pipeline)
         out.waker = Waker()
         targets = self.targets
         out.loop = ClientLoop("feedline-producer-io",
@@ -365,6 +373,7 @@ def send_dataflow(
     curve: ClientKeys | None = None,
     stream: str = m.DEFAULT_STREAM,
     fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0),
+    pipeline: int = 0,
 ) -> SendStats:
     """Send every datapoint of ``df`` to the broker at ``addr`` (or to several), ``epochs``
     times.
@@ -377,6 +386,7 @@ def send_dataflow(
     its traceback) and re-raised. Returns when done, or when ``stop`` is set. ``fleet``:
     the id and ``--max`` of the supervisor that started this producer, and whether it joins
     a run under way (``feedline fleet``; :class:`~feedline.producer.outbox.Fleet`).
+    ``pipeline``: its fingerprint, as :class:`Sender` takes it.
     """
     df = as_dataflow(df)
     df.reset_state()
@@ -384,7 +394,7 @@ def send_dataflow(
     shards = claiming_source(df)  # a sharded source reads the shards the broker hands out
     spec = None if shards is None else claim_spec(shards, epochs)
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream, exact=spec, fleet=fleet) as sender:
+                stream=stream, exact=spec, fleet=fleet, pipeline=pipeline) as sender:
         if shards is not None:
             shards.attach(SenderClaims(sender, stop))
         rate = _RateLog(sender, log_interval, skipped)

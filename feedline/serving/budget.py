@@ -137,7 +137,8 @@ class Budget:
     @property
     def stream_floor(self) -> Share:
         """What a stream that a consumer reads may always hold: a quarter, whatever other
-        streams are registered or produced."""
+        streams are registered, produced or hold (a broker evicts what unread streams hold
+        when a read one lacks it: :meth:`feedline.broker.core.Broker._enforce_shares`)."""
         return self.part(4)
 
     def per_stream(self, streams: int, read: bool) -> Share:

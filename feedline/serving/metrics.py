@@ -62,7 +62,8 @@ class BrokerMetrics:
             "feedline_broker_dropped_peers", "Peers dropped, by role and reason.",
             ["role", "reason"], registry=r)
         self.buffer_batches = Gauge(
-            "feedline_broker_buffer_batches", "Batches waiting in the broker.", registry=r)
+            "feedline_broker_buffer_batches",
+            "Batches waiting in the broker (a bundle counts as the batches in it).", registry=r)
         self.buffer_bytes = Gauge(
             "feedline_broker_buffer_bytes",
             "Bytes of the batches waiting in the broker (headers included).", registry=r)
@@ -70,12 +71,20 @@ class BrokerMetrics:
             "feedline_broker_inflight_bytes",
             "Bytes delivered to consumers and not yet reported taken (counted against "
             "--max-bytes: they sit in the broker's socket queues or the network).", registry=r)
+        self.inflight_batches = Gauge(
+            "feedline_broker_inflight_batches",
+            "Batches delivered to consumers and not yet reported taken (counted against "
+            "--max-batches).", registry=r)
         self.reserved_bytes = Gauge(
             "feedline_broker_reserved_bytes",
             "Bytes of credit granted to producers and not yet used.", registry=r)
         self.buffer_capacity_batches = Gauge(
             "feedline_broker_buffer_capacity_batches",
-            "Batch limit in force: the configured one, small batches counted by their bytes.",
+            "What --max-batches bounds now: batches buffered, in flight to consumers and "
+            "granted to producers, together, counted for the largest batches of the producers "
+            "registered (batches under 8 MiB count by their bytes: up to 128 per batch of "
+            "--max-batches). What was granted while only smaller batches were produced may "
+            "exceed it until taken; no credit is granted meanwhile.",
             registry=r)
         self.buffer_capacity_bytes = Gauge(
             "feedline_broker_buffer_capacity_bytes", "Configured byte limit.", registry=r)
@@ -100,6 +109,11 @@ class BrokerMetrics:
             "Batches of a stream nobody reads dropped so that another stream gets room "
             "(with several streams, an unread one keeps half its share), by stream.",
             ["stream"], registry=r)
+        self.replaced = Counter(
+            "feedline_broker_replaced_batches",
+            "Batches left in the buffer by a producer that left, dropped because a pipeline "
+            "with another fingerprint produces their stream now (its end and error messages "
+            "too, not counted here), by stream.", ["stream"], registry=r)
         self.exact_epoch = Gauge(
             "feedline_broker_exact_epoch", "Exact streams: the epoch being served.",
             ["stream"], registry=r)
@@ -161,7 +175,7 @@ class BrokerMetrics:
         self.fleet_label = BoundedLabel(64)
 
     def _forget_stream(self, label: str) -> None:
-        for metric in (self.stream_batches, self.stream_buffer, self.evicted,
+        for metric in (self.stream_batches, self.stream_buffer, self.evicted, self.replaced,
                        self.demand, self.capacity, self.supply, self.consumer_wait,
                        self.producers_wanted):
             try:

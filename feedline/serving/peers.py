@@ -145,6 +145,7 @@ class Producer(Peer):
     pending_gap: int = 0  # lost before a re-registration: reported with its next batch
     fleet: tuple[str, int] = ("", 0)  # the supervisor that started it, and its --max
     exact: bool = False  # it serves an exact stream
+    pipeline: int = 0  # its pipeline's fingerprint, as its HELLO said (0: not said)
     # Its series of received batches and bytes, looked up once: ``labels()`` per batch cost
     # ~3 us (the label is held while it is registered, so the series stays).
     counted: tuple[Any, Any] = (None, None)

@@ -185,7 +185,7 @@ class ProducerSide:
         p = Producer(ident=ident, name=msg.producer, session=msg.session,
                      registration=msg.registration, stream=msg.stream, last_seen=now,
                      fd=fd, fd_ino=ino, label=label, exact=msg.delivery == m.EXACT,
-                     fleet=(msg.fleet, msg.fleet_max))
+                     fleet=(msg.fleet, msg.fleet_max), pipeline=msg.pipeline)
         self.producers.add(p)
         self.exact.attach(p.stream, p.exact)
         self.metrics.init_producer(label)
