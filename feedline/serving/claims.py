@@ -126,7 +126,7 @@ def admit(exact: ExactStreams, claims: ClaimStreams, ident: bytes,
     that claims shards declares the stream's shards. :class:`Refusal` if not."""
     if msg.delivery == m.EXACT:
         exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size, msg.epochs,
-                                         msg.pipeline), time.monotonic())
+                                         msg.pipeline), time.monotonic(), ident, msg.session)
         return
     exact.training_may_join(msg.stream)
     if msg.dataset_size > 0:  # a training producer that claims its shards
