@@ -12,10 +12,19 @@ real broker and producer processes on 127.0.0.1.
 
 from __future__ import annotations
 
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import yaml
+
 from feedline.procs import wait_for
 from feedline.serving.coordinator import Assignment
+from tests.shard_server import file_server
+from tests.shard_support import make_wds
 from tests.test_exact_delivery import assert_exactly_once, pipeline, producer, samples
 from tests.test_exact_resume import remote
+from tests.test_shards_claims import FAST, LIVENESS
 
 
 def connected(broker, n: int) -> bool:
@@ -66,6 +75,86 @@ def test_a_new_jobs_producer_waits_for_the_last_runs_producers_then_starts_the_n
     assert "a new run" in broker.log_text()
 
 
+def shard_pipeline(tmp_path: Path, url: str, shards: int, epochs: int | None = 1) -> Path:
+    cfg = {"stream": "train", "seed": 1, "epochs": epochs,
+           "source": {"webdataset": {"urls": f"{url}/train-{{000000..{shards - 1:06d}}}.tar",
+                                     "fields": ["bin", "cls"]}},
+           "steps": [{"map": {"function": "tests.shard_support:id_and_digest",
+                              "component": None}},
+                     {"batch": {"batch_size": 5, "remainder": True}}]}
+    path = tmp_path / f"train-{shards}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def shard_producer(daemons, cfg: Path, broker: str, name: str):
+    return daemons("feedline.producer", "--config", cfg, "--broker", broker, "--id", name,
+                   *LIVENESS, name=name)
+
+
+def take_ids(egress: str, n: int, until: set[int] | None = None, most: int = 20000) -> Counter:
+    """``n`` samples of stream ``train``, counted by id (with ``until``: until those ids are
+    seen too, at most ``most`` samples: what an earlier producer left buffered comes first)."""
+    from feedline.consumer import RemoteDataZMQ
+
+    seen: Counter = Counter()
+    with RemoteDataZMQ(egress, stream="train", timeout=30, link=FAST, return_meta=True) as src:
+        it = iter(src)
+        while sum(seen.values()) < n or (until and not until <= set(seen)
+                                         and sum(seen.values()) < most):
+            ids, _ = next(it).datapoint
+            seen.update(int(i) for i in np.asarray(ids))
+    return seen
+
+
+def test_a_one_epoch_shard_pipeline_run_a_second_time_is_served_again(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Finding 10, second half: an ``epochs: 1`` shard pipeline (claims) served, its producer
+    gone; the same pipeline run again (the next job). Before: 0 batches, the producer exited
+    0 at once ("finished": the claim table of the first run was still there). Now a table
+    whose run was served and whose producers left is gone: the second job gets every sample."""
+    make_wds(tmp_path / "shards", shards=4, per_shard=5, nbytes=200)
+    broker = broker_proc()
+    with file_server(str(tmp_path / "shards")) as url:
+        cfg = shard_pipeline(tmp_path, url, 4)
+        for job in range(2):
+            p = shard_producer(daemons, cfg, endpoints.ingress, f"job{job}")
+            assert take_ids(endpoints.egress, 20) == Counter({i: 1 for i in range(20)}), job
+            wait_for(lambda p=p: not p.alive(), 20, what=f"job {job}'s producer to finish")
+            assert p.proc.returncode == 0, p.log_text()[-2000:]
+    assert "delivery_mismatch" not in broker.log_text()
+
+
+def test_a_grown_shard_list_starts_a_fresh_claim_table_once_the_old_producers_left(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Finding 10, first half: a stream read from 4 shards, its producers stopped, the shard
+    list grown to 6 and the producers started again. Before: every new producer was refused
+    ``delivery_mismatch`` ("reads 4 shards") for as long as the broker ran. Now the old table
+    goes with its producers and the new ones read all 6 shards. While an old producer is still
+    attached, a producer of the other list is refused with one line naming both and what to
+    do."""
+    make_wds(tmp_path / "shards", shards=6, per_shard=5, nbytes=200)
+    broker = broker_proc("--max-batches", "8")  # what the old producer leaves buffered: little
+    with file_server(str(tmp_path / "shards")) as url:
+        four, six = shard_pipeline(tmp_path, url, 4, epochs=None), shard_pipeline(tmp_path, url, 6)
+        old = shard_producer(daemons, four, endpoints.ingress, "old")
+        take_ids(endpoints.egress, 10)
+        early = shard_producer(daemons, six, endpoints.ingress, "early")
+        wait_for(lambda: not early.alive(), 20, what="the other list's producer to be refused")
+        line = [s for s in early.log_text().splitlines() if "reads 4 shards" in s]
+        assert early.proc.returncode != 0 and line, early.log_text()[-2000:]
+        assert "reads 6 shards" in line[-1] and "stop the stream's other" in line[-1], line[-1]
+        old.stop()
+        p = shard_producer(daemons, six, endpoints.ingress, "new")
+        wait_for(lambda: "producer new joined" in broker.log_text(), 20,
+                 what="the new list's producer to register")
+        seen = take_ids(endpoints.egress, 30, until=set(range(20, 30)))
+        assert set(range(20, 30)) <= set(seen), seen  # shards 4 and 5 are read
+        wait_for(lambda: not p.alive(), 20, what="the new producer to finish")
+        assert p.proc.returncode == 0, p.log_text()[-2000:]
+    assert "a fresh claim table" in broker.log_text(), broker.log_text()[-3000:]
+
+
 # -- the rules as the broker's tables see them (no sockets: these classes have none) ---------
 
 def test_a_producer_of_the_run_is_told_it_is_finished_and_a_later_one_waits_for_it():
@@ -91,3 +180,50 @@ def test_a_producer_of_the_run_is_told_it_is_finished_and_a_later_one_waits_for_
     assert c.request(b"c", first=True) == Assignment(1, 0, 0)  # the next run
     c.enlist(b"b", 2)  # b registers again (a reconnect): of this run now, not a newcomer
     assert c.request(b"b", first=True) == "busy"
+
+
+def test_a_claim_table_lingers_for_a_restarting_producer_then_starts_afresh():
+    """Finding 10 at the claim table: a table whose producers left goes on for a producer
+    that comes within LINGER seconds (a restart), and starts at epoch 0 for one after."""
+    from feedline.serving.claims import LINGER, ClaimStreams
+
+    s = ClaimStreams()
+    t = s.join("train", 4, 0, b"a", now=0.0)
+    assert not isinstance(t, str)
+    for _ in range(6):
+        a = t.request(b"a")
+        assert not isinstance(a, str)
+        t.ack(b"a", a.epoch, a.unit)
+    s.leave("train", b"a", now=1.0)
+    assert s.join("train", 4, 0, b"b", now=LINGER) is t and t.epoch == 1  # where it was
+    s.leave("train", b"b", now=LINGER)
+    fresh = s.join("train", 4, 0, b"c", now=2 * LINGER + 1)
+    assert fresh is not t and not isinstance(fresh, str) and fresh.epoch == fresh.next == 0
+
+
+def test_a_served_claim_table_goes_with_its_producers_and_a_changed_list_starts_afresh():
+    """Finding 10: an ``epochs: 1`` table handed out: a producer that registers while the
+    run's producer still reads is told ``busy``, then starts the next run once it left;
+    another shard list is refused in one line naming both while a producer of the old list is
+    attached, and starts a fresh table once none is."""
+    from feedline.serving.claims import ClaimStreams
+
+    s = ClaimStreams()
+    t = s.join("train", 2, 1, b"a", fingerprint=0xA, now=0.0)
+    assert not isinstance(t, str)
+    for _ in range(2):
+        a = t.request(b"a")
+        assert not isinstance(a, str)
+        t.ack(b"a", a.epoch, a.unit)
+    assert t.request(b"a") == "finished"
+    assert s.join("train", 2, 1, b"b", fingerprint=0xA, now=1.0) is t
+    assert t.request(b"b") == "busy"  # a still reads its last shard
+    refused = s.join("train", 3, 1, b"x", fingerprint=0xB, now=1.0)
+    assert isinstance(refused, str) and "\n" not in refused
+    assert "reads 2 shards (list a)" in refused and "reads 3 shards (list b)" in refused
+    assert "stop the stream's other producers first" in refused
+    s.leave("train", b"a", now=2.0)
+    assert t.request(b"b") == Assignment(0, 0, 0)  # the next run
+    s.leave("train", b"b", now=3.0)
+    other = s.join("train", 2, 1, b"y", fingerprint=0xB, now=3.0)  # same count, other files
+    assert other is not t and not isinstance(other, str) and other.fingerprint == 0xB
