@@ -75,14 +75,16 @@ def test_a_new_jobs_producer_waits_for_the_last_runs_producers_then_starts_the_n
     assert "a new run" in broker.log_text()
 
 
-def shard_pipeline(tmp_path: Path, url: str, shards: int, epochs: int | None = 1) -> Path:
+def shard_pipeline(tmp_path: Path, url: str, shards: int, epochs: int | None = 1,
+                   first: int = 0) -> Path:
+    last = first + shards - 1
     cfg = {"stream": "train", "seed": 1, "epochs": epochs,
-           "source": {"webdataset": {"urls": f"{url}/train-{{000000..{shards - 1:06d}}}.tar",
+           "source": {"webdataset": {"urls": f"{url}/train-{{{first:06d}..{last:06d}}}.tar",
                                      "fields": ["bin", "cls"]}},
            "steps": [{"map": {"function": "tests.shard_support:id_and_digest",
                               "component": None}},
                      {"batch": {"batch_size": 5, "remainder": True}}]}
-    path = tmp_path / f"train-{shards}.yaml"
+    path = tmp_path / f"train-{first}-{shards}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -153,6 +155,27 @@ def test_a_grown_shard_list_starts_a_fresh_claim_table_once_the_old_producers_le
         wait_for(lambda: not p.alive(), 20, what="the new producer to finish")
         assert p.proc.returncode == 0, p.log_text()[-2000:]
     assert "a fresh claim table" in broker.log_text(), broker.log_text()[-3000:]
+
+
+def test_another_list_of_as_many_shards_is_refused_in_one_line_while_the_old_is_read(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Finding 10, a changed list of the same length (shards 2-5 for 0-3): told apart by
+    the list's fingerprint. Before: taken into the old table (its shards 0-3 handed out as if
+    they were the new list's, silently). Now refused in one line naming both lists while the
+    old list's producer reads."""
+    make_wds(tmp_path / "shards", shards=6, per_shard=5, nbytes=200)
+    broker_proc()
+    with file_server(str(tmp_path / "shards")) as url:
+        old = shard_producer(daemons, shard_pipeline(tmp_path, url, 4, epochs=None),
+                             endpoints.ingress, "old")
+        take_ids(endpoints.egress, 5)
+        other = shard_producer(daemons, shard_pipeline(tmp_path, url, 4, first=2),
+                               endpoints.ingress, "other")
+        wait_for(lambda: not other.alive(), 20, what="the other list's producer to be refused")
+        assert old.alive() and other.proc.returncode != 0
+        line = other.log_text().strip().splitlines()[-1]
+        assert "reads 4 shards (list " in line and "this producer reads 4 shards (list " \
+            in line and "stop the stream's other producers first" in line, line
 
 
 # -- the rules as the broker's tables see them (no sockets: these classes have none) ---------
