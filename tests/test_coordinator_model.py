@@ -3,15 +3,18 @@ drives the real :class:`feedline.serving.coordinator.Coordinator` (and its real 
 tmpfs directory) with the broker's glue around it played in miniature (the buffer, what is in
 flight to each consumer, orphans, the consumers' own checks, producers making units batch by
 batch), in random interleavings of: a producer asking for a unit, making a batch (or losing
-one on the way), finishing a unit, dying, starting fresh (a second job); a batch delivered,
-taken by the model, acknowledged; a consumer paused past the timeout and woken, killed, or
-registering again; the journal committed; the broker restarted from its journal (with a torn
-last record); the job checkpointed, and resumed from any earlier checkpoint.
+one on the way), finishing a unit, dying, registering (one more of the run being served, or,
+on a served stream, a second job's); a batch delivered, taken by the model, acknowledged; a
+consumer paused past the timeout and woken, killed, or registering again; the journal
+committed; the broker restarted from its journal (with a torn last record); the job
+checkpointed, and resumed from any earlier checkpoint; everything run to the epoch's end.
 
 After every step: no batch is taken twice by the job (its view rolls back only with a resume);
 every epoch the coordinator ends was taken whole (every batch, but for those every sample of
-which was skipped). At the end, everything is woken and run to completion: the epoch (or the
-run) must end, so nothing can be stranded.
+which was skipped). A new run begins only when no producer of the served run is attached, and
+a producer of a run is never given a later run's unit (issue 53, finding 3). At the end,
+everything is woken and run to completion: the epoch (or the run) must end, so nothing can be
+stranded.
 
 The glue mirrors ``feedline.broker.egress`` and ``feedline.consumer.io``: batches of a dropped
 consumer's registration are served again (those not settled) when its connection closes or
@@ -65,6 +68,10 @@ class Consumer:
 @dataclass
 class Producer:
     ident: bytes
+    session: int = 0
+    # The run it registered in: the coordinator's ``end`` then (None: it registered on a
+    # finished stream, a newcomer). A producer of a run is never given a later run's unit.
+    run: int | None = None
     given: bool = False
     unit: tuple[int, int, int, int] | None = None  # epoch, unit, next index, batches
     empty: list[int] = field(default_factory=list)
@@ -95,7 +102,9 @@ class ExactModel(RuleBasedStateMachine):
         self.inflight: dict[int, list[Key]] = {0: []}  # the broker's, per registered consumer
         self.orphans: dict[int, list[Key]] = {}
         self.consumers = {0: Consumer()}
-        self.producers = {0: Producer(b"p0")}
+        self.producers: dict[int, Producer] = {}
+        self.ids = 0
+        self._enlist(Producer(b"p0", 0))
         self.ids = 1
         self.job: dict[int, set[tuple[int, int]]] = {}  # what the job took, per epoch
         self.ended: set[int] = set()
@@ -185,13 +194,30 @@ class ExactModel(RuleBasedStateMachine):
             out.append(("tick", -1))
         return out
 
+    def _enlist(self, p: Producer) -> None:
+        """It registers (a HELLO): the broker enlists it with the stream's coordinator."""
+        self.coord.enlist(p.ident, p.session)
+        p.run = None if self.coord.finished else self.coord.end
+        self.producers[p.session] = p
+
     def _ask(self, i: int) -> None:
         p = self.producers[i]
+        served, end = self.coord.finished, self.coord.end
         got = self.coord.request(p.ident, self.now, first=not p.given)
+        if served and not self.coord.finished:
+            event("a new run")
+            # A new run begins only when no producer of the served run is attached.
+            stayed = [q.ident for q in self.producers.values() if q.run == end]
+            assert not stayed, f"a new run while {stayed} of the served run are attached"
         if isinstance(got, Assignment):
+            # ... and a producer of a run is never given a later run's unit.
+            assert p.run is None or not p.run or got.epoch < p.run, (
+                f"{p.ident!r}, of the run ending before epoch {p.run}, given {got}")
             p.given = True
             p.unit, p.empty = (got.epoch, got.unit, got.start, self.batches(got.unit)), []
         elif got == "finished":
+            if not p.given:
+                event("a producer of the run never given a unit ends with it")
             del self.producers[i]  # it exits
         self._wrote()
 
@@ -250,7 +276,7 @@ class ExactModel(RuleBasedStateMachine):
     @rule()
     def producer_starts(self) -> None:
         """A fresh producer (on a served stream: a second job's)."""
-        self.producers[self.ids] = Producer(b"p%d" % self.ids)
+        self._enlist(Producer(b"p%d" % self.ids, self.ids))
         self.ids += 1
 
     # -- consumers ----------------------------------------------------------------------
@@ -339,6 +365,8 @@ class ExactModel(RuleBasedStateMachine):
                                  self.now)
         self._seen = self._stat()
         self.buffer, self.orphans = [], {}  # producers go on with their units
+        for q in list(self.producers.values()):  # ... and register again
+            self._enlist(q)
         for c in self.consumers.values():  # they register again (register_again)
             c.registered, c.restarted = False, True
         self.inflight = {i: [] for i in self.consumers}
@@ -359,6 +387,8 @@ class ExactModel(RuleBasedStateMachine):
         self.job[e] = set(taken)
         self.ended = {k for k in self.ended if k < e}
         _, ended = self.coord.resume(Cursor.of("val", e, _units(taken), pipeline=1))
+        for q in self.producers.values():  # the run is open again: every producer is of it
+            q.run = self.coord.end
         self.buffer = [k for k in self.buffer if self.coord.servable(k)]
         self.coord.holding(set(self.buffer))
         self._ended(ended)
@@ -374,6 +404,16 @@ class ExactModel(RuleBasedStateMachine):
             return
         for u, p in self.coord.units.items():
             assert p.settled & ~p.accepted == 0 and u not in self.coord.done
+
+    @rule(one_more=st.booleans())
+    def served_to_the_end(self, one_more: bool) -> None:
+        """Mid-way, everything woken and run to the epoch's (or the run's) end: so that what
+        follows a served run (its producers asking, late ones, a second job's) is drawn too.
+        ``one_more``: a producer registers first, as the last units go out (one of the run
+        that may never be given a unit)."""
+        if one_more and len(self.producers) < 3:
+            self.producer_starts()
+        self.drain()
 
     # -- the end: nothing is stranded ---------------------------------------------------
     def drain(self) -> None:

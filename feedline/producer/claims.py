@@ -11,6 +11,8 @@ per machine, whatever producers join or leave.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from typing import Any
 
@@ -31,7 +33,16 @@ def claiming_source(df: DataFlow) -> ShardedSource | None:
 
 
 def claim_spec(src: ShardedSource, epochs: int | None) -> ExactSpec:
-    return ExactSpec(len(src.urls), 1, epochs or 0, m.TRAINING)
+    return ExactSpec(len(src.urls), 1, epochs or 0, m.TRAINING,
+                     fingerprint=list_fingerprint(src.urls))
+
+
+def list_fingerprint(urls: list[str]) -> int:
+    """The shard list (its expanded names, in order) as one number, 1 .. 2**63 - 1: the
+    broker keeps one claim table per list, and starts a fresh one when a stream's list
+    changes (feedline.serving.claims)."""
+    digest = hashlib.blake2b(json.dumps(list(urls)).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 1) or 1
 
 
 class SenderClaims:

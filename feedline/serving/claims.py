@@ -14,10 +14,22 @@ while the others start ``e + 1`` is expected).
 The state is two integers per stream and one pending unit per producer; it lives in the
 broker's memory: a restarted broker starts the stream's claims at epoch 0 (its producers go
 on with what they hold).
+
+A table's lifetime is its producers': once its last producer left it lingers :data:`LINGER`
+seconds (a producer restarted, or one whose link was down past the heartbeat timeout, goes on
+where the stream was), then the next producer of the stream starts a fresh one at epoch 0.
+A table whose run is served (every epoch handed out) goes at once with its last producer: the
+same pipeline run again (the next job) is served again. A producer with another shard list
+(another count, or another list's fingerprint) starts a fresh table if the old one's
+producers are gone, and is refused, with a line naming both lists, while they are attached.
+A producer that registers after the run was handed out, while the run's producers still read
+their last shards, is of the next run: it is told ``busy`` until they are gone, then starts
+it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,7 +41,13 @@ from feedline.serving.coordinator import Assignment, ExactPlan
 if TYPE_CHECKING:
     from feedline.serving.exact_streams import ExactStreams
 
+log = logging.getLogger(__name__)
+
 MAX_STREAMS = 256  # claim tables kept; the oldest idle one goes first beyond that
+# Seconds a claim table outlives its last producer (unless its run was served): what a
+# producer that restarts (or whose link was down past the heartbeat timeout) needs to find its
+# stream where it was. A producer of the stream that comes later starts at epoch 0.
+LINGER = 30.0
 
 
 @dataclass
@@ -40,17 +58,30 @@ class Claims:
     epochs: int = 0  # 0: forever
     epoch: int = 0
     next: int = 0
+    fingerprint: int = 0  # of the shard list (0: not said)
     handed: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # owner -> unacked
     returned: list[tuple[int, int]] = field(default_factory=list)
     members: set[bytes] = field(default_factory=set)  # its registered producers
+    late: set[bytes] = field(default_factory=set)  # members registered once it was finished
+    left: float = 0.0  # when its last producer left (with no members)
+
+    @property
+    def finished(self) -> bool:
+        """Every epoch of its run was handed out."""
+        return bool(self.epochs) and self.epoch >= self.epochs
 
     def request(self, owner: bytes) -> Assignment | str:
-        """A unit for ``owner``, ``finished`` once every epoch was handed out."""
+        """A unit for ``owner``, ``finished`` once every epoch was handed out; ``busy`` for a
+        producer of the next run while the served run's producers are still attached."""
         got = self.handed.get(owner)
+        if got is None and owner in self.late:
+            if self.members - self.late:
+                return "busy"
+            self._next_run()
         if got is None and self.returned:
             got = self.returned.pop(0)
         if got is None:
-            if self.epochs and self.epoch >= self.epochs:
+            if self.finished:
                 return "finished"
             got = (self.epoch, self.next)
             self.next += 1
@@ -58,6 +89,11 @@ class Claims:
                 self.epoch, self.next = self.epoch + 1, 0
         self.handed[owner] = got
         return Assignment(got[0], got[1], 0)
+
+    def _next_run(self) -> None:
+        """The served run's producers are gone: the late ones start the next, at epoch 0."""
+        self.epoch, self.next, self.handed, self.returned = 0, 0, {}, []
+        self.late.clear()
 
     def ack(self, owner: bytes, epoch: int, unit: int) -> None:
         """``owner`` started reading the unit: it is no longer anybody else's."""
@@ -89,34 +125,73 @@ class Claims:
 class ClaimStreams:
     """The claim tables of a broker's training streams that read shards."""
 
-    def __init__(self) -> None:
+    def __init__(self, linger: float = LINGER) -> None:
         self.streams: dict[str, Claims] = {}
+        self.linger = linger
 
     def get(self, stream: str) -> Claims | None:
         return self.streams.get(stream)
 
-    def join(self, stream: str, units: int, epochs: int, owner: bytes) -> Claims | str:
-        """The stream's table for a producer that reads ``units`` shards, or why not."""
+    def join(self, stream: str, units: int, epochs: int, owner: bytes, fingerprint: int = 0,
+             now: float | None = None) -> Claims | str:
+        """The stream's table for a producer that reads ``units`` shards (``fingerprint``: of
+        their list, 0 if not said), or why not (one line: what to do)."""
+        now = time.monotonic() if now is None else now
         c = self.streams.get(stream)
+        if c is not None and not c.members:
+            why = self._stale(c, units, fingerprint, now)
+            if why:
+                log.info("stream %s: a fresh claim table (%s)", stream, why)
+                del self.streams[stream]
+                c = None
         if c is None:
             if len(self.streams) >= MAX_STREAMS:
                 idle = [s for s, t in self.streams.items() if not t.members]
                 if not idle:
-                    return f"more than {MAX_STREAMS} streams read shards through this broker"
+                    return (f"more than {MAX_STREAMS} streams read shards through this broker: "
+                            "stop the producers of a stream nobody reads, or use another "
+                            "broker")
                 del self.streams[idle[0]]
-            c = self.streams[stream] = Claims(units, epochs)
-        elif c.units != units:
-            return (f"stream {stream!r} reads {c.units} shards; this producer reads {units}: "
-                    "every producer of a stream must read the same shards")
+            c = self.streams[stream] = Claims(units, epochs, fingerprint=fingerprint)
+        elif c.units != units or _differ(c.fingerprint, fingerprint):
+            return (f"stream {stream!r} reads {_list(c.units, c.fingerprint)} and "
+                    f"{len(c.members)} of its producers are still attached; this producer "
+                    f"reads {_list(units, fingerprint)}: stop the stream's other producers "
+                    "first (a fresh claim table starts once they are gone), or give this "
+                    "pipeline another stream")
+        if c.finished and owner not in c.members:
+            c.late.add(owner)  # of the next run, once this one's producers are gone
         c.members.add(owner)
         return c
 
-    def leave(self, stream: str, owner: bytes) -> None:
+    def _stale(self, c: Claims, units: int, fingerprint: int, now: float) -> str:
+        """Why the idle table ``c`` goes for a producer that joins now ('' if it stays)."""
+        if c.units != units or _differ(c.fingerprint, fingerprint):
+            return f"{units} shards now, {c.units} before: the shard list changed"
+        if c.finished:
+            return "its run was served and its producers left: the next run"
+        if now - c.left >= self.linger:
+            return f"its producers left {now - c.left:.0f}s ago (more than {self.linger:.0f}s)"
+        return ""
+
+    def leave(self, stream: str, owner: bytes, now: float | None = None) -> None:
         """A producer of the stream is gone (a no-op for one that does not read shards)."""
         c = self.streams.get(stream)
         if c is not None and owner in c.members:
             c.members.discard(owner)
+            c.late.discard(owner)
             c.release(owner)
+            if not c.members:
+                c.left = time.monotonic() if now is None else now
+
+
+def _list(units: int, fingerprint: int) -> str:
+    return f"{units} shards" + (f" (list {fingerprint:x})" if fingerprint else "")
+
+
+def _differ(a: int, b: int) -> bool:
+    """Two shard lists' fingerprints differ (0: not said, matches any)."""
+    return bool(a and b and a != b)
 
 
 def admit(exact: ExactStreams, claims: ClaimStreams, ident: bytes,
@@ -126,10 +201,10 @@ def admit(exact: ExactStreams, claims: ClaimStreams, ident: bytes,
     that claims shards declares the stream's shards. :class:`Refusal` if not."""
     if msg.delivery == m.EXACT:
         exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size, msg.epochs,
-                                         msg.pipeline), time.monotonic())
+                                         msg.pipeline), time.monotonic(), ident, msg.session)
         return
     exact.training_may_join(msg.stream)
     if msg.dataset_size > 0:  # a training producer that claims its shards
-        joined = claims.join(msg.stream, msg.dataset_size, msg.epochs, ident)
+        joined = claims.join(msg.stream, msg.dataset_size, msg.epochs, ident, msg.pipeline)
         if isinstance(joined, str):
             raise Refusal("delivery_mismatch", joined)

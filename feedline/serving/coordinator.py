@@ -10,10 +10,14 @@ already here are dropped); records a unit's batch count when its producer says i
 missing); and moves to the next epoch when every unit is settled.
 
 Runs: a plan of ``epochs`` epochs is served, then the stream is *finished* (its producers are
-told so and exit). A producer that was never given a unit and asks on a finished stream starts
-the next run, from the next epoch number: a second job gets whole epochs again. (One that
-joins a run only, ``--join-run``: a fleet's scale-up, asks as if it had had units, and is
-told the stream is finished.)
+told so and exit). A run's producers are those registered (:meth:`Coordinator.enlist`) while
+it was served, by their session: each of them is told the run is finished, whether or not it
+was ever given a unit. A producer that registered after the run was served and was never
+given a unit starts the next run, from the next epoch number (a second job gets whole epochs
+again), once no producer of the served run is attached any more; until then it is told
+``busy`` (the last job's producers are on their way out). (One that joins a run only,
+``--join-run``: a fleet's scale-up, asks as if it had had units, and is told the stream is
+finished.)
 
 Its state survives a broker restart through a journal (:mod:`feedline.serving.journal`): the
 plan, the epoch, each unit done, and the settled batches (written every tick, at each unit's
@@ -38,6 +42,9 @@ log = logging.getLogger(__name__)
 # Settled batches the journal may lack, at most (then it is written at once): with a
 # consumer's window, what a consumer reports when it registers again (feedline.consumer.io).
 RECORDS_PER_COMMIT = 1024
+# Sessions kept as a run's producers, at most: beyond, those not attached go (a producer of
+# the run that comes back after that is taken for a newcomer).
+MAX_MEMBERS = 4096
 _RETRY = 5.0  # seconds between attempts to write a failed journal again
 
 
@@ -60,6 +67,13 @@ class Coordinator:
         self._unsaved_n = 0  # batches in it
         self._retry_at = 0.0
         self.duplicates = 0
+        # The run's producers (sessions registered while it was served) and the producers
+        # attached now (ident -> session): what decides whether a newcomer on a finished
+        # stream starts the next run. In memory only: after a restart, every producer that
+        # registers again on a finished stream is a newcomer.
+        self.members: set[int] = set()
+        self.attached: dict[bytes, int] = {}
+        self._waits_logged = False
         # Counts what may have made a unit available (an epoch or a run begun, a unit given
         # back or to be made again): producers told "busy" are tried again when it moves.
         self.progress = 0
@@ -173,13 +187,38 @@ class Coordinator:
     def recovering(self, now: float) -> bool:
         return now < self.recovering_until
 
+    def enlist(self, owner: bytes, session: int) -> None:
+        """Producer ``owner`` (of ``session``) registered: while a run is served, it is one of
+        that run's producers."""
+        self.attached[owner] = session
+        if not self.finished:
+            self._member(session)
+
+    def _member(self, session: int) -> None:
+        self.members.add(session)
+        if len(self.members) > MAX_MEMBERS:
+            self.members &= set(self.attached.values())
+
+    def _run_attached(self) -> int:
+        """Producers of the served run still attached."""
+        return sum(1 for s in self.attached.values() if s in self.members)
+
     def request(self, owner: bytes, now: float = 0.0, first: bool = False) -> Assignment | str:
         """A unit for ``owner``, or why not: ``busy`` (the epoch's remaining units are being
-        produced, or the broker is recovering; ask again) or ``finished``. ``first``: the
-        producer was never given a unit; on a finished stream it starts the next run."""
+        produced, or the broker is recovering, or, on a finished stream, the served run's
+        producers are still attached: ask again) or ``finished``. ``first``: the producer was
+        never given a unit; on a finished stream, if it registered after the run was served,
+        it starts the next run once the run's producers are gone."""
         if self.finished:
-            if not first:
+            if not first or self.attached.get(owner) in self.members:
                 return "finished"
+            waiting = self._run_attached()
+            if waiting:
+                if not self._waits_logged:
+                    self._waits_logged = True
+                    log.info("stream %s: a producer of a new run waits for the %d producer(s) "
+                             "of the run just served to leave", self.stream, waiting)
+                return "busy"
             self._new_run()
         for u, p in self.units.items():
             if p.owner == owner and u not in self.done:
@@ -211,14 +250,19 @@ class Coordinator:
         self.end = self.epoch + self.plan.epochs if self.plan.epochs else 0
         self.finished = False
         self.units, self.done, self._next = {}, {}, 0
+        self.members = set()
+        for session in self.attached.values():  # every producer here now is of this run
+            self._member(session)
+        self._waits_logged = False
         self._rewrite()
         log.info("stream %s: a new run of %s from epoch %d (a producer started after the "
-                 "last run was served)", self.stream,
+                 "last run was served and its producers left)", self.stream,
                  f"{self.plan.epochs} epoch(s)" if self.plan.epochs else "epochs", self.epoch)
 
     def release(self, owner: bytes) -> None:
         """``owner`` is gone: its units go back to be produced from their first missing batch."""
         self.progress += 1
+        self.attached.pop(owner, None)
         for p in self.units.values():
             if p.owner == owner:
                 p.owner = None
@@ -353,6 +397,8 @@ class Coordinator:
                                                      if p.total is not None}}
         owners = {} if changed else {u: p.owner for u, p in self.units.items() if p.owner}
         self.epoch, self.finished = cursor.epoch, False
+        for session in self.attached.values():  # the run is open again: they are of it
+            self._member(session)
         if self.plan.epochs and self.end <= self.epoch:
             self.end = self.epoch + 1
         self.units, self.done, self._next = {}, {}, 0

@@ -116,9 +116,12 @@ class ExactStreams:
         self.admit(stream)
 
     # -- coordinators -------------------------------------------------------------------
-    def join(self, stream: str, plan: ExactPlan, now: float) -> Coordinator:
+    def join(self, stream: str, plan: ExactPlan, now: float, owner: bytes | None = None,
+             session: int = 0) -> Coordinator:
         """The coordinator of ``stream`` for a producer with ``plan``; :class:`Refusal` (its
-        reason, and a line saying what to do) if it is refused."""
+        reason, and a line saying what to do) if it is refused. ``owner`` (its ident) and
+        ``session``: the producer is enlisted (:meth:`Coordinator.enlist`): nothing refuses
+        it after this, and its departure is :meth:`Coordinator.release`."""
         if self.cfg.state_dir is None and not self.cfg.ephemeral:
             raise Refusal("no_state_dir",
                           f"stream {stream!r} is exact, and this broker has no --state-dir to "
@@ -155,6 +158,8 @@ class ExactStreams:
         elif not c.plan.fingerprint and plan.fingerprint:  # restored from an older journal
             c.plan = replace(c.plan, fingerprint=plan.fingerprint)
         self._active[stream] = now
+        if owner is not None:
+            c.enlist(owner, session)
         return c
 
     def load(self, stream: str, now: float) -> Coordinator | None:
