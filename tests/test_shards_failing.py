@@ -1,6 +1,6 @@
 """Training sources whose every shard fails (issue 53, finding 6): a wrong name (404), a
-bucket emptied under the producer (S3 NoSuchKey), a server that does not answer byte ranges
-(``python3 -m http.server``) for shards larger than a chunk. With claims or without, the
+bucket emptied under the producer (S3 NoSuchKey). (A server that does not answer byte ranges,
+``python3 -m http.server``, is read as a stream: its test is here too.) With claims or without, the
 producer stops at the end of a dataset's worth of failures with one line that names the
 shards and says what to check, and the trainer raises it; a dataset with only some shards
 failing goes on as before (they are skipped)."""
@@ -87,29 +87,31 @@ def test_claimed_shards_that_all_404_end_the_producer_and_the_trainer_is_told(
     assert sum(counting.gets.values()) <= 16, counting.gets
 
 
-def test_a_server_without_byte_ranges_is_named_with_what_to_do(tmp_path: Path):
-    """Shards larger than a chunk behind ``python3 -m http.server``: each fails at its
-    second chunk. Before: every pass served the first chunk's samples of each shard, a
-    WARNING per shard, for ever, with claims or without."""
+def test_a_server_without_byte_ranges_is_read_as_a_stream(tmp_path: Path):
+    """Shards larger than a chunk behind ``python3 -m http.server``, which answers a ranged
+    GET with the whole file. Before: each shard failed at its second chunk, and every pass
+    served the first chunk's samples of each shard, a WARNING per shard, for ever, with
+    claims or without. Now the stream reads such a shard without ranges, front to back:
+    every sample, at most three GETs per shard a pass (two ranged, then the stream; fewer
+    once the host is known to answer no ranges), never a retry."""
     make_wds(tmp_path, shards=3, per_shard=8, nbytes=3000)  # ~50 KB each
     handler = type("NoRanges3", (NoRanges,), {"gets": Counter()})
     with serve(partial(handler, directory=str(tmp_path))) as url:  # type: ignore[arg-type]
         urls = f"{url}/train-{{000000..000002}}.tar"
         static = WebDataset(urls, fields=FIELDS, chunk_size=16384, claim=False)
         static.reset_state()
-        with pytest.raises(ShardsFailed, match="does not answer byte ranges") as err:
-            list(static)
+        assert sorted(int(i) for _, i in static) == list(range(24))
         claimed = WebDataset(urls, fields=FIELDS, chunk_size=16384)
         claimed.reset_state()
-        feed = EpochsOfClaims(3, epochs=50)
+        feed = EpochsOfClaims(3, epochs=2)
         claimed.attach(feed)
-        with pytest.raises(ShardsFailed, match="chunk_size above the largest shard"):
-            for _ in range(50):
-                list(claimed)
-    assert "\n" not in str(err.value) and "train-000000.tar" in str(err.value)
-    # one epoch of claims (and the next epoch's first, which ends a pass), not 50
-    assert feed.given <= 4, feed.given
-    assert static.stats.failed_shards == 3
+        got = [int(i) for _ in range(2) for _, i in claimed]
+    assert sorted(got) == sorted(list(range(24)) * 2)
+    assert static.stats.failed_shards == claimed.stats.failed_shards == 0
+    # three passes over three shards: no retries, no spinning (the shards a source opens
+    # at once, read_ahead of them, may each find the host out before it is remembered)
+    assert sum(handler.gets.values()) <= 3 * 3 * 3, handler.gets
+    assert static.stats.retries == claimed.stats.retries == 0
 
 
 def test_a_bucket_emptied_under_a_claiming_producer_ends_it(tmp_path: Path):

@@ -252,14 +252,9 @@ class ShardedSource(DataFlow):
         others = [basename(self.urls[i]) for i in self._failing if i != first]
         names = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3
                                          else "")
-        if "range requests" in why:
-            hint = ("the server does not answer byte ranges: serve the shards from one that "
-                    "does (nginx, an object store, a CDN; not python3 -m http.server), or set "
-                    "chunk_size above the largest shard's size")
-        else:
-            hint = ("check that the shards are where urls (or the manifest) say and that the "
-                    "store serves them to this machine (storage_options: credentials, "
-                    "endpoint_url)")
+        hint = ("check that the shards are where urls (or the manifest) say and that the "
+                "store serves them to this machine (storage_options: credentials, "
+                "endpoint_url)")
         if mine is None:
             every = (f"every shard this producer was handed ({len(self._failing)} of "
                      f"{len(self.urls)}) failed, none read to its end in its run")

@@ -75,6 +75,8 @@ class Location:
     timeout: float = 30.0
     _fs: Any = field(default=None, repr=False)
     _pid: int = field(default=0, repr=False)
+    # Hosts found to answer no byte ranges: their shards are opened as streams at once.
+    no_ranges: set[str] = field(default_factory=set, repr=False)
 
     def fs(self) -> Any:
         if self._fs is None or self._pid != os.getpid():

@@ -8,6 +8,13 @@ on a queue of at most ``prefetch`` chunks; the reader takes them in order. So on
 holds at most ``prefetch + 2`` chunks: the queue, the one the thread is putting, the one the
 reader is cutting records from.
 
+A server that does not answer byte ranges (``python3 -m http.server``: fsspec reads the first
+chunk, then refuses the next) is read as a stream instead: the file is opened again without
+ranges and read front to back, the bytes before the offset reached read and dropped a chunk
+at a time. Memory is bounded as before; what it costs is that a retry, or a slice that
+starts inside the shard, downloads the bytes before it again. The host is remembered (in the
+Location, logged once): its other shards are opened as streams at once.
+
 A failed fetch is retried where it failed (the file is opened again at that offset) if it
 is transient (:func:`~feedline.producer.shards.retry.is_transient`), with backoff, and
 counted in :class:`~feedline.producer.shards.stats.ShardStats`; after ``retry.attempts``
@@ -21,6 +28,7 @@ import logging
 import queue
 import threading
 from typing import Any
+from urllib.parse import urlsplit
 
 from feedline.errors import ConfigError, Stopped
 from feedline.producer.shards.locations import Location
@@ -50,6 +58,10 @@ class ChunkStream:
         self.end = end  # the bytes from ``start`` to ``end`` only (None: to the shard's end)
         self.stats = stats if stats is not None else ShardStats()
         self.size: int | None = None
+        # The server answers no byte ranges (found by this stream or an earlier one of
+        # the location): read without them.
+        self._host = urlsplit(url).netloc
+        self.streaming = self._host in loc.no_ranges
         self._q: queue.Queue[bytes | ShardError] = queue.Queue(prefetch)
         self._stop = threading.Event()
         self._buf = memoryview(b"")
@@ -62,12 +74,30 @@ class ChunkStream:
 
     # -- the fetch thread -------------------------------------------------------------
     def _open(self, offset: int) -> Any:
+        if self.streaming:
+            return self._open_stream(offset)
         f = self.loc.fs().open(self.url, "rb", block_size=self.chunk_size, cache_type="none")
         if self.size is None:
             size = getattr(f, "size", None)
             self.size = int(size) if isinstance(size, int) else None
         if offset:
             f.seek(offset)
+        return f
+
+    def _open_stream(self, offset: int) -> Any:
+        """The shard opened without byte ranges, read up to ``offset`` (a chunk at a time,
+        dropped): a stream cannot seek."""
+        f = self.loc.fs().open(self.url, "rb", block_size=0)
+        try:
+            while offset:
+                n = len(_read_full(f, min(offset, self.chunk_size), self._stop))
+                if not n:
+                    raise ShortRead(f"the stream ended {offset} bytes before its offset")
+                self.stats.add(bytes_read=n)
+                offset -= n
+        except BaseException:
+            _close(f)
+            raise
         return f
 
     def _fetch(self, offset: int) -> None:
@@ -83,7 +113,7 @@ class ChunkStream:
                     else:
                         if f is None:
                             f = self._open(offset)
-                        data = f.read(n)
+                        data = _read_full(f, n, self._stop) if self.streaming else f.read(n)
                     if self.size is not None:
                         want = min(n, self.size - offset)
                         if len(data) < want:
@@ -92,6 +122,12 @@ class ChunkStream:
                     if f is not None:
                         _close(f)
                         f = None
+                    if not self.streaming and _no_ranges(e):
+                        self.streaming = True  # not a failure: the same bytes, unranged
+                        self.loc.no_ranges.add(self._host)
+                        log.info("shard %s: the server answers no byte ranges; reading it as "
+                                 "a stream (a retry reads it again from the start)", self.url)
+                        continue
                     failures += 1
                     if not is_transient(e) or failures >= self.retry.attempts:
                         why = f"{type(e).__name__}: {e}" + (
@@ -188,3 +224,23 @@ def _close(f: Any) -> None:
         f.close()
     except Exception:  # closing a broken connection may fail again: nothing to keep
         pass
+
+
+def _no_ranges(e: BaseException) -> bool:
+    """fsspec's HTTP file, past its first chunk, on a server that answers a ranged GET with
+    the whole file (200)."""
+    return isinstance(e, ValueError) and "support range requests" in str(e)
+
+
+def _read_full(f: Any, n: int, stop: threading.Event) -> bytes:
+    """``n`` bytes of a stream, fewer only at its end: a stream's read returns what has
+    arrived."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n and not stop.is_set():
+        data = f.read(n - got)
+        if not data:
+            break
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
