@@ -12,7 +12,6 @@ bounded by its own timeouts and stops every process it started.
 
 from __future__ import annotations
 
-import http.server
 import os
 import subprocess
 import sys
