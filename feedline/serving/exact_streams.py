@@ -79,6 +79,9 @@ class ExactStreams:
         self._pending: dict[bytes, tuple[str, bytes]] = {}  # consumer -> (stream, cursor)
         self._resumed: dict[bytes, tuple[str, bytes]] = {}  # consumer -> (stream, cursor id)
         self._active: dict[str, float] = {}
+        # Consumers registered now: ident -> (stream, session); a coordinator made later is
+        # told of them (what decides whether a late producer is of the run just served).
+        self._readers: dict[bytes, tuple[str, int]] = {}
         self._log = RateLimitedLog(log, interval=60.0)
 
     def get(self, stream: str) -> Coordinator | None:
@@ -114,6 +117,27 @@ class ExactStreams:
                           "needs a stream of its own (its state goes once the exact stream "
                           f"has been unused for {self.cfg.idle:.0f}s)")
         self.admit(stream)
+
+    def reader(self, stream: str, ident: bytes, session: int) -> None:
+        """Consumer ``ident`` (of ``session``) registered on ``stream``; bounded by the
+        consumers a broker registers (each is :meth:`unread` when its registration ends)."""
+        self.unread(ident)
+        self._readers[ident] = (stream, session)
+        c = self.streams.get(stream)
+        if c is not None:
+            c.read_by(ident, session)
+
+    def unread(self, ident: bytes) -> None:
+        """Consumer ``ident``'s registration ended (a bye, a timeout, registered again)."""
+        was = self._readers.pop(ident, None)
+        c = self.streams.get(was[0]) if was is not None else None
+        if c is not None:
+            c.unread(ident)
+
+    def _tell_readers(self, stream: str, c: Coordinator) -> None:
+        for ident, (s, session) in self._readers.items():
+            if s == stream:
+                c.read_by(ident, session)
 
     # -- coordinators -------------------------------------------------------------------
     def join(self, stream: str, plan: ExactPlan, now: float, owner: bytes | None = None,
@@ -202,6 +226,7 @@ class ExactStreams:
             records = []
         self.admit(stream)
         c = Coordinator(stream, plan, journal, records, self.cfg.grace, now)
+        self._tell_readers(stream, c)
         self.streams[stream] = c
         self._active[stream] = now
         self._judge_pending(stream, c, now)
@@ -212,6 +237,7 @@ class ExactStreams:
         log.warning("stream %s: a producer of another pipeline (%s) replaces the one whose "
                     "producers left (%s): the stream starts at epoch 0", stream, plan, old.plan)
         c = Coordinator(stream, plan, old.journal)
+        self._tell_readers(stream, c)
         self.streams[stream] = c
         return c
 
