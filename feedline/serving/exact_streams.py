@@ -173,11 +173,8 @@ class ExactStreams:
             if n[0]:
                 raise Refusal("delivery_mismatch",
                               f"stream {stream!r} is served by {n[0]} producer(s) of another "
-                              f"pipeline ({c.plan.dataset_size} samples in units of "
-                              f"{c.plan.unit_size}, fingerprint {c.plan.fingerprint:x}; this "
-                              f"one: {plan.dataset_size} in units of {plan.unit_size}, "
-                              f"{plan.fingerprint:x}): every producer of a stream runs the "
-                              "same pipeline file")
+                              f"pipeline ({c.plan.describe()}; this one: {plan.describe()}): "
+                              "every producer of a stream runs the same pipeline file")
             c = self._replace(stream, c, plan, now)
         elif not c.plan.fingerprint and plan.fingerprint:  # restored from an older journal
             c.plan = replace(c.plan, fingerprint=plan.fingerprint)
@@ -222,7 +219,8 @@ class ExactStreams:
             plan = old
         elif old is not None and not old.same_pipeline(plan):
             log.warning("stream %s: its journal %s is of another pipeline (%s): this one (%s) "
-                        "starts at epoch 0", stream, journal.path if journal else "", old, plan)
+                        "starts at epoch 0", stream, journal.path if journal else "",
+                        old.describe(), plan.describe())
             records = []
         self.admit(stream)
         c = Coordinator(stream, plan, journal, records, self.cfg.grace, now)
@@ -235,7 +233,8 @@ class ExactStreams:
     def _replace(self, stream: str, old: Coordinator, plan: ExactPlan,
                  now: float) -> Coordinator:
         log.warning("stream %s: a producer of another pipeline (%s) replaces the one whose "
-                    "producers left (%s): the stream starts at epoch 0", stream, plan, old.plan)
+                    "producers left (%s): the stream starts at epoch 0", stream,
+                    plan.describe(), old.plan.describe())
         c = Coordinator(stream, plan, old.journal)
         self._tell_readers(stream, c)
         self.streams[stream] = c
