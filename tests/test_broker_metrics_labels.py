@@ -9,11 +9,13 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from feedline.metrics import BoundedLabel
-from feedline.procs import wait_for
+from feedline.procs import free_port, wait_for
 from feedline.producer import Sender
 from feedline.serving.metrics import BrokerMetrics
+from tests.netns import metric_sum
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 
@@ -75,3 +77,32 @@ def test_a_broker_keeps_series_for_connected_producers_after_many_came_and_went(
                   for s in fam.samples if s.name == "feedline_broker_received_batches_total"}
     assert "newest" in series, "a producer connected now has its own series"
     assert len(series) <= limit, "series stay bounded"
+
+
+def _metric(port: int, name: str, **labels: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    return metric_sum(text.decode(), name, **labels)
+
+
+def test_a_streams_consumer_count_falls_to_zero_when_its_last_consumer_leaves(
+        broker_proc, endpoints) -> None:
+    """A stream with no producer whose only consumer leaves (a bye): before, its
+    ``feedline_broker_stream_peers{role="consumer"}`` stayed 1 (the per-stream series were
+    set only for streams with peers or batches now), so `feedline top` showed a phantom
+    consumer while ``feedline_broker_peers`` said 0. Now it falls to 0."""
+    port = free_port()
+    broker_proc("--metrics-port", str(port))
+    src = RemoteDataZMQ(endpoints.egress, stream="lonely", timeout=30, link=FAST)
+    try:
+        src._start()  # registers (its HELLO) without waiting for a batch
+        wait_for(lambda: _metric(port, "feedline_broker_stream_peers", stream="lonely",
+                                 role="consumer") == 1, 20, what="the consumer to register")
+    finally:
+        src.close()  # a bye
+    wait_for(lambda: _metric(port, "feedline_broker_peers", role="consumer") == 0, 20,
+             what="the broker to drop the consumer")
+    wait_for(lambda: _metric(port, "feedline_broker_stream_peers", stream="lonely",
+                             role="consumer") == 0, 5,
+             what="the stream's consumer count to fall to 0 (before: it stayed 1)")

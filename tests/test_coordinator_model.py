@@ -12,7 +12,10 @@ checkpointed, and resumed from any earlier checkpoint; everything run to the epo
 After every step: no batch is taken twice by the job (its view rolls back only with a resume);
 every epoch the coordinator ends was taken whole (every batch, but for those every sample of
 which was skipped). A new run begins only when no producer of the served run is attached, and
-a producer of a run is never given a later run's unit (issue 53, finding 3). At the end,
+a producer of a run is never given a later run's unit (issue 53, finding 3). A producer that
+registers after the run was served is told it is finished exactly while a consumer
+registered during the run is registered and no other consumer registered since (a late
+producer of the job just served), and otherwise starts the next run. At the end,
 everything is woken and run to completion: the epoch (or the run) must end, so nothing can be
 stranded.
 
@@ -102,6 +105,11 @@ class ExactModel(RuleBasedStateMachine):
         self.inflight: dict[int, list[Key]] = {0: []}  # the broker's, per registered consumer
         self.orphans: dict[int, list[Key]] = {}
         self.consumers = {0: Consumer()}
+        # The consumers registered during the run being (or last) served, and whether one
+        # not of them registered since it was served: the model's own account of the rule.
+        self.run_consumers: set[int] = set()
+        self.came_since = False
+        self._reads(0)
         self.producers: dict[int, Producer] = {}
         self.ids = 0
         self._enlist(Producer(b"p0", 0))
@@ -200,11 +208,39 @@ class ExactModel(RuleBasedStateMachine):
         p.run = None if self.coord.finished else self.coord.end
         self.producers[p.session] = p
 
+    def _reads(self, i: int) -> None:
+        """Consumer ``i`` registers (its HELLO): the broker tells the coordinator."""
+        self.coord.read_by(b"c%d" % i, i)
+        if not self.coord.finished:
+            self.run_consumers.add(i)
+        elif i not in self.run_consumers:
+            self.came_since = True
+
+    def _unreads(self, i: int) -> None:
+        self.coord.unread(b"c%d" % i)
+
+    def _run_opens(self) -> None:
+        """A run is served (again): the consumers and producers registered now are of it."""
+        self.run_consumers = set(self._registered())
+        self.came_since = False
+        for q in self.producers.values():
+            q.run = self.coord.end
+
     def _ask(self, i: int) -> None:
         p = self.producers[i]
         served, end = self.coord.finished, self.coord.end
+        late = not self.came_since and bool(self.run_consumers & set(self._registered()))
         got = self.coord.request(p.ident, self.now, first=not p.given)
+        if served and not p.given and p.run is None:
+            # A producer that came after the run was served is of it exactly when it is late.
+            assert (got == "finished") == late, (
+                f"{p.ident!r} told {got!r}; late: {late} (consumers of the run "
+                f"{sorted(self.run_consumers)}, registered {self._registered()}, "
+                f"one came since: {self.came_since})")
+            if late:
+                event("a late producer of the served run is told it is finished")
         if served and not self.coord.finished:
+            self._run_opens()
             event("a new run")
             # A new run begins only when no producer of the served run is attached.
             stayed = [q.ident for q in self.producers.values() if q.run == end]
@@ -289,6 +325,7 @@ class ExactModel(RuleBasedStateMachine):
         i = data.draw(st.sampled_from(self._registered()))
         c = self.consumers[i]
         c.paused, c.registered = True, False
+        self._unreads(i)
         self.orphans.setdefault(i, []).extend(self.inflight.pop(i))
 
     @precondition(lambda self: any(c.paused for c in self.consumers.values()))
@@ -310,6 +347,8 @@ class ExactModel(RuleBasedStateMachine):
         is served again, but what is settled now."""
         c = self.consumers[i]
         c.reg += 1
+        self._unreads(i)
+        self._reads(i)
         if c.cursor:
             report = Cursor.of("val", c.epoch, _units(frozenset(c.cursor)), pipeline=1)
             ended, lost = self.coord.merge(report)
@@ -333,6 +372,7 @@ class ExactModel(RuleBasedStateMachine):
         """kill -9: what it took and did not acknowledge dies with it (the rule of
         docs/reliability.md); its connection closes, what it held is served again."""
         c = self.consumers.pop(i)
+        self._unreads(i)
         for e, u, j in c.unacked:
             self.job.get(e, set()).discard((u, j))
         self._requeue(self.inflight.pop(i, []) + self.orphans.pop(i, []))
@@ -343,6 +383,7 @@ class ExactModel(RuleBasedStateMachine):
     def consumer_starts(self) -> None:
         self.consumers[self.ids] = Consumer()
         self.inflight[self.ids] = []
+        self._reads(self.ids)
         self.ids += 1
 
     # -- the journal, restarts, checkpoints ----------------------------------------------
@@ -364,6 +405,7 @@ class ExactModel(RuleBasedStateMachine):
         self.coord = Coordinator("val", self.plan, journal, journal.read("val"), GRACE,
                                  self.now)
         self._seen = self._stat()
+        self.run_consumers, self.came_since = set(), False  # in memory only
         self.buffer, self.orphans = [], {}  # producers go on with their units
         for q in list(self.producers.values()):  # ... and register again
             self._enlist(q)
@@ -395,6 +437,8 @@ class ExactModel(RuleBasedStateMachine):
         c = Consumer(epoch=e, cursor=set(taken))
         self.consumers[self.ids] = c
         self.inflight[self.ids] = []
+        self._run_opens()  # the run is open again (resume), with its consumers
+        self._reads(self.ids)
         self.ids += 1
         self._wrote()
 

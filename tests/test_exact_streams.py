@@ -182,3 +182,27 @@ def test_a_producer_told_busy_gets_its_unit_as_soon_as_there_is_one():
     units.push(0.0, {b"a": a, b"b": b}.get)
     ident, msg = sent[-1]
     assert ident == b"b" and isinstance(msg, m.Unit) and (msg.epoch, msg.ask) == (1, 7)
+
+
+def test_another_pipeline_is_said_in_samples_units_and_fingerprint(tmp_path: Path, caplog):
+    """A pipeline replacing a departed one, or refused beside a registered one, is named in a
+    user's words. Before: ``ExactPlan(dataset_size=7, unit_size=1, epochs=1, fingerprint=...)``,
+    where ``dataset_size`` was a sharded source's unit count and ``unit_size=1`` matched
+    nothing in the user's file."""
+    s = streams(tmp_path)
+    sharded = ExactPlan(dataset_size=7, unit_size=1, epochs=1, fingerprint=0xab)
+    s.join("vsh", sharded, 0.0)
+    s.attach("vsh", True)
+    other = ExactPlan(dataset_size=56, unit_size=8, epochs=1, fingerprint=0xcd)
+    with pytest.raises(Refusal) as refused:
+        s.join("vsh", other, 0.0)
+    assert "56 samples in 7 units of 8, fingerprint cd" in refused.value.detail
+    assert "7 work units (single samples, or a sharded source's shards or slices), " \
+        "fingerprint ab" in refused.value.detail
+    s.detach("vsh", True)  # its producers left: the other pipeline replaces it
+    with caplog.at_level("WARNING", logger="feedline.serving.exact_streams"):
+        s.join("vsh", other, 0.0)
+    text = caplog.text
+    assert "a producer of another pipeline (56 samples in 7 units of 8, fingerprint cd) " \
+        "replaces the one whose producers left (7 work units" in text, text
+    assert "ExactPlan(" not in text and "dataset_size" not in text

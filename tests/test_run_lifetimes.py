@@ -75,6 +75,60 @@ def test_a_new_jobs_producer_waits_for_the_last_runs_producers_then_starts_the_n
     assert "a new run" in broker.log_text()
 
 
+def test_a_late_producer_of_a_served_run_is_told_finished_while_its_trainer_reads(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Issue 53 follow-up: two producers of an ``epochs: 1`` run started together, a trainer
+    waiting on ``epoch()``; the first serves the whole epoch and leaves before the second
+    registers (the race made certain: the second starts only once the first is gone). Before:
+    the late one began "a new run of 1 epoch(s)", made an epoch nobody asked for, left it in
+    the broker and waited for ever (the next job's trainer got it). Now a producer that
+    registers while the served run's trainer is still connected, no other consumer having
+    come since, is of that run: told it is finished, it exits 0 and nothing is buffered."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1, n=16)
+    with remote(endpoints.egress) as src:
+        first = producer(daemons, cfg, endpoints.ingress, "first")
+        batches = list(src.epoch())
+        assert_exactly_once([s for b in batches for s in samples(b)], cfg, batches[0].epoch)
+        wait_for(lambda: not first.alive(), 20, what="the first producer to exit")
+        late = producer(daemons, cfg, endpoints.ingress, "late")
+        wait_for(lambda: not late.alive(), 20,
+                 what="the late producer to exit (before: it began a new run and waited)")
+        assert late.proc.returncode == 0
+        assert "a new run" not in broker.log_text(), broker.log_text()[-3000:]
+        assert "told it is finished" in broker.log_text()
+
+
+def test_a_producer_after_a_new_consumer_came_starts_the_next_run(
+        broker_proc, daemons, endpoints, tmp_path):
+    """The rule's other side: the served run's trainer is still connected, but another
+    consumer (the next job's trainer) registered since: a producer now starts the next run
+    (and once the old trainer leaves, what it was sent of it is served again), and the new
+    trainer gets its epoch, whole."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1, n=16)
+    old = remote(endpoints.egress)
+    try:
+        first = producer(daemons, cfg, endpoints.ingress, "first")
+        served = list(old.epoch())
+        wait_for(lambda: not first.alive(), 20, what="the first producer to exit")
+        with remote(endpoints.egress) as src:
+            src._start()  # registers now (the broker learns of a consumer by its HELLO)
+            wait_for(lambda: broker.log_text().count("joined stream val") >= 2, 20,
+                     what="the new trainer to register")
+            nxt = producer(daemons, cfg, endpoints.ingress, "next-job")
+            wait_for(lambda: "a new run" in broker.log_text(), 20, what="the next run")
+            old.close()  # the last job's trainer leaves (with two, they share the epoch)
+            second = list(src.epoch())
+    finally:
+        old.close()
+    epoch = second[0].epoch
+    assert epoch > served[0].epoch
+    assert_exactly_once([s for b in second for s in samples(b)], cfg, epoch)
+    wait_for(lambda: not nxt.alive(), 20, what="the next job's producer to exit")
+    assert "a consumer that came since" in broker.log_text()
+
+
 def shard_pipeline(tmp_path: Path, url: str, shards: int, epochs: int | None = 1,
                    first: int = 0) -> Path:
     last = first + shards - 1

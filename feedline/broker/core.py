@@ -128,6 +128,7 @@ class Broker:
         self._sink = _Sink(self)
         self.stats = BrokerStats()
         self._exact_labelled: set[str] = set()  # exact streams with series last tick
+        self._gauged: set[str] = set()  # streams with peers or buffered batches last tick
         self._evict_log = RateLimitedLog(log, interval=10.0, burst=4)
         # Producer sessions seen, and departed ones whose batches may still be buffered
         # (bounded: the registered producers, and departed ones with something buffered).
@@ -450,8 +451,11 @@ class Broker:
             for p in table:
                 key = (p.stream, role)
                 peers[key] = peers.get(key, 0) + 1
-        streams = {s for s, _ in peers} | set(self.buffer.streams()) | set(self.exact.streams) \
-            | self._exact_labelled
+        # Last tick's streams too: a stream whose last peer left (and that buffers nothing)
+        # is set to 0 once, not left showing the peers it had (`feedline top`'s phantoms).
+        now = {s for s, _ in peers} | set(self.buffer.streams())
+        streams = now | set(self.exact.streams) | self._exact_labelled | self._gauged
+        self._gauged = now
         m.exact_streams.set(len(self.exact.streams))
         for s in streams:
             label = m.stream_label.acquire(s)

@@ -162,6 +162,7 @@ class ConsumerSide:
                      bundle=msg.bundle)
         c.envelope = self._envelope(c, 0)
         self.consumers.add(c)
+        self.exact.reader(c.stream, ident, c.session)
         self._rr.setdefault(c.stream, deque()).append(ident)
         self._info.info("consumer %s joined stream %s (%d connected)", c.name, c.stream,
                         len(self.consumers))
@@ -382,6 +383,7 @@ class ConsumerSide:
                 del self._rr[c.stream]
         self._info.info("consumer %s dropped (%s)", c.name, reason)
         self.metrics.dropped_peers.labels("consumer", reason).inc()
+        self.exact.unread(ident)
         self.exact.forget(ident, gone=reason in ("bye", "unreachable"))
         unacked = c.delivered - c.taken
         if reason not in ("bye", "registered_again"):

@@ -219,7 +219,8 @@ class ProducerIO:
                 and ch is self.channels[0]:
             # An exact stream's registration refused for a reason no retry changes: the
             # owner raises it (one line) instead of waiting for a broker that said no.
-            self.out.error = FeedlineError(f"the broker at {ch.link.addr} refused this exact "
+            # Not "exact": a training producer that claims its shards asks for units too.
+            self.out.error = FeedlineError(f"the broker at {ch.link.addr} refused this "
                                            f"producer ({msg.reason}): {msg.detail}")
         if msg.reason == "wrong_port" and not ch.link.welcomed:
             # A consumer's address (a broker's egress): no retry changes that. One line,

@@ -13,9 +13,15 @@ Runs: a plan of ``epochs`` epochs is served, then the stream is *finished* (its 
 told so and exit). A run's producers are those registered (:meth:`Coordinator.enlist`) while
 it was served, by their session: each of them is told the run is finished, whether or not it
 was ever given a unit. A producer that registered after the run was served and was never
-given a unit starts the next run, from the next epoch number (a second job gets whole epochs
-again), once no producer of the served run is attached any more; until then it is told
-``busy`` (the last job's producers are on their way out). (One that joins a run only,
+given a unit is a *late* producer of the served run, and is told it is finished too, while a
+consumer of that run (one registered while it was served) is still registered and no other
+consumer registered since: the job just served is still there and asked for nothing more.
+Otherwise (no consumer at all, as when the next job starts its producers first, or a
+consumer that came after the run was served) it starts the next run, from the next epoch
+number (a second job gets whole epochs again), once no producer of the served run is
+attached any more; until then it is told ``busy`` (the last job's producers are on their way
+out). (A consumer's ``epoch()`` call sends nothing: the broker knows consumers by their
+registrations only.) (One that joins a run only,
 ``--join-run``: a fleet's scale-up, asks as if it had had units, and is told the stream is
 finished.)
 
@@ -73,7 +79,14 @@ class Coordinator:
         # registers again on a finished stream is a newcomer.
         self.members: set[int] = set()
         self.attached: dict[bytes, int] = {}
+        # The consumers registered now (ident -> session), the sessions of those registered
+        # while the run was served, and whether one not of them registered since it was:
+        # what tells a late producer of the run just served from the next job's.
+        self.readers: dict[bytes, int] = {}
+        self.run_readers: set[int] = set()
+        self.read_since = False
         self._waits_logged = False
+        self._late_logged = False
         # Counts what may have made a unit available (an epoch or a run begun, a unit given
         # back or to be made again): producers told "busy" are tried again when it moves.
         self.progress = 0
@@ -199,6 +212,35 @@ class Coordinator:
         if len(self.members) > MAX_MEMBERS:
             self.members &= set(self.attached.values())
 
+    def read_by(self, ident: bytes, session: int) -> None:
+        """Consumer ``ident`` (of ``session``) registered on the stream."""
+        self.readers[ident] = session
+        if not self.finished:
+            self._reader(session)
+        elif session not in self.run_readers:
+            self.read_since = True
+
+    def unread(self, ident: bytes) -> None:
+        """Consumer ``ident``'s registration ended."""
+        self.readers.pop(ident, None)
+
+    def _reader(self, session: int) -> None:
+        self.run_readers.add(session)
+        if len(self.run_readers) > MAX_MEMBERS:
+            self.run_readers &= set(self.readers.values())
+
+    def _open_run(self) -> None:
+        """A run is served (again): the consumers registered now are of it."""
+        self.read_since = False
+        for session in self.readers.values():
+            self._reader(session)
+
+    def late(self) -> bool:
+        """A newcomer now is a late producer of the run just served: a consumer of that run
+        is registered, and none that is not of it registered since it was served."""
+        return self.finished and not self.read_since and any(
+            s in self.run_readers for s in self.readers.values())
+
     def _run_attached(self) -> int:
         """Producers of the served run still attached."""
         return sum(1 for s in self.attached.values() if s in self.members)
@@ -208,9 +250,20 @@ class Coordinator:
         produced, or the broker is recovering, or, on a finished stream, the served run's
         producers are still attached: ask again) or ``finished``. ``first``: the producer was
         never given a unit; on a finished stream, if it registered after the run was served,
-        it starts the next run once the run's producers are gone."""
+        it is a late producer of that run (:meth:`late`: told ``finished``), or else it
+        starts the next run once the run's producers are gone."""
         if self.finished:
             if not first or self.attached.get(owner) in self.members:
+                return "finished"
+            if self.late():
+                session = self.attached.get(owner)
+                if session is not None:  # it stays of the run: asked again, the same answer
+                    self._member(session)
+                if not self._late_logged:
+                    self._late_logged = True
+                    log.info("stream %s: a producer started after its run was served, while "
+                             "that run's consumer is still connected: it is of that run, and "
+                             "told it is finished", self.stream)
                 return "finished"
             waiting = self._run_attached()
             if waiting:
@@ -253,11 +306,14 @@ class Coordinator:
         self.members = set()
         for session in self.attached.values():  # every producer here now is of this run
             self._member(session)
-        self._waits_logged = False
+        self.run_readers = set()
+        self._open_run()
+        self._waits_logged = self._late_logged = False
         self._rewrite()
         log.info("stream %s: a new run of %s from epoch %d (a producer started after the "
-                 "last run was served and its producers left)", self.stream,
-                 f"{self.plan.epochs} epoch(s)" if self.plan.epochs else "epochs", self.epoch)
+                 "last run was served and its producers left, with %s)", self.stream,
+                 f"{self.plan.epochs} epoch(s)" if self.plan.epochs else "epochs", self.epoch,
+                 "a consumer that came since" if self.readers else "no consumer connected")
 
     def release(self, owner: bytes) -> None:
         """``owner`` is gone: its units go back to be produced from their first missing batch."""
@@ -399,6 +455,7 @@ class Coordinator:
         self.epoch, self.finished = cursor.epoch, False
         for session in self.attached.values():  # the run is open again: they are of it
             self._member(session)
+        self._open_run()
         if self.plan.epochs and self.end <= self.epoch:
             self.end = self.epoch + 1
         self.units, self.done, self._next = {}, {}, 0

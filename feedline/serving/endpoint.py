@@ -70,8 +70,8 @@ class Refusals:
     def __call__(self, reason: str, detail: str, where: str, who: str) -> None:
         self.metrics.rejected.labels(reason).inc()
         self.counts[reason] = self.counts.get(reason, 0) + 1
-        self._log.warning("rejected a message on the %s from %s: %s %s", where, who, reason,
-                          detail)
+        self._log.warning("rejected a message on the %s from %s: %s%s", where, who, reason,
+                          f": {detail}" if detail else "")
 
     def cut_off(self, fd: int, ino: int, role: str, reason: str) -> None:
         """Close a peer's connection that broke the rules (counted and logged if it was)."""
@@ -165,7 +165,7 @@ class Endpoint:
             try:
                 handler(ident, frames[1:], fd, time.monotonic())
             except Refusal as e:  # DecodeError included: both are counted
-                self.refuse(e.reason, str(e), table, ident)
+                self.refuse(e.reason, e.detail, table, ident)  # str(e) repeats the reason
             except Exception as e:  # a peer's message must never stop the host
                 self.refuse("internal_error", f"{type(e).__name__}: {e}"[:200], table, ident)
         return n

@@ -79,6 +79,9 @@ class ExactStreams:
         self._pending: dict[bytes, tuple[str, bytes]] = {}  # consumer -> (stream, cursor)
         self._resumed: dict[bytes, tuple[str, bytes]] = {}  # consumer -> (stream, cursor id)
         self._active: dict[str, float] = {}
+        # Consumers registered now: ident -> (stream, session); a coordinator made later is
+        # told of them (what decides whether a late producer is of the run just served).
+        self._readers: dict[bytes, tuple[str, int]] = {}
         self._log = RateLimitedLog(log, interval=60.0)
 
     def get(self, stream: str) -> Coordinator | None:
@@ -115,6 +118,27 @@ class ExactStreams:
                           f"has been unused for {self.cfg.idle:.0f}s)")
         self.admit(stream)
 
+    def reader(self, stream: str, ident: bytes, session: int) -> None:
+        """Consumer ``ident`` (of ``session``) registered on ``stream``; bounded by the
+        consumers a broker registers (each is :meth:`unread` when its registration ends)."""
+        self.unread(ident)
+        self._readers[ident] = (stream, session)
+        c = self.streams.get(stream)
+        if c is not None:
+            c.read_by(ident, session)
+
+    def unread(self, ident: bytes) -> None:
+        """Consumer ``ident``'s registration ended (a bye, a timeout, registered again)."""
+        was = self._readers.pop(ident, None)
+        c = self.streams.get(was[0]) if was is not None else None
+        if c is not None:
+            c.unread(ident)
+
+    def _tell_readers(self, stream: str, c: Coordinator) -> None:
+        for ident, (s, session) in self._readers.items():
+            if s == stream:
+                c.read_by(ident, session)
+
     # -- coordinators -------------------------------------------------------------------
     def join(self, stream: str, plan: ExactPlan, now: float, owner: bytes | None = None,
              session: int = 0) -> Coordinator:
@@ -149,11 +173,8 @@ class ExactStreams:
             if n[0]:
                 raise Refusal("delivery_mismatch",
                               f"stream {stream!r} is served by {n[0]} producer(s) of another "
-                              f"pipeline ({c.plan.dataset_size} samples in units of "
-                              f"{c.plan.unit_size}, fingerprint {c.plan.fingerprint:x}; this "
-                              f"one: {plan.dataset_size} in units of {plan.unit_size}, "
-                              f"{plan.fingerprint:x}): every producer of a stream runs the "
-                              "same pipeline file")
+                              f"pipeline ({c.plan.describe()}; this one: {plan.describe()}): "
+                              "every producer of a stream runs the same pipeline file")
             c = self._replace(stream, c, plan, now)
         elif not c.plan.fingerprint and plan.fingerprint:  # restored from an older journal
             c.plan = replace(c.plan, fingerprint=plan.fingerprint)
@@ -198,10 +219,12 @@ class ExactStreams:
             plan = old
         elif old is not None and not old.same_pipeline(plan):
             log.warning("stream %s: its journal %s is of another pipeline (%s): this one (%s) "
-                        "starts at epoch 0", stream, journal.path if journal else "", old, plan)
+                        "starts at epoch 0", stream, journal.path if journal else "",
+                        old.describe(), plan.describe())
             records = []
         self.admit(stream)
         c = Coordinator(stream, plan, journal, records, self.cfg.grace, now)
+        self._tell_readers(stream, c)
         self.streams[stream] = c
         self._active[stream] = now
         self._judge_pending(stream, c, now)
@@ -210,8 +233,10 @@ class ExactStreams:
     def _replace(self, stream: str, old: Coordinator, plan: ExactPlan,
                  now: float) -> Coordinator:
         log.warning("stream %s: a producer of another pipeline (%s) replaces the one whose "
-                    "producers left (%s): the stream starts at epoch 0", stream, plan, old.plan)
+                    "producers left (%s): the stream starts at epoch 0", stream,
+                    plan.describe(), old.plan.describe())
         c = Coordinator(stream, plan, old.journal)
+        self._tell_readers(stream, c)
         self.streams[stream] = c
         return c
 

@@ -28,6 +28,16 @@ class ExactPlan:
         return (self.dataset_size, self.unit_size) == (other.dataset_size, other.unit_size) \
             and (self.fingerprint == other.fingerprint or not self.fingerprint * other.fingerprint)
 
+    def describe(self) -> str:
+        """The plan in a user's words, for a log line or a refusal. A producer of a sharded
+        source declares its work units (shards, or slices of them) as a dataset of units of 1,
+        so a unit size of 1 is said as units, not samples."""
+        fp = f"fingerprint {self.fingerprint:x}" if self.fingerprint else "no fingerprint"
+        if self.unit_size == 1:
+            return f"{self.units} work units (single samples, or a sharded source's shards " \
+                f"or slices), {fp}"
+        return f"{self.dataset_size} samples in {self.units} units of {self.unit_size}, {fp}"
+
     def record(self) -> Record:
         return {"plan": [self.dataset_size, self.unit_size, self.epochs, self.fingerprint]}
 
