@@ -33,7 +33,7 @@ from feedline.errors import ConfigError, DataError, FeedlineError, Stopped
 from feedline.link import LinkConfig
 from feedline.producer.channel import ProducerIO
 from feedline.producer.claims import SenderClaims, claim_spec, claiming_source
-from feedline.producer.dataflow.base import as_dataflow
+from feedline.producer.dataflow.base import DataFlow, as_dataflow, stages
 from feedline.producer.metrics import ProducerMetrics
 from feedline.producer.outbox import (
     BatchItem,
@@ -335,6 +335,18 @@ class Sender:
         self.close()
 
 
+def _nothing_in_an_epoch(df: DataFlow) -> str:
+    """The error of an epoch without a batch, with its cause where a stage knows it (a
+    batch step that dropped, as its remainder, every sample the source gave)."""
+    msg = "the dataflow yielded nothing in a whole epoch"
+    for stage in stages(df):
+        why = getattr(stage, "why_empty", None)
+        said = why() if callable(why) else None
+        if said:
+            return f"{msg}: {said}"
+    return msg
+
+
 class _RateLog:
     """The producer's periodic rate line: batches, batches/s, MB/s, credit waits."""
 
@@ -415,7 +427,7 @@ def send_dataflow(
                 if shards is not None and shards.finished:
                     break  # the broker handed out every epoch's shards
                 if stats.batches == before and shards is None:
-                    raise DataError("the dataflow yielded nothing in a whole epoch")
+                    raise DataError(_nothing_in_an_epoch(df))
                 epoch += 1
                 stats.epochs = epoch
             sender.end(epoch, stop)

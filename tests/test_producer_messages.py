@@ -1,0 +1,23 @@
+"""What a producer (and a broker) says when a user's run goes wrong in the first hour: the
+cause named in one line, with what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.jpeg_data import make_folder
+from tests.operator_support import ROOT, feedline
+
+
+def test_an_epoch_without_a_batch_names_the_batch_that_dropped_its_remainder(tmp_path: Path):
+    """The docs' ImageNet config (batch_size 64, remainder: false) on a 48-image folder: the
+    whole epoch is the dropped remainder, and the error says so rather than "nothing"."""
+    make_folder(tmp_path / "data", classes=2, per_class=24, sizes=(40, 60))
+    r = feedline("producer", "--config", str(ROOT / "examples/imagenet_train.yaml"),
+                 "--data", str(tmp_path / "data"), "--broker", "tcp://127.0.0.1:9",
+                 "--metrics-port", "0", timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "the dataflow yielded nothing in a whole epoch" in line, line
+    assert line.endswith("the source gave 48 samples and batch (batch_size 64, remainder: "
+                         "false) dropped them: lower batch_size or set remainder: true"), line
