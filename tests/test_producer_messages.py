@@ -21,3 +21,25 @@ def test_an_epoch_without_a_batch_names_the_batch_that_dropped_its_remainder(tmp
     assert "the dataflow yielded nothing in a whole epoch" in line, line
     assert line.endswith("the source gave 48 samples and batch (batch_size 64, remainder: "
                          "false) dropped them: lower batch_size or set remainder: true"), line
+
+
+def test_a_producer_at_a_brokers_egress_ends_at_once_saying_why_once(broker_proc, endpoints,
+                                                                     tmp_path: Path):
+    """``--broker`` given a broker's egress: the wrong_port refusal ends the producer with
+    the reason once at WARNING (the link's) and once in its last line; nothing about telling
+    a broker of the failure or of never registering (it was refused, and said so)."""
+    broker_proc()
+    cfg = tmp_path / "fake.yaml"
+    cfg.write_text("source: {fake: {shapes: [[4]], size: 100}}\n"
+                   "steps: [{batch: {batch_size: 10}}]\n")
+    r = feedline("producer", "--config", str(cfg), "--broker", endpoints.egress,
+                 "--metrics-port", "0", timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    said = [line for line in lines if "wrong_port" in line]
+    assert len(said) == 2, r.stderr
+    assert "WARNING feedline.link" in said[0] and said[1] == lines[-1], r.stderr
+    assert lines[-1].endswith("refused this producer (wrong_port): this is a broker's "
+                              "egress: producers connect to its --ingress address"), lines[-1]
+    for noise in ("could not tell", "never registered", "never connected", "not connected"):
+        assert noise not in r.stderr, r.stderr

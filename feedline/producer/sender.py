@@ -283,6 +283,8 @@ class Sender:
         """Send a pipeline failure with its traceback to the consumers."""
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         text = f"{type(exc).__name__}: {exc}"
+        if self._out.refused:
+            return  # the broker refused us: there is nobody to tell (the caller says it)
         msg = m.Error(producer=self.producer_id, message=text[: self.limits.max_text_len],
                       traceback=tb[-self.limits.max_traceback_len:])
         try:
@@ -325,7 +327,8 @@ class Sender:
         self.targets.stop()
         out = self._out
         if out.loop is not None and out.loop.alive():
-            self.flush(self._link_cfg.flush_ms / 1000, stopping=self.stopped)
+            if not out.refused:  # else no broker takes what is left: end at once
+                self.flush(self._link_cfg.flush_ms / 1000, stopping=self.stopped)
             out.loop.stop(timeout=self._link_cfg.flush_ms / 1000 + 5)
 
     def __enter__(self) -> Sender:
