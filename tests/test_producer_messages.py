@@ -3,8 +3,10 @@ cause named in one line, with what to do."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from feedline.consumer import RemoteDataZMQ
 from tests.jpeg_data import make_folder
 from tests.operator_support import ROOT, feedline
 
@@ -43,3 +45,22 @@ def test_a_producer_at_a_brokers_egress_ends_at_once_saying_why_once(broker_proc
                               "egress: producers connect to its --ingress address"), lines[-1]
     for noise in ("could not tell", "never registered", "never connected", "not connected"):
         assert noise not in r.stderr, r.stderr
+
+
+def test_an_exact_producer_stopped_counts_the_batches_a_broker_took(broker_proc, daemons,
+                                                                    endpoints, tmp_path):
+    """An exact producer serving epochs until stopped (``epochs: null``), one trainer reading
+    an epoch of it, then SIGTERM: its last line counts the batches it sent under the
+    broker's credit (at least the epoch the trainer got), not "sent 0 batches"."""
+    from tests.test_exact_delivery import FAST, pipeline, producer
+
+    broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=None)
+    p = producer(daemons, cfg, endpoints.ingress, "p0")
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, link=FAST) as src:
+        got = len(list(src.epoch()))
+    assert got == 96 // 4
+    assert p.stop() == 0, p.log_text()[-2000:]
+    sent = re.findall(r"INFO feedline.producer.cli: sent (\d+) batches \([\d.]+ MB\) in ",
+                      p.log_text())
+    assert len(sent) == 1 and int(sent[0]) >= got, p.log_text()[-2000:]
