@@ -314,3 +314,36 @@ def test_producer_cli_runs_the_val_example_against_a_real_broker(
     for k, d in enumerate(sorted(images.iterdir())):
         expected += [(val(np.fromfile(p, np.uint8)).tobytes(), k) for p in sorted(d.iterdir())]
     assert sorted(got) == sorted(expected)
+
+
+_SHARD_KEYS = ["chunk_size", "claim", "fields", "manifest", "max_sample_bytes", "prefetch",
+               "read_ahead", "retries", "seed", "shuffle", "shuffle_buffer",
+               "storage_options", "timeout", "urls"]
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "tfrecord", "parquet"])
+def test_an_unknown_shard_key_lists_every_key_the_source_takes(fmt: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        build_pipeline({"source": {fmt: {"urls": "x-{0..1}", "chunksize": 5}}})
+    assert str(e.value) == (f"source.{fmt}.chunksize: unknown key (did you mean "
+                            f"'chunk_size'? known: {_SHARD_KEYS})")
+
+
+@pytest.mark.parametrize("cfg, said", [
+    ({"source": {"image_folder": {"rot": "/data"}}},
+     "source.image_folder.rot: unknown key (did you mean 'root'? known: ['list_file', "
+     "'root', 'seed', 'shuffle'])"),
+    ({"source": {"fake": {"shapes": [[1]]}}, "steps": [{"map": {"function": "builtins:id"}},
+                                                       {"batch": {"batchsize": 8}}]},
+     "steps[1].batch.batchsize: unknown key (did you mean 'batch_size'? known: "
+     "['batch_size', 'remainder', 'use_list'])"),
+    ({"source": {"webdataset": {"url": "x-{0..1}.tar"}}},
+     "source.webdataset.url: unknown key (did you mean 'urls'? known: "
+     f"{_SHARD_KEYS})"),
+    ({"source": {"fake": {"shapes": [[1]]}}, "steps": [{"batch": {}}]},
+     "steps[0].batch.batch_size: required"),  # nothing misspelt: the key is missing
+])
+def test_a_misspelt_required_key_is_reported_as_the_unknown_key(cfg, said: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        build_pipeline(cfg)
+    assert str(e.value) == said

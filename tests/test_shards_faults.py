@@ -15,7 +15,7 @@ from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer.dataflow.webdataset import WebDataset
 from feedline.producer.exact import build_exact
-from feedline.producer.shards.retry import ShardError
+from feedline.producer.shards.retry import RetryPolicy, ShardError
 from feedline.scrape import scrape
 from tests.shard_server import Plan, fault_proxy, file_server
 from tests.shard_support import make_wds, payload
@@ -106,7 +106,7 @@ def test_a_producer_counts_retries_and_skipped_shards_in_its_metrics(broker_proc
         assert p.alive()
     assert sorted(seen[:25]) == [i for i in range(30) if not 20 <= i < 25]
     assert plan.total() >= 10, plan.injected
-    assert f"skipped the rest of shard {proxy}/train-000004.tar" in p.log_text()
+    assert f"could not read shard {proxy}/train-000004.tar" in p.log_text()
 
 
 def test_exact_delivery_names_a_shard_that_keeps_failing(broker_proc, daemons, endpoints,
@@ -127,3 +127,52 @@ def test_exact_delivery_names_a_shard_that_keeps_failing(broker_proc, daemons, e
         with pytest.raises(ShardError, match="train-000002.tar"):
             for u in range(pipe.source.units()):  # type: ignore[union-attr]
                 list(pipe.batches(0, u))
+
+
+def test_a_missing_shard_is_named_once_then_rate_limited_and_all_counted(tmp_path, caplog):
+    """A brace list naming 5 shards where the folder holds 3 (a re-conversion shrank it):
+    each missing shard is named once, as not read (not "the rest" of it) with the likely
+    cause; its failures in later epochs are counted, not logged one line each."""
+    import logging
+
+    make_wds(tmp_path, shards=3, per_shard=2)
+    epochs = 20
+    with file_server(str(tmp_path)) as url:
+        ds = WebDataset(f"{url}/train-{{000000..000004}}.tar", fields=["bin", "cls"],
+                        retry=RetryPolicy(attempts=1))
+        ds.reset_state()
+        with caplog.at_level(logging.WARNING, "feedline.producer.dataflow.sharded"):
+            for _ in range(epochs):
+                assert sorted(int(i) for _, i in ds) == list(range(6))
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "feedline.producer.dataflow.sharded"]
+    assert ds.stats.failed_shards == 2 * epochs
+    for k in (3, 4):
+        first = [m for m in lines if f"train-00000{k}.tar" in m]
+        assert first[0].startswith(f"could not read shard {url}/train-00000{k}.tar: "
+                                   "FileNotFoundError"), first[0]
+        assert first[0].endswith("is the urls list (or the manifest) stale?"), first[0]
+    assert not any("skipped the rest" in m for m in lines), lines
+    # two first lines, then at most one a minute: the 38 repeats are not 38 lines
+    assert len(lines) <= 3, lines
+
+
+def test_a_shard_cut_short_is_named_with_the_samples_read(tmp_path, caplog):
+    import logging
+
+    make_wds(tmp_path, shards=2, per_shard=20, nbytes=3000)
+    plan = Plan()
+    plan.add("train-000001", "pass", 1)  # its first chunk arrives, then never another
+    plan.add("train-000001", "503", -1)
+    with file_server(str(tmp_path)) as url, fault_proxy(url, plan) as proxy:
+        ds = WebDataset(f"{proxy}/train-{{000000..000001}}.tar", fields=["bin", "cls"],
+                        chunk_size=16384, prefetch=1, read_ahead=1, retry=RetryPolicy(attempts=1),
+                        shuffle=False)
+        ds.reset_state()
+        with caplog.at_level(logging.WARNING, "feedline.producer.dataflow.sharded"):
+            got = [int(i) for _, i in ds]
+    n = len(got) - 20
+    assert 0 < n < 20 and got[20:] == list(range(20, 20 + n))
+    msgs = [r.getMessage() for r in caplog.records if "train-000001" in r.getMessage()]
+    assert any(m.startswith(f"skipped the rest of shard {proxy}/train-000001.tar after "
+                            f"{n} samples: ") for m in msgs), msgs

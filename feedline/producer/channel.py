@@ -222,14 +222,18 @@ class ProducerIO:
             # Not "exact": a training producer that claims its shards asks for units too.
             self.out.error = FeedlineError(f"the broker at {ch.link.addr} refused this "
                                            f"producer ({msg.reason}): {msg.detail}")
+            self.out.refused = True
         if msg.reason == "wrong_port" and not ch.link.welcomed:
             # A consumer's address (a broker's egress): no retry changes that. One line,
             # raised by the owner, instead of a producer that waits there for ever.
             self.out.error = AddressError(f"{ch.link.addr} refused this producer "
                                           f"(wrong_port): {msg.detail}")
+            self.out.refused = True
         if msg.reason == "batch_too_large":
             ch.welcome = m.Welcome(broker=msg.broker, max_batch_bytes=msg.limit,
                                    registration=ch.link.registration)
+        if not ch.link.welcomed:
+            return  # our registration refused: the link said so, once, at WARNING
         self._log.warning("broker %s refused %s: %s%s", ch.link.addr,
                           f"batch {msg.seq}" if msg.seq >= 0 else "a message", msg.reason,
                           f" ({msg.detail})" if msg.detail else "")

@@ -182,12 +182,12 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
     link = LinkConfig(heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)
     try:
-        sent = send_exact(pipe, args.broker, producer_id=producer_id, link=link, curve=curve,
-                          stop=stop, registry=registry,
-                          fleet=(args.fleet, args.fleet_max, args.join_run))
+        stats = send_exact(pipe, args.broker, producer_id=producer_id, link=link,
+                           curve=curve, stop=stop, registry=registry,
+                           fleet=(args.fleet, args.fleet_max, args.join_run))
     except FeedlineError as e:
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
-    log.info("sent %d batches", sent)
+    log_summary(stats, args.broker)
     return 0
 
 

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from feedline.producer.pipeline_spec import (
     guarded,
     one_key,
 )
-from feedline.producer.sender import Sender
+from feedline.producer.sender import Sender, SendStats
 
 log = logging.getLogger(__name__)
 DEFAULT_UNIT = 1024
@@ -168,10 +169,13 @@ class ExactPipeline:
         for j in range(start, -(-len(order) // bs)):
             yield [(i, _LOAD) for i in order[j * bs:(j + 1) * bs]]
 
-    def run(self, sender: Sender, stop: threading.Event | None = None) -> int:
+    def run(self, sender: Sender, stop: threading.Event | None = None,
+            stats: SendStats | None = None) -> int:
         """Produce the units the broker hands out until every epoch is served; returns the
-        batches sent."""
+        batches handed to ``sender`` (counted in ``stats`` as they go, ``batches`` and
+        ``bytes``, so that a run that is stopped still says what it made)."""
         sent = 0
+        stats = stats if stats is not None else SendStats()
         fingerprint = self.fingerprint
         while True:
             got = sender.next_unit(stop)
@@ -183,9 +187,10 @@ class ExactPipeline:
                 if batch is None:
                     empty.append(j)
                     continue
-                sender.send(batch, epoch=got.epoch, stop=stop, unit=got.unit, index=j,
-                            last=j == total - 1, pipeline=fingerprint)
+                stats.bytes += sender.send(batch, epoch=got.epoch, stop=stop, unit=got.unit,
+                                           index=j, last=j == total - 1, pipeline=fingerprint)
                 sent += 1
+                stats.batches += 1
             sender.unit_done(got.epoch, got.unit, total, tuple(empty), stop)
 
 
@@ -261,20 +266,30 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
 def send_exact(pipe: ExactPipeline, addr: str | list[str], *, producer_id: str | None = None,
                link: Any = None, curve: Any = None, stop: threading.Event | None = None,
                registry: Any = None, stream: str | None = None,
-               fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0)) -> int:
+               fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0)) -> SendStats:
     """Serve ``pipe``'s units to the broker at ``addr`` until every epoch is served (or
-    forever, ``epochs: null``, until ``stop``); returns the batches sent."""
+    forever, ``epochs: null``, until ``stop``). Returns what it did as
+    :func:`~feedline.producer.sender.send_dataflow` does: ``sent``/``sent_bytes`` are the
+    batches a broker took (sent under its credit), ``batches`` those made, stopped or not."""
     from feedline.errors import Stopped
 
+    stats = SendStats()
+    t0 = time.monotonic()
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
                 stream=stream or pipe.stream, exact=pipe.spec, fleet=fleet) as sender:
         try:
-            sent = pipe.run(sender, stop)
+            pipe.run(sender, stop, stats)
             sender.end(pipe.epochs, stop)
-            return sent
         except Stopped:
             sender.stopped = True
-            return 0
         except Exception as e:
             sender.error(e)
             raise
+        finally:
+            stats.seconds = time.monotonic() - t0
+            stats.credit_wait_seconds = sender.credit_wait_seconds
+    # After the close: what the I/O thread sent under a broker's credit, and why not.
+    stats.sent, stats.sent_bytes = sender.sent
+    stats.unreached = list(sender._out.unreached)
+    stats.bye_unanswered = sender._out.bye_unanswered
+    return stats

@@ -121,6 +121,10 @@ class Outbox:
     bye_unanswered: int = 0
     idle: threading.Event = field(default_factory=threading.Event)  # set when done == handed
     error: BaseException | None = None  # raised in the owner's next send
+    # A broker refused our registration for a reason no retry changes (an egress given as
+    # --broker, an exact stream's mismatch): the owner raises ``error`` and ends at once;
+    # there is nobody to tell of the failure and nothing to flush.
+    refused: bool = False
     credit: int = 0  # batches the brokers would take now (for the owner's eyes only)
     largest: int = 0  # the largest batch prepared so far (declared in HELLOs)
     # The I/O thread holds an item it could not send yet (no credit): a new one queues

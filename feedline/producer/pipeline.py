@@ -308,7 +308,7 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
                           "the producer's: use mode: process (the map steps in worker "
                           "processes), or give the source a static shard (claim: false)")
     if "shard" in cfg:
-        s = Args(cfg["shard"], "shard")
+        s = Args(cfg["shard"], "shard").expect("index", "count")
         index = s.integer("index", required=True, lo=0)
         count = s.integer("count", required=True, lo=1)
         s.done()

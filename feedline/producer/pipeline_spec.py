@@ -7,6 +7,7 @@ with the path of the offending field (``steps[2].batch.batch_size: expected an i
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
@@ -33,7 +34,13 @@ from feedline.producer.shards.retry import RetryPolicy
 
 
 class Args:
-    """Typed access to one map of a pipeline file; :meth:`done` rejects unknown keys."""
+    """Typed access to one map of a pipeline file; :meth:`done` rejects unknown keys.
+
+    The keys read (``seen``) are the ones accepted; a builder :meth:`expect` s them all up
+    front as well, so that an error met before it has read them all (a required key missing
+    because it is misspelt: ``rot`` for ``root``) still names every key it takes, and reports
+    the misspelt key as the unknown one it is.
+    """
 
     def __init__(self, m: Any, where: str) -> None:
         if m is None:
@@ -42,6 +49,28 @@ class Args:
             raise ConfigError(f"{where}: expected a map")
         self.m, self.where = m, where
         self.seen: set[str] = set()
+        self.known: set[str] = set()  # what the builder says it takes (expect)
+
+    def expect(self, *keys: str) -> Args:
+        """Declare the keys this map takes (only for the messages: a key is accepted
+        when it is read, so a declared key that nobody reads is still refused)."""
+        self.known.update(keys)
+        return self
+
+    def _unknown(self, key: str) -> ConfigError:
+        known = sorted(self.known | self.seen)
+        near = difflib.get_close_matches(str(key), known, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        return ConfigError(f"{self.field(key)}: unknown key ({hint}known: {known})")
+
+    def missing(self, key: str, what: str = "required") -> ConfigError:
+        """The error of a required ``key`` that is not there: the key given in its place,
+        as unknown, where the map holds one that is not a key this map takes (a misspelling
+        is most likely); else ``KEY: required`` (``what``)."""
+        extra = sorted(set(self.m) - self.known - self.seen, key=str)
+        if extra:
+            return self._unknown(extra[0])
+        return ConfigError(f"{self.field(key)}: {what}")
 
     def field(self, key: str) -> str:
         return f"{self.where}.{key}"
@@ -50,7 +79,7 @@ class Args:
         self.seen.add(key)
         if key not in self.m:
             if required:
-                raise ConfigError(f"{self.field(key)}: required")
+                raise self.missing(key)
             return default
         return self.m[key]
 
@@ -98,8 +127,7 @@ class Args:
     def done(self) -> None:
         extra = sorted(set(self.m) - self.seen, key=str)
         if extra:
-            raise ConfigError(f"{self.field(extra[0])}: unknown key "
-                              f"(known: {sorted(self.seen)})")
+            raise self._unknown(extra[0])
 
 
 def load_object(spec: Any, where: str) -> Any:
@@ -161,6 +189,7 @@ def located(where: str, e: Exception) -> ConfigError:
 # -- sources: (args, seed) -> DataFlow ------------------------------------------------------
 
 def _fake(a: Args, seed: int) -> DataFlow:
+    a.expect("shapes", "dtypes", "size", "random", "seed", "delay")
     shapes = a.get("shapes", required=True)
     if not isinstance(shapes, list):
         raise ConfigError(f"{a.field('shapes')}: expected list")
@@ -178,9 +207,10 @@ def _fake(a: Args, seed: int) -> DataFlow:
 
 
 def _image_folder(a: Args, seed: int) -> DataFlow:
+    a.expect("root", "list_file", "shuffle", "seed")
     root, list_file = a.text("root"), a.text("list_file")
     if root is None and list_file is None:
-        raise ConfigError(f"{a.field('root')}: required (or list_file)")
+        raise a.missing("root", "required (or list_file)")
     shuffle = a.flag("shuffle", True)
     seed = a.integer("seed", seed)
     a.done()
@@ -188,6 +218,7 @@ def _image_folder(a: Args, seed: int) -> DataFlow:
 
 
 def _lmdb(a: Args, seed: int) -> DataFlow:
+    a.expect("path", "shuffle", "seed")
     path = a.text("path", required=True)
     shuffle = a.flag("shuffle", False)
     seed = a.integer("seed", seed)
@@ -196,6 +227,7 @@ def _lmdb(a: Args, seed: int) -> DataFlow:
 
 
 def _list(a: Args, seed: int) -> DataFlow:
+    a.expect("items", "shuffle", "seed")
     items = a.get("items", required=True)
     if not isinstance(items, list):
         raise ConfigError(f"{a.field('items')}: expected a list")
@@ -206,6 +238,7 @@ def _list(a: Args, seed: int) -> DataFlow:
 
 
 def _generator(a: Args, seed: int) -> DataFlow:
+    a.expect("function", "args", "size")
     gen: Any = function(a)
     size = a.integer("size", None, lo=0, allow_none=True)
     a.done()
@@ -215,11 +248,15 @@ def _generator(a: Args, seed: int) -> DataFlow:
 def _sharded(cls: Callable[..., DataFlow]) -> Callable[[Args, int], DataFlow]:
     """The builder of a sharded source (webdataset, tfrecord, parquet): the same keys for
     each (docs/pipelines.md, "Sharded datasets")."""
+    sized = ("read_ahead", "chunk_size", "prefetch", "max_sample_bytes", "shuffle_buffer")
+
     def build(a: Args, seed: int) -> DataFlow:
+        a.expect("urls", "manifest", "fields", *sized, "storage_options", "shuffle", "seed",
+                 "claim", "timeout", "retries")
         urls, manifest = a.get("urls"), a.text("manifest")
         if urls is None and manifest is None:
-            raise ConfigError(f"{a.field('urls')}: required (a list, a glob or a brace "
-                              "pattern), or manifest")
+            raise a.missing("urls", "required (a list, a glob or a brace pattern), or "
+                            "manifest")
         kw: dict[str, Any] = {"urls": urls, "manifest": manifest}
         fields = a.get("fields")
         if fields is not None:
@@ -227,9 +264,8 @@ def _sharded(cls: Callable[..., DataFlow]) -> Callable[[Args, int], DataFlow]:
                                                                 for f in fields)):
                 raise ConfigError(f"{a.field('fields')}: expected a list of names")
             kw["fields"] = fields
-        for key in ("read_ahead", "chunk_size", "prefetch", "max_sample_bytes",
-                    "shuffle_buffer"):
-            if key in a.m:
+        for key in sized:
+            if a.get(key) is not None:  # read (so accepted) even where the default stays
                 kw[key] = a.integer(key, lo=1)
         opts = a.get("storage_options", {})
         if not isinstance(opts, Mapping):
@@ -268,8 +304,8 @@ AUGMENTORS: dict[str, Callable[[Args], Any]] = {
     "resize_shortest_edge": lambda a: _image().ResizeShortestEdge(
         a.integer("size", required=True, lo=1)),
     "random_resized_crop": lambda a: _image().RandomResizedCrop(
-        a.integer("size", required=True, lo=1), a.pair("scale", (0.08, 1.0)),
-        a.pair("ratio", (3 / 4, 4 / 3))),
+        a.expect("size", "scale", "ratio").integer("size", required=True, lo=1),
+        a.pair("scale", (0.08, 1.0)), a.pair("ratio", (3 / 4, 4 / 3))),
     "center_crop": lambda a: _image().CenterCrop(a.integer("size", required=True, lo=1)),
     "flip": lambda a: _image().Flip(a.number("prob", 0.5, lo=0)),
     "brightness": lambda a: _image().Brightness(a.number("delta", 30.0, lo=0)),
@@ -314,7 +350,7 @@ def _decode(a: Args, seed: int) -> Any:
 
 
 def _augment(a: Args, seed: int) -> Any:
-    items = a.get("augmentors", required=True)
+    items = a.expect("augmentors", "seed").get("augmentors", required=True)
     if not isinstance(items, list) or not items:
         raise ConfigError(f"{a.field('augmentors')}: expected a non-empty list")
     augs = []
@@ -328,7 +364,7 @@ def _augment(a: Args, seed: int) -> Any:
 
 
 def _map(a: Args, seed: int) -> Any:
-    return function(a)
+    return function(a.expect("function", "args"))
 
 
 MAP_STEPS: dict[str, Callable[[Args, int], Any]] = {
@@ -340,11 +376,13 @@ MAP_STEPS: dict[str, Callable[[Args, int], Any]] = {
 
 
 def _batch(ds: DataFlow, a: Args, seed: int) -> DataFlow:
+    a.expect("batch_size", "remainder", "use_list")
     return BatchData(ds, a.integer("batch_size", required=True, lo=1),
                      remainder=a.flag("remainder", False), use_list=a.flag("use_list", False))
 
 
 def _local_shuffle(ds: DataFlow, a: Args, seed: int) -> DataFlow:
+    a.expect("buffer_size", "seed")
     return LocallyShuffleData(ds, a.integer("buffer_size", required=True, lo=1),
                               seed=a.integer("seed", seed))
 
@@ -357,7 +395,7 @@ def _repeat(ds: DataFlow, a: Args, seed: int) -> DataFlow:
 
 
 def _filter(ds: DataFlow, a: Args, seed: int) -> DataFlow:
-    return FilterData(ds, function(a))
+    return FilterData(ds, function(a.expect("function", "args")))
 
 
 STEPS: dict[str, Callable[[DataFlow, Args, int], DataFlow]] = {

@@ -33,7 +33,7 @@ from feedline.errors import ConfigError, DataError, FeedlineError, Stopped
 from feedline.link import LinkConfig
 from feedline.producer.channel import ProducerIO
 from feedline.producer.claims import SenderClaims, claim_spec, claiming_source
-from feedline.producer.dataflow.base import as_dataflow
+from feedline.producer.dataflow.base import DataFlow, as_dataflow, stages
 from feedline.producer.metrics import ProducerMetrics
 from feedline.producer.outbox import (
     BatchItem,
@@ -283,6 +283,8 @@ class Sender:
         """Send a pipeline failure with its traceback to the consumers."""
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         text = f"{type(exc).__name__}: {exc}"
+        if self._out.refused:
+            return  # the broker refused us: there is nobody to tell (the caller says it)
         msg = m.Error(producer=self.producer_id, message=text[: self.limits.max_text_len],
                       traceback=tb[-self.limits.max_traceback_len:])
         try:
@@ -325,7 +327,8 @@ class Sender:
         self.targets.stop()
         out = self._out
         if out.loop is not None and out.loop.alive():
-            self.flush(self._link_cfg.flush_ms / 1000, stopping=self.stopped)
+            if not out.refused:  # else no broker takes what is left: end at once
+                self.flush(self._link_cfg.flush_ms / 1000, stopping=self.stopped)
             out.loop.stop(timeout=self._link_cfg.flush_ms / 1000 + 5)
 
     def __enter__(self) -> Sender:
@@ -333,6 +336,18 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nothing_in_an_epoch(df: DataFlow) -> str:
+    """The error of an epoch without a batch, with its cause where a stage knows it (a
+    batch step that dropped, as its remainder, every sample the source gave)."""
+    msg = "the dataflow yielded nothing in a whole epoch"
+    for stage in stages(df):
+        why = getattr(stage, "why_empty", None)
+        said = why() if callable(why) else None
+        if said:
+            return f"{msg}: {said}"
+    return msg
 
 
 class _RateLog:
@@ -415,7 +430,7 @@ def send_dataflow(
                 if shards is not None and shards.finished:
                     break  # the broker handed out every epoch's shards
                 if stats.batches == before and shards is None:
-                    raise DataError("the dataflow yielded nothing in a whole epoch")
+                    raise DataError(_nothing_in_an_epoch(df))
                 epoch += 1
                 stats.epochs = epoch
             sender.end(epoch, stop)

@@ -26,6 +26,9 @@ class BatchData(ProxyDataFlow):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.batch_size, self.remainder, self.use_list = batch_size, remainder, use_list
+        # the last pass's datapoints, and how many of them ended in no batch (fewer than
+        # batch_size left over with remainder=False): what an epoch without a batch says
+        self.taken = self.dropped = 0
 
     def __len__(self) -> int:
         n = len(self.ds)
@@ -33,13 +36,26 @@ class BatchData(ProxyDataFlow):
 
     def __iter__(self) -> Iterator[Any]:
         holder: list[Any] = []
+        self.taken = self.dropped = 0
         for dp in self.ds:
             holder.append(dp)
+            self.taken += 1
             if len(holder) == self.batch_size:
                 yield self.aggregate(holder, self.use_list)
                 holder = []
         if self.remainder and holder:
             yield self.aggregate(holder, self.use_list)
+        else:
+            self.dropped = len(holder)
+
+    def why_empty(self) -> str | None:
+        """Why the last pass yielded no batch, when this stage is why: it was given samples
+        and dropped them as a remainder; else None."""
+        if self.taken and self.dropped == self.taken:
+            return (f"the source gave {self.taken} samples and batch (batch_size "
+                    f"{self.batch_size}, remainder: false) dropped them: lower batch_size "
+                    "or set remainder: true")
+        return None
 
     @staticmethod
     def aggregate(dps: list[Any], use_list: bool = False) -> Any:

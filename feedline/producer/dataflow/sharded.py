@@ -50,6 +50,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from feedline.errors import ConfigError, DataError
+from feedline.logs import RateLimitedLog
 from feedline.producer.dataflow.base import DataFlow, UnknownLength
 from feedline.producer.dataflow.shard import check_shard, shard_positions
 from feedline.producer.shards import manifest as mf
@@ -121,6 +122,11 @@ class ShardedSource(DataFlow):
         self._starts: dict[int, dict[int, int]] = {}
         # shard index -> why, for the shards that failed since one was last read to its end
         self._failing: dict[int, str] = {}
+        # A shard that fails every epoch (a stale urls list) is named once at WARNING; its
+        # later failures go through a rate limit that counts them: they are all counted in
+        # stats.failed_shards, but an epoch every second must not write a line each.
+        self._named: set[int] = set()  # bounded by the shard list
+        self._repeats = RateLimitedLog(log, interval=60.0)
         self.set_shard(*shard)
 
     # -- what a subclass implements (one of _read and _read_from) -----------------------
@@ -221,21 +227,40 @@ class ShardedSource(DataFlow):
         """Shard ``index``'s samples with corrupt records counted and a failed shard skipped;
         :class:`ShardsFailed` once every shard this source reads has failed in a row."""
         url = self.urls[index]
+        n = 0
         try:
             for item in self._read(url):
                 if isinstance(item, CorruptRecord):
                     self._corrupt(item)
                 else:
+                    n += 1
                     yield item
             self.stats.add(shards_read=1)
             self._failing = {}
         except ShardError as e:
             self.stats.shard_failed(url)
-            log.warning("skipped the rest of %s", e)
+            self._shard_lost(index, e, n)
             self._failing[index] = e.why
             mine = self._reachable()
             if len(self._failing) >= len(mine) and set(self._failing) >= set(mine):
                 raise ShardsFailed(self._all_failed(mine)) from None
+
+    def _shard_lost(self, index: int, e: ShardError, n: int) -> None:
+        """Log shard ``index``'s failure after ``n`` samples: the first time at WARNING with
+        what to check; later (the same shard next epoch) through the rate limit."""
+        if n:
+            msg, args = "skipped the rest of shard %s after %d samples: %s", (e.name, n, e.why)
+        else:
+            # a shard that is not there (a 404, a removed file or key) is most often one a
+            # re-conversion (``feedline convert --overwrite``) renamed or removed
+            stale = e.why.startswith("FileNotFoundError")
+            msg, args = "could not read shard %s: %s" + (
+                "; is the urls list (or the manifest) stale?" if stale else ""), (e.name, e.why)
+        if index in self._named:
+            self._repeats.warning(msg + " (again)", *args)
+        else:
+            self._named.add(index)
+            log.warning(msg, *args)
 
     def _reachable(self) -> range:
         """The shards a pass of this source may read: any, with claims or where its static
