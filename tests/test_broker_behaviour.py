@@ -81,7 +81,8 @@ def test_a_pipeline_error_reaches_the_consumer_with_its_traceback(thread_broker,
 
 def test_receive_timeout_says_what_is_missing(tmp_path, thread_broker, endpoints):
     with RemoteDataZMQ(f"ipc://{tmp_path}/nobody.sock", timeout=0.5, link=FAST) as src:
-        with pytest.raises(ReceiveTimeout, match="never connected to a broker: nothing accepts connections.*is the broker running"):
+        with pytest.raises(ReceiveTimeout, match="never connected to a broker: nothing accepts"
+                           ".*is the broker running"):
             next(iter(src))
     thread_broker()  # a broker that answers, and no producer behind it
     with RemoteDataZMQ(endpoints.egress, timeout=1.0, link=FAST) as src:
