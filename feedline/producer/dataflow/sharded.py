@@ -248,6 +248,7 @@ class ShardedSource(DataFlow):
     def _shard_lost(self, index: int, e: ShardError, n: int) -> None:
         """Log shard ``index``'s failure after ``n`` samples: the first time at WARNING with
         what to check; later (the same shard next epoch) through the rate limit."""
+        args: tuple[object, ...]
         if n:
             msg, args = "skipped the rest of shard %s after %d samples: %s", (e.name, n, e.why)
         else:
