@@ -330,20 +330,22 @@ def test_every_dashboard_query_works_on_live_metrics(native: NativeCompose) -> N
     wait_for(lambda: prom.query("increase(feedline_broker_rejected_messages_total[2s])")
              and prom.query("increase(feedline_broker_dropped_peers_total[2s])"), 30,
              interval=0.2, what="reject and drop scraped")
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/feedline.json").read_text())
+    # Let every rate() window hold samples of the running system.
+    wait_for(lambda: prom.value("sum(rate(feedline_broker_forwarded_batches_total[2s]))"),
+             30, interval=0.2, what="throughput in Prometheus")
+    # The broker gives a stream's sizing verdict once it has settled (twice its heartbeat
+    # timeout after it started: its peers are back) and holds half a sizing window of samples
+    # (5 s after its first producer; no sizing series before): on a loaded host the tests
+    # above can take less.
+    wait_for(lambda: prom.query("feedline_broker_stream_bottleneck == 1"), 60, interval=0.2,
+             what="the sizing verdict in Prometheus")
+    # What the replicas expose, read after the verdict: the sizing series appear with it.
     exposed: set[str] = set()
     for r in native.all_replicas():
         for line in http_get(r.metrics_url).splitlines():
             if line and not line.startswith("#"):
                 exposed.add(re.split(r"[{ ]", line, maxsplit=1)[0])
-    dashboard = json.loads((DEPLOY / "grafana/dashboards/feedline.json").read_text())
-    # Let every rate() window hold samples of the running system.
-    wait_for(lambda: prom.value("sum(rate(feedline_broker_forwarded_batches_total[2s]))"),
-             30, interval=0.2, what="throughput in Prometheus")
-    # The broker gives a stream's sizing verdict once it has half a sizing window of samples
-    # (5 s after its first producer; every verdict's series is 0 before): on a loaded host
-    # the tests above can take less.
-    wait_for(lambda: prom.query("feedline_broker_stream_bottleneck == 1"), 30, interval=0.2,
-             what="the sizing verdict in Prometheus")
     checked = 0
     for panel in dashboard["panels"]:
         for t in panel["targets"]:

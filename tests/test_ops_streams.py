@@ -245,10 +245,13 @@ def test_per_stream_panels_return_each_stream_from_prometheus(two_streams: TwoSt
         def streams(expr: str, stream: str = ".*") -> set[str]:
             return {r["metric"].get("stream", "?") for r in prom.query(live(expr, stream))}
 
-        # Every rate window holds samples of both streams, and an exact epoch went by.
+        # Every rate window holds samples of both streams, an exact epoch went by, and the
+        # broker has given both streams a sizing verdict (it settles for twice its heartbeat
+        # timeout after it starts, then needs half a sizing window of samples).
         wait_for(lambda: streams(per_stream[0][1]) == {"default", "val"}
-                 and (prom.value('feedline_broker_exact_epoch{stream="val"}') or 0) >= 1,
-                 60, interval=0.2, what="both streams in Prometheus")
+                 and (prom.value('feedline_broker_exact_epoch{stream="val"}') or 0) >= 1
+                 and streams("feedline_broker_stream_bottleneck == 1") == {"default", "val"},
+                 60, interval=0.2, what="both streams and their verdicts in Prometheus")
         # The variable's values (Grafana's label_values(METRIC, stream)).
         metric = re.fullmatch(r"label_values\((\w+), stream\)", variable["definition"])
         assert metric, variable
