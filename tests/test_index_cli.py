@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import cv2
 import numpy as np
 import pytest
 
@@ -73,8 +72,8 @@ def test_a_second_run_keeps_what_fits_and_rebuilds_what_does_not(tmp_path: Path)
 
 def test_what_is_not_indexed_is_counted_and_named(tmp_path: Path) -> None:
     paths = _folder(tmp_path)
-    img = cv2.imdecode(np.frombuffer(paths[0].read_bytes(), np.uint8), cv2.IMREAD_COLOR)
-    (tmp_path / "c0" / "progressive.jpg").write_bytes(encode(img, 85, progressive=True))
+    (tmp_path / "c0" / "progressive.jpg").write_bytes(encode(photo(90, 120), 85,
+                                                             progressive=True))
     (tmp_path / "c0" / "cut.jpg").write_bytes(paths[1].read_bytes()[:-300])
     r = feedline("index", str(tmp_path), "--no-progress")
     assert r.returncode == 0, r.stderr
