@@ -37,9 +37,9 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[
         Extension("feedline.producer.image._jpegturbo",
-                  [f"{IMAGE}/_jpegturbo.c", f"{IMAGE}/_mcuindex.c", f"{IMAGE}/_prepare.c",
-                   f"{IMAGE}/_resample.c"],
-                  depends=[f"{IMAGE}/_jt.h", f"{IMAGE}/_mcuindex.h"],
+                  [f"{IMAGE}/_jpegturbo.c", f"{IMAGE}/_jpgidx.c", f"{IMAGE}/_mcuindex.c",
+                   f"{IMAGE}/_prepare.c", f"{IMAGE}/_resample.c"],
+                  depends=[f"{IMAGE}/_jt.h", f"{IMAGE}/_jpgidx.h", f"{IMAGE}/_mcuindex.h"],
                   libraries=["jpeg"]),
     ],
     cmdclass={"build_ext": OptionalBuildExt},

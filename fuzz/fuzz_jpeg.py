@@ -27,7 +27,12 @@ Input layout: byte 0 picks the mode, bytes 1-8 the geometry, the rest is the pay
   ``value & 0xFFFF`` plus the true offset of that row, 1 sets index field ``op >> 4`` (mod 5:
   version, interval, cols, rows, scan length) to ``value``, 2 renumbers restart marker
   ``value >> 8`` to ``value & 7``, 3 truncates the file ``value`` bytes into its scan, 4 swaps
-  two row offsets.
+  two row offsets;
+- mode 3: byte 9 picks a baseline seed and builds its side index (jpgindex), the payload
+  edits the index: ``[u16 position][u8 value]`` edits past its 40-byte header (so its
+  checksum of the file still matches and the entries reach the decoder's own checks), or,
+  with position 0xFFFF, the index cut to ``value`` x 4 bytes; the decode must give an image
+  (by the index, or without it once refused).
 
 Geometry: bytes 1-4 the box (top, left, height, width as fractions of the image), byte 5 the
 output size (1-128), byte 6 bit 0 BGR or RGB, bit 1 a fractional box (as ImageNetVal's),
@@ -61,7 +66,7 @@ with atheris.instrument_imports(include=["feedline.producer.image"]):
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
-MODES = 3
+MODES = 4
 HEAD = 9
 MAX_PIXELS = 1 << 22  # 4 Mpx: libjpeg's buffers stay far under the run's -rss_limit_mb
 _EDIT = struct.Struct(">HB")
@@ -102,6 +107,29 @@ def _seed_files() -> list[bytes]:
 
 
 SEED_FILES = _seed_files()
+
+
+def _indexed_seeds() -> list[tuple[bytes, bytes]]:
+    """The baseline seeds that take a side index, with their indexes (not CMYK/YCCK: the
+    decoder leaves those to OpenCV)."""
+    if not turbo.AVAILABLE:
+        return []
+    from feedline.producer.image.jpgindex import build_index
+
+    out = []
+    for f in SEED_FILES:
+        try:
+            if turbo.frame(np.frombuffer(f, np.uint8))[0] == 4:
+                continue
+            index = build_index(f)
+        except CorruptImage:
+            continue
+        if index is not None:
+            out.append((f, index))
+    return out
+
+
+INDEXED = _indexed_seeds()
 
 
 def _edited(payload: bytes) -> bytes:
@@ -160,6 +188,23 @@ def _lied(payload: bytes) -> bytes:
     return data
 
 
+def _index_lied(payload: bytes) -> tuple[bytes, bytes | None]:
+    """Mode 3: a baseline seed and its side index with the payload's edits."""
+    if not INDEXED:
+        return SEED_FILES[0], None
+    if not payload:
+        return INDEXED[0]
+    file, index = INDEXED[payload[0] % len(INDEXED)]
+    lie = bytearray(index)
+    for i in range(1, len(payload) - _EDIT.size + 1, _EDIT.size):
+        pos, value = _EDIT.unpack_from(payload, i)
+        if pos == 0xFFFF:
+            del lie[4 * value:]
+        elif len(lie) > 40:
+            lie[40 + pos % (len(lie) - 40)] = value
+    return file, bytes(lie)
+
+
 def _box(geom: bytes, hw: tuple[int, int]) -> tuple[tuple[float, float, float, float],
                                                   tuple[int, int], bool, tuple[int, ...]]:
     h, w = hw
@@ -214,7 +259,11 @@ def one_input(data: bytes) -> str:
     if len(data) < HEAD:
         return "short"
     mode, geom, payload = data[0] % MODES, data[1:HEAD], data[HEAD:]
-    file = payload if mode == 0 else _edited(payload) if mode == 1 else _lied(payload)
+    index = None
+    if mode == 3:
+        file, index = _index_lied(payload)
+    else:
+        file = payload if mode == 0 else _edited(payload) if mode == 1 else _lied(payload)
     buf = np.frombuffer(file, np.uint8)
     frame: tuple[int, bool] | None = None
     scale = 0
@@ -227,7 +276,7 @@ def one_input(data: bytes) -> str:
             box, out_hw = (0.0, 0.0, 1.0, 1.0), (1, 1)
         scale = turbo.plan(hw, box, out_hw, scales).scale
         img = turbo.decode_box(buf, hw, box, out_hw, bgr, max_pixels=MAX_PIXELS,
-                               scales=scales)
+                               scales=scales, index=index)
     except CorruptImage as e:
         return _outcome("corrupt", str(e), frame, scale, indexed)
     except turbo.Unsupported as e:
@@ -252,6 +301,8 @@ def seeds() -> dict[str, bytes]:
             out[f"edit-{i}-{gname}"] = bytes([1]) + geom + bytes([i, 0, 0])
         for i in range(len(PREPARED)):
             out[f"lie-{i}-{gname}"] = bytes([2]) + geom + bytes([i])
+        for i in range(len(INDEXED)):
+            out[f"index-{i}-{gname}"] = bytes([3]) + geom + bytes([i])
     return out
 
 

@@ -53,6 +53,11 @@ def test_seeds_decode_and_edits_reach_the_error_paths() -> None:
     lie = bytes([2]) + geom + bytes([0])
     for op, value in [(1, 2), (0, (1 << 16) | 5), (2, (7 << 8) | 6), (3, 100)]:
         assert fj.one_input(lie + bytes([op]) + value.to_bytes(4, "big")) == "corrupt", op
+    # Mode 3: lies in a side index (entries edited, the index cut short): the image decodes
+    # (without the index once it is refused).
+    assert fj.INDEXED and any(k.startswith("index-") for k in results)
+    for edits in [bytes([0, 5, 0xFF]), bytes([0xFF, 0xFF, 3]), bytes([0, 1, 0, 0, 2, 0x80])]:
+        assert fj.one_input(bytes([3]) + geom + bytes([0]) + edits) == "ok", edits
 
 
 def test_time_boxed_fuzz_run_finds_nothing(tmp_path: Path) -> None:

@@ -331,8 +331,8 @@ def test_an_unknown_shard_key_lists_every_key_the_source_takes(fmt: str) -> None
 
 @pytest.mark.parametrize("cfg, said", [
     ({"source": {"image_folder": {"rot": "/data"}}},
-     "source.image_folder.rot: unknown key (did you mean 'root'? known: ['list_file', "
-     "'root', 'seed', 'shuffle'])"),
+     "source.image_folder.rot: unknown key (did you mean 'root'? known: ['jpeg_index', "
+     "'list_file', 'root', 'seed', 'shuffle'])"),
     ({"source": {"fake": {"shapes": [[1]]}}, "steps": [{"map": {"function": "builtins:id"}},
                                                        {"batch": {"batchsize": 8}}]},
      "steps[1].batch.batchsize: unknown key (did you mean 'batch_size'? known: "

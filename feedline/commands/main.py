@@ -25,6 +25,7 @@ COMMANDS = {
     "demo": "feedline.commands.demo",
     "lmdb": "feedline.producer.lmdb_cli",
     "convert": "feedline.producer.convert_cli",
+    "index": "feedline.producer.index_cli",
     "info": "feedline.producer.info_cli",
     "drain": "feedline.consumer.drain",
     "top": "feedline.commands.top",

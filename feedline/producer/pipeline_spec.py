@@ -207,14 +207,16 @@ def _fake(a: Args, seed: int) -> DataFlow:
 
 
 def _image_folder(a: Args, seed: int) -> DataFlow:
-    a.expect("root", "list_file", "shuffle", "seed")
+    a.expect("root", "list_file", "shuffle", "seed", "jpeg_index")
     root, list_file = a.text("root"), a.text("list_file")
     if root is None and list_file is None:
         raise a.missing("root", "required (or list_file)")
     shuffle = a.flag("shuffle", True)
     seed = a.integer("seed", seed)
+    jpeg_index = a.flag("jpeg_index", True)
     a.done()
-    return guarded(a.where, lambda: ImageFolder(root, list_file, shuffle=shuffle, seed=seed))
+    return guarded(a.where, lambda: ImageFolder(root, list_file, shuffle=shuffle, seed=seed,
+                                                jpeg_index=jpeg_index))
 
 
 def _lmdb(a: Args, seed: int) -> DataFlow:

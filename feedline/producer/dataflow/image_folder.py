@@ -18,22 +18,37 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 class FileBytes(np.ndarray):
     """A file's bytes as a 1-D uint8 array that remembers the file's ``path``, so that a
-    decoder's error can name it. Pickles (to worker processes) as the plain array, out of
-    band, plus the path."""
+    decoder's error can name it, and its side index (``jpeg_index``: the bytes of
+    ``PATH.jpgidx``, or None; :mod:`feedline.producer.image.jpgindex`), which the fused
+    decoder uses. Pickles (to worker processes) as the plain array, out of band, plus the
+    path and the index."""
 
     path: str
+    jpeg_index: bytes | None
 
     def __array_finalize__(self, obj: object) -> None:
         self.path = getattr(obj, "path", "")
+        self.jpeg_index = getattr(obj, "jpeg_index", None)
 
     def __reduce__(self) -> tuple:
-        return _file_bytes, (self.view(np.ndarray), self.path)
+        return _file_bytes, (self.view(np.ndarray), self.path, self.jpeg_index)
 
 
-def _file_bytes(data: np.ndarray, path: str) -> FileBytes:
+def _file_bytes(data: np.ndarray, path: str, jpeg_index: bytes | None = None) -> FileBytes:
     out = data.view(FileBytes)
     out.path = path
+    out.jpeg_index = jpeg_index
     return out
+
+
+def _read(path: str, jpeg_index: bool) -> FileBytes:
+    with open(path, "rb") as f:
+        data = np.frombuffer(f.read(), np.uint8)
+    index = None
+    if jpeg_index:
+        from feedline.producer.image.jpgindex import load_index
+        index = load_index(path)
+    return _file_bytes(data, path, index)
 
 
 def scan_folder(root: str | Path, extensions: Sequence[str] = IMAGE_EXTENSIONS,
@@ -86,12 +101,14 @@ class ImageFolder(DataFlow):
 
     Images come from ``root/<class>/...`` (labels by sorted class name) or from a
     ``list_file``. ``shuffle`` reorders each pass as a function of ``(seed, epoch, worker)``;
-    ``shard`` keeps positions ``p % count == index`` of the sorted list.
+    ``shard`` keeps positions ``p % count == index`` of the sorted list. ``jpeg_index``:
+    each file's side index ``PATH.jpgidx`` (``feedline index``) comes with its bytes where
+    it exists, for the fused decoder.
     """
 
     def __init__(self, root: str | Path | None = None, list_file: str | Path | None = None,
                  shuffle: bool = True, seed: int = 0, shard: tuple[int, int] = (0, 1),
-                 read: bool = True) -> None:
+                 read: bool = True, jpeg_index: bool = True) -> None:
         if root is None and list_file is None:
             raise ConfigError("ImageFolder needs root or list_file")
         if list_file is not None:
@@ -101,6 +118,7 @@ class ImageFolder(DataFlow):
             assert root is not None
             self.paths, self.labels, self.classes = scan_folder(root)
         self.shuffle, self.seed, self.read = shuffle, seed, read
+        self.jpeg_index = jpeg_index
         self.set_shard(*shard)
         self._epoch = 0
 
@@ -118,8 +136,7 @@ class ImageFolder(DataFlow):
         path = self.paths[i]
         if not self.read:
             return [path, self.labels[i]]
-        with open(path, "rb") as f:
-            return [_file_bytes(np.frombuffer(f.read(), np.uint8), path), self.labels[i]]
+        return [_read(path, self.jpeg_index), self.labels[i]]
 
     def samples(self) -> int:
         return len(self.paths)
@@ -132,8 +149,7 @@ class ImageFolder(DataFlow):
         for i in idx:
             path = self.paths[i]
             if self.read:
-                with open(path, "rb") as f:
-                    data: object = _file_bytes(np.frombuffer(f.read(), np.uint8), path)
+                data: object = _read(path, self.jpeg_index)
             else:
                 data = path
             yield [data, self.labels[i]]

@@ -34,6 +34,7 @@
 
 #include <jerror.h>
 
+#include "_jpgidx.h"
 #include "_mcuindex.h"
 
 #define STR_(x) #x
@@ -41,6 +42,7 @@
 
 PyObject *jt_CorruptJPEG;
 PyObject *jt_Unsupported;
+PyObject *jt_BadIndex;
 
 typedef struct {
     struct jpeg_progress_mgr pub;
@@ -145,23 +147,22 @@ typedef struct {
     JDIMENSION x_start, width, image_h, image_w;
 } Request;
 
-/* For an indexed file: the JPEG of the MCUs that hold the request's region, plus one scaled
- * pixel each side (fancy upsampling reads one chroma sample past a pixel: at the synthetic
- * image's edges it would replicate instead), and at least two MCUs each way where the image
- * has them (libjpeg-turbo upsamples a component of 2 samples or fewer without interpolation).
- * Every pixel of the region then comes out as a full decode gives it. The request is moved
- * to the synthetic image's coordinates (all its columns); *syn is malloc'd (PyMem_Raw). */
-static int synthetic(const unsigned char *data, const mi_layout *lay, Request *q,
-                     unsigned char **syn, size_t *syn_len, jt_error *err) {
-    unsigned smw = lay->mcu_w * (unsigned)q->scale / 8, smh = lay->mcu_h * (unsigned)q->scale / 8;
-    unsigned sw = (unsigned)(((unsigned long long)lay->width * q->scale + 7) / 8);
-    unsigned sh = (unsigned)(((unsigned long long)lay->height * q->scale + 7) / 8);
-    unsigned xa, xb, ya, yb, c0, c1, r0, r1;
-    char msg[MI_ERRLEN];
-    size_t cap;
-    if ((unsigned long long)lay->width * lay->height > q->max_pixels) {
+/* The MCUs [r0, r1) x [c0, c1) of a grid of mcu_w x mcu_h pixels that hold the request's
+ * region, plus one scaled pixel each side (fancy upsampling reads one chroma sample past a
+ * pixel: at a synthetic image's edges it would replicate instead), and at least two MCUs
+ * each way where the image has them (libjpeg-turbo upsamples a component of 2 samples or
+ * fewer without interpolation). Every pixel of the region then comes out of a JPEG of only
+ * those MCUs as a full decode gives it. 0 with err set for a region outside the image. */
+static int crop_mcus(const Request *q, unsigned width, unsigned height, unsigned mcu_w,
+                     unsigned mcu_h, unsigned cols, unsigned rows, unsigned *r0, unsigned *r1,
+                     unsigned *c0, unsigned *c1, jt_error *err) {
+    unsigned smw = mcu_w * (unsigned)q->scale / 8, smh = mcu_h * (unsigned)q->scale / 8;
+    unsigned sw = (unsigned)(((unsigned long long)width * q->scale + 7) / 8);
+    unsigned sh = (unsigned)(((unsigned long long)height * q->scale + 7) / 8);
+    unsigned xa, xb, ya, yb;
+    if ((unsigned long long)width * height > q->max_pixels) {
         snprintf(err->message, sizeof err->message, "declares %ux%u pixels, over the limit "
-                 "of %llu", lay->width, lay->height, q->max_pixels);
+                 "of %llu", width, height, q->max_pixels);
         return 0;
     }
     if ((unsigned long long)q->y0 + q->rows > sh || (unsigned long long)q->x0 + q->cols > sw) {
@@ -173,22 +174,37 @@ static int synthetic(const unsigned char *data, const mi_layout *lay, Request *q
     ya = q->y0 > 0 ? q->y0 - 1 : 0;
     xb = q->x0 + q->cols < sw ? q->x0 + q->cols + 1 : sw;
     yb = q->y0 + q->rows < sh ? q->y0 + q->rows + 1 : sh;
-    c0 = xa / smw;
-    c1 = (xb + smw - 1) / smw;
-    r0 = ya / smh;
-    r1 = (yb + smh - 1) / smh;
-    if (c1 - c0 < 2 && lay->cols >= 2) {
-        if (c1 < lay->cols)
-            c1++;
+    *c0 = xa / smw;
+    *c1 = (xb + smw - 1) / smw;
+    *r0 = ya / smh;
+    *r1 = (yb + smh - 1) / smh;
+    if (*c1 - *c0 < 2 && cols >= 2) {
+        if (*c1 < cols)
+            (*c1)++;
         else
-            c0--;
+            (*c0)--;
     }
-    if (r1 - r0 < 2 && lay->rows >= 2) {
-        if (r1 < lay->rows)
-            r1++;
+    if (*r1 - *r0 < 2 && rows >= 2) {
+        if (*r1 < rows)
+            (*r1)++;
         else
-            r0--;
+            (*r0)--;
     }
+    return 1;
+}
+
+/* For a prepared file (MCU index): the JPEG of the MCUs crop_mcus() picks. The request is
+ * moved to the synthetic image's coordinates (all its columns); *syn is malloc'd
+ * (PyMem_Raw). */
+static int synthetic(const unsigned char *data, const mi_layout *lay, Request *q,
+                     unsigned char **syn, size_t *syn_len, jt_error *err) {
+    unsigned smw = lay->mcu_w * (unsigned)q->scale / 8, smh = lay->mcu_h * (unsigned)q->scale / 8;
+    unsigned c0, c1, r0, r1;
+    char msg[MI_ERRLEN];
+    size_t cap;
+    if (!crop_mcus(q, lay->width, lay->height, lay->mcu_w, lay->mcu_h, lay->cols, lay->rows,
+                   &r0, &r1, &c0, &c1, err))
+        return 0;
     cap = mi_synthetic_bound(lay);
     *syn = PyMem_RawMalloc(cap);
     if (*syn == NULL) {
@@ -211,6 +227,41 @@ static int synthetic(const unsigned char *data, const mi_layout *lay, Request *q
     return 1;
 }
 
+/* For a file with a side index (_jpgidx.c): the JPEG of the MCUs crop_mcus() picks, its
+ * columns widened to index entries. The request is moved to the synthetic image's
+ * coordinates; q->x_start is where they start (decode() then crops its columns as it does
+ * an ordinary file's: the entries' extra MCUs are entropy-decoded, not transformed). */
+static int side_synthetic(const ji_index *ix, Request *q, unsigned char **syn,
+                          size_t *syn_len, jt_error *err) {
+    unsigned smw = ix->mcu_w * (unsigned)q->scale / 8, smh = ix->mcu_h * (unsigned)q->scale / 8;
+    unsigned c0, c1, r0, r1;
+    char msg[JI_ERRLEN];
+    size_t cap;
+    if (!crop_mcus(q, ix->width, ix->height, ix->mcu_w, ix->mcu_h, ix->cols, ix->rows, &r0,
+                   &r1, &c0, &c1, err))
+        return 0;
+    c0 -= c0 % ix->step;
+    c1 = c1 % ix->step ? c1 + ix->step - c1 % ix->step : c1;
+    c1 = c1 < ix->cols ? c1 : ix->cols;
+    cap = ji_synthetic_bound(ix);
+    *syn = PyMem_RawMalloc(cap);
+    if (*syn == NULL) {
+        snprintf(err->message, sizeof err->message, "no memory for %zu bytes", cap);
+        return 0;
+    }
+    *syn_len = ji_synthetic(ix, r0, r1, c0, c1, *syn, cap, msg);
+    if (*syn_len == 0) {
+        snprintf(err->message, sizeof err->message, "%s", msg);
+        return 0;
+    }
+    q->image_h = ix->height;
+    q->image_w = ix->width;
+    q->y0 -= r0 * smh;
+    q->x_start = c0 * smw;
+    q->x0 -= c0 * smw;
+    return 1;
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer view;
     Request q;
@@ -218,9 +269,13 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     jt_error err;
     ScanLimit lim;
     mi_layout lay;
+    ji_index ix;
     char msg[MI_ERRLEN];
     int indexed;
+    volatile int side = 0;
     const unsigned char *src;
+    PyObject *index = Py_None;
+    Py_buffer iview;
     size_t src_len;
     unsigned char *volatile syn = NULL;
     size_t syn_len = 0;
@@ -229,18 +284,26 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     (void)self;
 
     memset(&q, 0, sizeof q);
-    if (!PyArg_ParseTuple(args, "y*iIIIIpKi:decode", &view, &q.scale, &q.y0, &q.x0, &q.rows,
-                          &q.cols, &q.bgr, &q.max_pixels, &q.max_scans))
+    memset(&ix, 0, sizeof ix);
+    memset(&iview, 0, sizeof iview);
+    if (!PyArg_ParseTuple(args, "y*iIIIIpKi|O:decode", &view, &q.scale, &q.y0, &q.x0, &q.rows,
+                          &q.cols, &q.bgr, &q.max_pixels, &q.max_scans, &index))
         return NULL;
+    if (index != Py_None && PyObject_GetBuffer(index, &iview, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
     if (q.scale < 1 || q.scale > 8 || q.rows == 0 || q.cols == 0 || q.max_scans < 1 ||
         q.max_pixels > (1ULL << 32)) {
         PyBuffer_Release(&view);
+        PyBuffer_Release(&iview);
         PyErr_SetString(PyExc_ValueError,
                         "scale must be 1..8, rows, cols and max_scans >= 1, max_pixels <= 2**32");
         return NULL;
     }
     if (view.len <= 0) {
         PyBuffer_Release(&view);
+        PyBuffer_Release(&iview);
         PyErr_SetString(jt_CorruptJPEG, "empty data");
         return NULL;
     }
@@ -254,9 +317,15 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         PyMem_RawFree(syn);
+        ji_free(&ix);
         PyEval_RestoreThread(ts);
         Py_XDECREF(out);
         PyBuffer_Release(&view);
+        PyBuffer_Release(&iview);
+        if (side && !err.unsupported) { /* the caller decodes again without the index */
+            PyErr_Format(jt_BadIndex, "JPEG index: %s", err.message);
+            return NULL;
+        }
         return jt_raise(&err);
     }
     jpeg_create_decompress(&cinfo);
@@ -273,13 +342,32 @@ static PyObject *decode(PyObject *self, PyObject *args) {
             longjmp(err.jump, 1);
         src = syn;
         src_len = syn_len;
+    } else if (iview.buf != NULL) {
+        /* A side index: checked whole against the file before anything is copied. Any
+         * failure from here on is BadIndex, and the caller decodes the file without it. */
+        unsigned char *s = NULL;
+        int ok;
+        char imsg[JI_ERRLEN];
+        side = 1;
+        if (ji_parse(src, src_len, (const unsigned char *)iview.buf, (size_t)iview.len, &ix,
+                     imsg) != JI_OK) {
+            snprintf(err.message, sizeof err.message, "%s", imsg);
+            longjmp(err.jump, 1);
+        }
+        ok = side_synthetic(&ix, &q, &s, &syn_len, &err);
+        syn = s;
+        ji_free(&ix);
+        if (!ok)
+            longjmp(err.jump, 1);
+        src = syn;
+        src_len = syn_len;
     }
     lim.pub.progress_monitor = check_scans;
     lim.max_scans = q.max_scans;
     cinfo.progress = &lim.pub;
     jpeg_mem_src(&cinfo, src, (unsigned long)src_len);
     jpeg_read_header(&cinfo, TRUE);
-    if (!indexed) {
+    if (!indexed && !side) {
         q.image_h = cinfo.image_height;
         q.image_w = cinfo.image_width;
     }
@@ -317,10 +405,12 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     }
     jpeg_start_decompress(&cinfo);
     if (!indexed) {
+        JDIMENSION shift = q.x_start; /* a side index's synthetic image starts there */
         q.x_start = q.x0;
         q.width = q.cols;
         if (q.width < cinfo.output_width)
             jpeg_crop_scanline(&cinfo, &q.x_start, &q.width);
+        q.x_start += shift;
     } else {
         q.width = cinfo.output_width; /* the synthetic image holds only what is needed */
     }
@@ -332,6 +422,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         jpeg_destroy_decompress(&cinfo);
         PyMem_RawFree(syn);
         PyBuffer_Release(&view);
+        PyBuffer_Release(&iview);
         return NULL;
     }
     ts = PyEval_SaveThread();
@@ -355,6 +446,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     PyMem_RawFree(syn);
     PyEval_RestoreThread(ts);
     PyBuffer_Release(&view);
+    PyBuffer_Release(&iview);
     return Py_BuildValue("(NIIII)", out, (unsigned)q.x_start, (unsigned)q.width,
                          (unsigned)q.image_h, (unsigned)q.image_w);
 }
@@ -413,6 +505,91 @@ static PyObject *synthetic_py(PyObject *self, PyObject *args) {
     return res;
 }
 
+/* index_build(data, step) -> (bytes, "") or (None, why not): the side index of a baseline
+ * JPEG (_jpgidx.c); CorruptJPEG for data that does not decode. */
+static PyObject *index_build(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    unsigned step = 4;
+    unsigned char *out = NULL;
+    size_t len = 0;
+    char msg[JI_ERRLEN];
+    int got;
+    PyObject *res;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*|I:index_build", &view, &step))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    got = ji_build((const unsigned char *)view.buf, (size_t)view.len, step, &out, &len, msg);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (got == JI_BAD)
+        return PyErr_Format(jt_CorruptJPEG, "%s", msg);
+    if (got == JI_NOT_INDEXABLE)
+        return Py_BuildValue("(Os)", Py_None, msg);
+    res = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)len);
+    PyMem_RawFree(out);
+    return res ? Py_BuildValue("(Ns)", res, "") : NULL;
+}
+
+/* index_check(data, index) -> (mcu_cols, mcu_rows, step, entries): BadIndex if the index
+ * does not fit the file. */
+static PyObject *index_check(PyObject *self, PyObject *args) {
+    Py_buffer view, iview;
+    ji_index ix;
+    char msg[JI_ERRLEN];
+    int got;
+    PyObject *res;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*:index_check", &view, &iview))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    got = ji_parse((const unsigned char *)view.buf, (size_t)view.len,
+                   (const unsigned char *)iview.buf, (size_t)iview.len, &ix, msg);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&iview);
+    if (got != JI_OK)
+        return PyErr_Format(jt_BadIndex, "JPEG index: %s", msg);
+    res = Py_BuildValue("(IIII)", ix.cols, ix.rows, ix.step, ix.per_row * ix.rows);
+    ji_free(&ix);
+    return res;
+}
+
+/* synthetic_indexed(data, index, r0, r1, c0, c1) -> bytes: the JPEG decode() makes of a
+ * rectangle of MCUs by a side index (for tests and debugging). */
+static PyObject *synthetic_indexed(PyObject *self, PyObject *args) {
+    Py_buffer view, iview;
+    ji_index ix;
+    char msg[JI_ERRLEN];
+    unsigned r0, r1, c0, c1;
+    size_t cap, n = 0;
+    unsigned char *buf = NULL;
+    PyObject *res;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*IIII:synthetic_indexed", &view, &iview, &r0, &r1, &c0,
+                          &c1))
+        return NULL;
+    if (ji_parse((const unsigned char *)view.buf, (size_t)view.len,
+                 (const unsigned char *)iview.buf, (size_t)iview.len, &ix, msg) != JI_OK) {
+        PyBuffer_Release(&view);
+        PyBuffer_Release(&iview);
+        return PyErr_Format(jt_BadIndex, "JPEG index: %s", msg);
+    }
+    cap = ji_synthetic_bound(&ix);
+    buf = PyMem_RawMalloc(cap);
+    if (buf != NULL)
+        n = ji_synthetic(&ix, r0, r1, c0, c1, buf, cap, msg);
+    ji_free(&ix);
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&iview);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    res = n ? PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)n)
+            : PyErr_Format(jt_BadIndex, "JPEG index: %s", msg);
+    PyMem_RawFree(buf);
+    return res;
+}
+
 /* _prepare.c, _resample.c */
 PyObject *jt_prepare(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *jt_resample(PyObject *self, PyObject *args, PyObject *kwargs);
@@ -424,12 +601,22 @@ static PyMethodDef methods[] = {
      "decode(data, scale, y0, x0, rows, cols, bgr, max_pixels, max_scans) -> (pixels, "
      "x_start, width, image_height, image_width): rows [y0, y0+rows) of the image scaled by "
      "scale/8, columns [x_start, x_start+width) with x_start <= x0 and x_start+width >= "
-     "x0+cols; rows x width x 3 bytes."},
+     "x0+cols; rows x width x 3 bytes. decode(..., index): by a side index (BadIndex if "
+     "it does not fit: decode again without it)."},
     {"index_info", index_info, METH_VARARGS,
      "index_info(data) -> None or (mcu_cols, mcu_rows, mcu_width, mcu_height, scan_bytes)."},
     {"synthetic", synthetic_py, METH_VARARGS,
      "synthetic(data, r0, r1, c0, c1) -> bytes: the JPEG of a rectangle of an indexed "
      "file's MCUs."},
+    {"index_build", index_build, METH_VARARGS,
+     "index_build(data, step=4) -> (bytes, '') or (None, why not): the side index of a "
+     "baseline JPEG, an entry every step MCUs of each MCU row."},
+    {"index_check", index_check, METH_VARARGS,
+     "index_check(data, index) -> (mcu_cols, mcu_rows, step, entries); BadIndex if the "
+     "index does not fit the file."},
+    {"synthetic_indexed", synthetic_indexed, METH_VARARGS,
+     "synthetic_indexed(data, index, r0, r1, c0, c1) -> bytes: the JPEG of a rectangle of "
+     "MCUs (c0, c1 on index entries) by a side index."},
     {"prepare", (PyCFunction)(void (*)(void))jt_prepare, METH_VARARGS | METH_KEYWORDS,
      "prepare(data, optimize, max_pixels, interval=1) -> (bytes, note): the file transcoded "
      "losslessly with a restart marker after every MCU and an MCU index, or None and why "
@@ -465,8 +652,11 @@ PyMODINIT_FUNC PyInit__jpegturbo(void) {
                                         bases, NULL);
     jt_Unsupported = PyErr_NewException("feedline.producer.image._jpegturbo.Unsupported",
                                         bases, NULL);
+    jt_BadIndex = PyErr_NewException("feedline.producer.image._jpegturbo.BadIndex", bases,
+                                     NULL);
     Py_DECREF(bases);
-    if (jt_CorruptJPEG == NULL || jt_Unsupported == NULL ||
+    if (jt_CorruptJPEG == NULL || jt_Unsupported == NULL || jt_BadIndex == NULL ||
+        PyModule_AddObjectRef(m, "BadIndex", jt_BadIndex) < 0 ||
         PyModule_AddObjectRef(m, "CorruptJPEG", jt_CorruptJPEG) < 0 ||
         PyModule_AddObjectRef(m, "Unsupported", jt_Unsupported) < 0 ||
         PyModule_AddStringConstant(m, "LIBJPEG_TURBO_VERSION", STR(LIBJPEG_TURBO_VERSION)) < 0 ||

@@ -124,7 +124,7 @@ class ImageNetTrain(_Seeded):
                 try:
                     img = turbo.decode_box(buf, hw, (y0, x0, y0 + ch, x0 + cw),
                                            (self.size, self.size), bgr, data, self.max_pixels,
-                                           flip=flip)
+                                           flip=flip, index=getattr(data, "jpeg_index", None))
                 except turbo.Unsupported:
                     img = decode(buf, source=data, max_pixels=self.max_pixels)
                     img = resize(img[y0:y0 + ch, x0:x0 + cw], self.size, self.size, flip)
@@ -194,7 +194,8 @@ class ImageNetVal(_Seeded):
         if hw is not None:
             box, out_hw = self.crop_box(*hw)
             try:
-                return turbo.decode_box(buf, hw, box, out_hw, False, data, self.max_pixels)
+                return turbo.decode_box(buf, hw, box, out_hw, False, data, self.max_pixels,
+                                        index=getattr(data, "jpeg_index", None))
             except turbo.Unsupported:
                 img = decode(buf, source=data, max_pixels=self.max_pixels)
                 return to_rgb(np.ascontiguousarray(self.center(self.short(img))))

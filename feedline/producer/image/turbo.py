@@ -19,6 +19,7 @@ no libjpeg-turbo headers at install time) and the presets decode with OpenCV ins
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, NamedTuple
 
@@ -40,6 +41,7 @@ else:
     _MISSING = ""
 
 AVAILABLE = _jpegturbo is not None
+log = logging.getLogger(__name__)
 # Progressive files have ~10 scans; thousands of tiny ones only cost CPU.
 MAX_SCANS = 256
 # The scales planned by default: libjpeg-turbo has SIMD IDCTs for 8/8, 4/8, 2/8 and 1/8 only;
@@ -113,7 +115,7 @@ def plan(src_hw: tuple[int, int], box: tuple[float, float, float, float],
 def decode_box(data: np.ndarray, src_hw: tuple[int, int], box: tuple[float, float, float,
                float], out_hw: tuple[int, int], bgr: bool = True, source: Any = None,
                max_pixels: int = MAX_PIXELS, scales: tuple[int, ...] = FAST_SCALES,
-               flip: bool = False) -> np.ndarray:
+               flip: bool = False, index: Any = None) -> np.ndarray:
     """Decode the ``box`` of a JPEG whose header says ``src_hw``, resized to ``out_hw``
     (``HxWx3`` uint8, BGR unless ``bgr`` is False, mirrored left-right if ``flip``).
 
@@ -125,6 +127,11 @@ def decode_box(data: np.ndarray, src_hw: tuple[int, int], box: tuple[float, floa
     naming the file of ``source`` (the object the bytes came from, see
     :func:`.decode.name_of`), and :class:`Unsupported` for a JPEG this decoder leaves to
     OpenCV. Needs the extension (:data:`AVAILABLE`).
+
+    ``index``: the JPEG's side index (:mod:`.jpgindex`), or None. With it, only the MCUs
+    under the region are entropy-decoded; the pixels are the same. An index that does not
+    fit the file is refused before it is used (a warning names the file, once) and the file
+    decodes without it.
     """
     if _jpegturbo is None:
         raise Unsupported(_MISSING)
@@ -132,8 +139,14 @@ def decode_box(data: np.ndarray, src_hw: tuple[int, int], box: tuple[float, floa
     # One more column each side (never used, see EDGE), unless at the image's edge.
     qc0, qc1 = max(0, p.c0 - EDGE), min(p.scaled_hw[1], p.c1 + EDGE)
     try:
-        px, xs, width, ih, iw = _jpegturbo.decode(
-            data, p.scale, p.r0, qc0, p.r1 - p.r0, qc1 - qc0, bgr, max_pixels, MAX_SCANS)
+        try:
+            px, xs, width, ih, iw = _jpegturbo.decode(
+                data, p.scale, p.r0, qc0, p.r1 - p.r0, qc1 - qc0, bgr, max_pixels, MAX_SCANS,
+                index)
+        except _jpegturbo.BadIndex as e:
+            refused_index(_name(source, data), str(e))
+            px, xs, width, ih, iw = _jpegturbo.decode(
+                data, p.scale, p.r0, qc0, p.r1 - p.r0, qc1 - qc0, bgr, max_pixels, MAX_SCANS)
     except _jpegturbo.Unsupported as e:
         raise Unsupported(str(e)) from e
     except _jpegturbo.CorruptJPEG as e:
@@ -159,6 +172,19 @@ def decode_box(data: np.ndarray, src_hw: tuple[int, int], box: tuple[float, floa
     (a, b), (c, d) = _whole(y0, y1, region.shape[0]), _whole(x0, x1, region.shape[1])
     out = cv2.resize(region[a:b, c:d], (ow, oh), interpolation=cv2.INTER_AREA)
     return cv2.flip(out, 1) if flip else out
+
+
+_refused: set[str] = set()
+
+
+def refused_index(source: str, why: str) -> None:
+    """Logs, once per file, that its side index was refused (the file then decodes without
+    it)."""
+    if source in _refused:
+        return
+    if len(_refused) < 10000:  # bounded: a dataset of bad indexes warns for its first files
+        _refused.add(source)
+    log.warning("%s: %s; decoded without it (rebuild it: feedline index)", source, why)
 
 
 def _whole(lo: float, hi: float, size: int) -> tuple[int, int]:
