@@ -21,8 +21,10 @@ from __future__ import annotations
 import ast
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
-from tests.package_source import Module, extension_modules, modules
+from tests.support import ROOT
+from tests.support.package_source import Module, extension_modules, modules
 
 KERNEL, FACADE = "kernel", "facade"
 COMPONENTS = ("serving", "producer", "broker", "consumer", "commands")
@@ -181,3 +183,42 @@ def test_no_import_cycles() -> None:
         described.append(" <-> ".join(scc) + "\n  " + "\n  ".join(
             str(e) for v in scc for e in graph[v] if e.target in members))
     assert not circles, "import cycles:\n" + "\n".join(described)
+
+
+def _imports_of_tests(path: Path) -> list[tuple[int, str]]:
+    """The ``tests...`` modules a file imports, with their lines (imports anywhere in it, and
+    ``from tests import X`` as ``tests.X``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "tests":
+            if node.module == "tests":
+                out += [(node.lineno, f"tests.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "tests"]
+    return out
+
+
+def test_tests_import_helpers_only_from_tests_support() -> None:
+    """Test modules share code through ``tests/support/`` and never import one another;
+    benchmarks, fuzz harnesses, examples and the package import nothing of ``tests/`` outside
+    ``tests/support/`` (a test module is free to change without breaking a harness)."""
+    files = [p for d in ("tests", "fuzz", "benchmarks", "examples", "feedline", "deploy")
+             for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 200, len(files)
+    bad = [f"{p.relative_to(ROOT)}:{line}: imports {mod}" for p in files
+           for line, mod in _imports_of_tests(p)
+           if not (mod == "tests.support" or mod.startswith("tests.support."))]
+    assert not bad, "\n".join(bad)
+
+
+def test_test_folders_mirror_the_package() -> None:
+    """Test modules live in folders by what they test (tests/broker/, tests/exact/, ...); only
+    this one, about the whole tree, sits at the top."""
+    top = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert top == ["test_layering.py"], top
+    folders = {p.parent.name for p in (ROOT / "tests").rglob("test_*.py")} - {"tests"}
+    assert {"broker", "consumer", "producer", "exact", "protocol", "transport"} <= folders, \
+        folders
