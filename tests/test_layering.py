@@ -6,9 +6,13 @@ module names in the lazy-export tables of ``feedline/__init__.py`` and
 ``feedline/consumer/__init__.py``. Then:
 
 - the kernel (``feedline/*.py`` but ``__init__``/``__main__``) imports no component;
-- ``feedline.serving`` and ``feedline.producer`` import only the kernel;
-- ``feedline.broker`` imports only ``serving`` and the kernel;
-- ``feedline.consumer`` imports ``serving``, ``producer`` and the kernel, never ``broker``;
+- ``feedline.exact`` (exact delivery) and ``feedline.producer`` import only the kernel;
+- ``feedline.serving`` imports only ``exact`` and the kernel;
+- ``feedline.broker`` imports only ``serving``, ``exact`` and the kernel;
+- ``feedline.consumer`` imports ``serving``, ``producer``, ``exact`` and the kernel, never
+  ``broker``;
+- a module outside ``feedline.exact`` imports it through the package (``from feedline.exact
+  import Cursor``), never one of its modules;
 - only ``commands`` (and the facade: ``feedline/__init__.py``, ``feedline/__main__.py``)
   imports ``commands``, and nothing imports the facade;
 - no two modules import each other, directly or around a circle.
@@ -27,14 +31,15 @@ from tests.support import ROOT
 from tests.support.package_source import Module, extension_modules, modules
 
 KERNEL, FACADE = "kernel", "facade"
-COMPONENTS = ("serving", "producer", "broker", "consumer", "commands")
+COMPONENTS = ("exact", "serving", "producer", "broker", "consumer", "commands")
 # What each room may import besides itself.
 ALLOWED = {
     KERNEL: {KERNEL},
-    "serving": {KERNEL},
+    "exact": {KERNEL},
+    "serving": {KERNEL, "exact"},
     "producer": {KERNEL},
-    "broker": {KERNEL, "serving"},
-    "consumer": {KERNEL, "serving", "producer"},
+    "broker": {KERNEL, "serving", "exact"},
+    "consumer": {KERNEL, "serving", "producer", "exact"},
     "commands": {KERNEL, *COMPONENTS},
     FACADE: {KERNEL, *COMPONENTS},
 }
@@ -139,6 +144,15 @@ def test_every_import_goes_down_the_layers() -> None:
         elif dst not in ALLOWED[src]:
             bad.append(f"{i}  ({src} -> {dst})")
     assert not bad, "imports against the layering (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_exact_delivery_is_used_through_its_package() -> None:
+    """Outside ``feedline.exact`` the product names the package, never its modules (the
+    facade's lazy table aside: it maps names to the package too)."""
+    bad = [str(i) for i in all_imports()
+           if room(i.target) == "exact" and i.target != "feedline.exact"
+           and room(i.source.name) != "exact"]
+    assert not bad, "import feedline.exact's names from the package:\n" + "\n".join(bad)
 
 
 def test_no_import_cycles() -> None:

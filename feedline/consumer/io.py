@@ -27,15 +27,14 @@ from feedline import messages as m
 from feedline.bundle import MAX_BUNDLE
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.metrics import ConsumerMetrics
-from feedline.cursor import MAX_CURSOR_BYTES, Cursor
 from feedline.errors import AddressError, FeedlineError, ProducerError
+from feedline.exact import MAX_CURSOR_BYTES, RECORDS_PER_COMMIT, Cursor
 from feedline.handover import Inbox
 from feedline.heap import keep_freed_memory
 from feedline.link import KeysHint, Link, LinkConfig, Reach
 from feedline.logs import RateLimitedLog
 from feedline.security import ClientKeys
 from feedline.serving.budget import depth, report_after
-from feedline.serving.coordinator import RECORDS_PER_COMMIT
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feedline.cursor import MAX_CURSOR_BYTES, Cursor
 from feedline.errors import ConfigError, DecodeError
-from feedline.serving.coordinator import Assignment, Coordinator, ExactPlan
-from feedline.serving.journal import Journal, JournalCorrupt, JournalStale
+from feedline.exact.coordinator import Assignment, Coordinator, ExactPlan
+from feedline.exact.cursor import MAX_CURSOR_BYTES, Cursor
+from feedline.exact.journal import Journal, JournalCorrupt, JournalStale
 
 PLAN = ExactPlan(dataset_size=10, unit_size=4, epochs=2, fingerprint=7)  # units 0 1 2: 4 4 2
 
@@ -319,7 +319,7 @@ def test_a_cursor_from_the_network_decodes_or_is_refused(data: st.DataObject) ->
 def test_a_cursor_of_few_bytes_cannot_decode_to_gigabytes():
     """Runs are a few bytes each for up to a million bits: 12,000 groups of one full-length
     run are refused before they are made (they would take 1.5 GB)."""
-    from feedline.cursor import _varint
+    from feedline.exact.cursor import _varint
 
     body = [b"FLC2", b"\0", b"\0" * 8, _varint(0), _varint(3), b"val", _varint(12000)]
     body += [_varint(0) + _varint(1) + b"\0" + _varint(1) + _varint(0) + _varint((1 << 20) - 1)

@@ -1,5 +1,5 @@
 """Exact delivery's coordinator checked as a model: a Hypothesis rule-based state machine
-drives the real :class:`feedline.serving.coordinator.Coordinator` (and its real journal, in a
+drives the real :class:`feedline.exact.coordinator.Coordinator` (and its real journal, in a
 tmpfs directory) with the broker's glue around it played in miniature (the buffer, what is in
 flight to each consumer, orphans, the consumers' own checks, producers making units batch by
 batch), in random interleavings of: a producer asking for a unit, making a batch (or losing

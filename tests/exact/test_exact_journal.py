@@ -20,7 +20,7 @@ import yaml
 import zmq
 
 from feedline import messages as m
-from feedline.cursor import Cursor
+from feedline.exact.cursor import Cursor
 from feedline.procs import free_port, wait_for
 from feedline.producer.exact import build_exact
 from tests.support.exact_run import (

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from feedline.consumer import RemoteDataZMQ
-from feedline.cursor import Cursor
 from feedline.errors import FeedlineError
+from feedline.exact.cursor import Cursor
 from feedline.procs import free_port, stop_all, wait_for
 from feedline.producer.exact import build_exact
 from tests.support.exact_run import (

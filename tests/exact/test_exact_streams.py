@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from feedline.cursor import Cursor
 from feedline.errors import Refusal
-from feedline.serving.coordinator import Assignment, Coordinator, ExactPlan
-from feedline.serving.exact_streams import MAX_PENDING, ExactConfig, ExactStreams
+from feedline.exact.coordinator import Assignment, Coordinator, ExactPlan
+from feedline.exact.cursor import Cursor
+from feedline.exact.streams import MAX_PENDING, ExactConfig, ExactStreams
 
 PLAN = ExactPlan(dataset_size=8, unit_size=4, epochs=1, fingerprint=5)  # 2 units of 4
 
@@ -200,7 +200,7 @@ def test_another_pipeline_is_said_in_samples_units_and_fingerprint(tmp_path: Pat
     assert "7 work units (single samples, or a sharded source's shards or slices), " \
         "fingerprint ab" in refused.value.detail
     s.detach("vsh", True)  # its producers left: the other pipeline replaces it
-    with caplog.at_level("WARNING", logger="feedline.serving.exact_streams"):
+    with caplog.at_level("WARNING", logger="feedline.exact.streams"):
         s.join("vsh", other, 0.0)
     text = caplog.text
     assert "a producer of another pipeline (56 samples in 7 units of 8, fingerprint cd) " \

@@ -16,7 +16,7 @@ import zmq
 
 from feedline import messages as m
 from feedline.consumer import RemoteDataZMQ
-from feedline.cursor import Cursor
+from feedline.exact.cursor import Cursor
 from feedline.procs import wait_for
 from tests.support.exact_run import FAST, pipeline, producer
 from tests.support.flow_support import MiB, RawPeer, RssSampler, start_broker

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from feedline.exact.coordinator import Assignment
 from feedline.procs import wait_for
-from feedline.serving.coordinator import Assignment
 from tests.support.exact_run import (
     FAST,
     LIVENESS,
@@ -245,7 +245,7 @@ def test_a_producer_of_the_run_is_told_it_is_finished_and_a_later_one_waits_for_
     unit) is served, ``a`` is given the unit; ``b``, never given one, is told ``finished``
     (before: it began a new run). ``c``, registered once the run was served, waits while ``b``
     is attached, and starts the next run when it is gone."""
-    from feedline.serving.coordinator import Coordinator, ExactPlan
+    from feedline.exact.coordinator import Coordinator, ExactPlan
 
     c = Coordinator("val", ExactPlan(4, 4, epochs=1, fingerprint=1))
     c.enlist(b"a", 1)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from feedline.cursor import Cursor
+from feedline.exact.cursor import Cursor
 from feedline.procs import wait_for
 from tests.support import netns
 from tests.support.exact_cluster import JOB_TIMEOUT, ExactCluster, run_scenario

@@ -167,7 +167,7 @@ def _second_pass(tmp: Path) -> None:
 
 
 def _bad_cursor(tmp: Path) -> None:
-    from feedline.cursor import Cursor
+    from feedline.exact.cursor import Cursor
     Cursor.decode(b"FLC1")
 
 

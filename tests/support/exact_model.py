@@ -20,9 +20,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from feedline.cursor import Cursor
-from feedline.serving.coordinator import Assignment, Coordinator, ExactPlan
-from feedline.serving.journal import Journal
+from feedline.exact.coordinator import Assignment, Coordinator, ExactPlan
+from feedline.exact.cursor import Cursor
+from feedline.exact.journal import Journal
 
 Key = tuple[int, int, int]
 WINDOW = 2

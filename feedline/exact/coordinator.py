@@ -25,7 +25,7 @@ registrations only.) (One that joins a run only,
 ``--join-run``: a fleet's scale-up, asks as if it had had units, and is told the stream is
 finished.)
 
-Its state survives a broker restart through a journal (:mod:`feedline.serving.journal`): the
+Its state survives a broker restart through a journal (:mod:`feedline.exact.journal`): the
 plan, the epoch, each unit done, and the settled batches (written every tick, at each unit's
 end and whenever :data:`RECORDS_PER_COMMIT` settled batches wait, fsync'd). What the last
 moments lost is given back by the consumers: each reports the batches it took last when it
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import logging
 
-from feedline.cursor import Cursor, from_runs, runs
-from feedline.serving.journal import Journal, Record
-from feedline.serving.plan import Assignment, ExactPlan, Key, UnitProgress
+from feedline.exact.cursor import Cursor, from_runs, runs
+from feedline.exact.journal import Journal, Record
+from feedline.exact.plan import Assignment, ExactPlan, Key, UnitProgress
 
 __all__ = ["RECORDS_PER_COMMIT", "Assignment", "Coordinator", "ExactPlan", "Key",
            "UnitProgress"]

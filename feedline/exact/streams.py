@@ -29,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from feedline.cursor import MAX_UNITS, Cursor
 from feedline.errors import DecodeError, Refusal
+from feedline.exact.coordinator import Coordinator, ExactPlan
+from feedline.exact.cursor import MAX_UNITS, Cursor
+from feedline.exact.journal import Journal, JournalCorrupt, JournalStale
 from feedline.logs import RateLimitedLog
-from feedline.serving.coordinator import Coordinator, ExactPlan
-from feedline.serving.journal import Journal, JournalCorrupt, JournalStale
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 64  # cursors waiting for their stream's first producer, at most

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from feedline.serving.journal import Record
+from feedline.exact.journal import Record
 
 Key = tuple[int, int, int]  # (epoch, unit, index)
 
