@@ -49,7 +49,8 @@ from feedline.procs import Child, free_port, wait_for  # noqa: E402
 from feedline.scrape import scrape  # noqa: E402
 
 MiB = 1 << 20
-OVERHEAD = 48 * MiB  # the fixed part of the bound (what tests/test_flow_memory_bound.py allows)
+# the fixed part of the bound (what tests/flow/test_flow_memory_bound.py allows)
+OVERHEAD = 48 * MiB
 ZMQ_MSG_T = 64  # bytes libzmq holds per frame of a message before it can be read
 FRAMES = 1_000_000
 

@@ -16,7 +16,7 @@ from typing import Any
 
 def pyplot(script: str) -> Any:
     """matplotlib's pyplot (the Agg backend), imported only to draw: ``--help``, which
-    tests/test_docs.py runs for every documented command, needs no matplotlib. Every plot
+    tests/docs/test_docs.py runs for every documented command, needs no matplotlib. Every plot
     script of benchmarks/ takes it from here."""
     try:
         import matplotlib

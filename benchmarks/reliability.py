@@ -5,7 +5,8 @@
     sudo python benchmarks/reliability.py --exact --rounds 3 \\
         --json docs/reliability_exact.json --plot docs/reliability_exact.png
 
-Runs ``tests/test_faults_netns.py`` (with ``--exact``: ``tests/test_faults_exact_netns.py``,
+Runs ``tests/faults/test_faults_netns.py`` (with ``--exact``:
+``tests/faults/test_faults_exact_netns.py``,
 exact delivery) (root: network namespaces) ``--rounds`` times with
 ``FEEDLINE_RELIABILITY_OUT`` set, so every scenario appends its measurements; then prints a
 markdown table (median recovery time per scenario, and every round's) and, with ``--plot``,
@@ -28,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-TRAINING, EXACT = "tests/test_faults_netns.py", "tests/test_faults_exact_netns.py"
+TRAINING, EXACT = "tests/faults/test_faults_netns.py", "tests/faults/test_faults_exact_netns.py"
 
 
 def run(rounds: int, out: Path, keep: Path, tests: str = TRAINING) -> int:

@@ -209,7 +209,7 @@ def main() -> None:
     prepare(Path(args.data), work)
     other = next((c for c in sorted(os.sched_getaffinity(0)) if c != args.cpu), args.cpu)
     server = subprocess.Popen(["taskset", "-c", str(other), sys.executable, "-m",
-                               "tests.shard_server", str(work / "wds")],
+                               "tests.support.shard_server", str(work / "wds")],
                               stdout=subprocess.PIPE, text=True,
                               cwd=Path(__file__).resolve().parent.parent)
     try:

@@ -41,7 +41,7 @@ _EXPORTS: dict[str, str] = {
     "BrokerConfig": "feedline.broker.config",
     "ClientKeys": "feedline.security",
     "ServerKeys": "feedline.security",
-    "Cursor": "feedline.cursor",
+    "Cursor": "feedline.exact",
     "FeedlineError": "feedline.errors",
 }
 
@@ -64,8 +64,8 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
     from feedline.consumer.staging import StagingInput
     from feedline.consumer.torch_input import RemoteTorchDataset, to_torch
     from feedline.consumer.torch_prefetch import CudaPrefetcher
-    from feedline.cursor import Cursor
     from feedline.errors import FeedlineError
+    from feedline.exact import Cursor
     from feedline.producer.sender import Sender, send_dataflow, send_dataflow_zmq
     from feedline.security import ClientKeys, ServerKeys
 

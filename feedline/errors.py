@@ -5,7 +5,7 @@ configuration, its peers or the machine; each class keeps the builtin base that 
 before the hierarchy catches (a :class:`ConfigError` is a ``ValueError``, a
 :class:`ReceiveTimeout` a ``TimeoutError``). What stays a builtin is a programming error: a
 ``TypeError`` for an argument of the wrong type, ``NotImplementedError`` from an abstract
-method. ``tests/test_errors.py`` checks that every exception class of the package is a
+method. ``tests/protocol/test_errors.py`` checks that every exception class of the package is a
 FeedlineError and that no product module raises a builtin error beyond those.
 
 ::

@@ -75,7 +75,7 @@ _LIE = struct.Struct(">BI")
 
 def _prepared_seeds() -> list[bytes]:
     """Prepared (MCU-indexed) files: every sampling and grey, several MCU rows each."""
-    from tests import jpeg_data as jd
+    from tests.support import jpeg_data as jd
 
     if not turbo.AVAILABLE:
         return []
@@ -92,14 +92,14 @@ PREPARED = _prepared_seeds()
 
 def _seed_files() -> list[bytes]:
     """Small valid JPEGs of every kind the decoder meets (deterministic)."""
-    from tests import jpeg_data as jd
+    from tests.support import jpeg_data as jd
 
     img = jd.photo(40, 56, 1)
     grey = cv2.cvtColor(img, cv2.COLOR_BGR2GRAY)
     files = [jd.encode(img, 85, s, p, r) for s in jd.SAMPLING for p in (False, True)
              for r in (0, 1)]
     files += PREPARED
-    # The last six, in this order (tests/test_jpeg_fuzz.py counts CMYK and YCCK from the end).
+    # The last six, in this order (tests/image/test_jpeg_fuzz.py counts CMYK and YCCK from the end).
     files += [jd.encode(grey, 85), jd.encode(grey, 85, progressive=True), jd.cmyk(img),
               jd.cmyk(img, ycck=True), jd.with_exif_orientation(img),
               jd.encode(jd.photo(17, 9, 2), 75)]
@@ -152,7 +152,7 @@ def _edited(payload: bytes) -> bytes:
 
 def _lied(payload: bytes) -> bytes:
     """Mode 2: a prepared seed with the payload's lies in its index and scan."""
-    from tests import jpeg_data as jd
+    from tests.support import jpeg_data as jd
 
     if not payload or not PREPARED:
         return PREPARED[0] if PREPARED else SEED_FILES[0]

@@ -1,4 +1,4 @@
-"""A long run of exact delivery's coordinator model (``tests/test_coordinator_model.py``).
+"""A long run of exact delivery's coordinator model (``tests/exact/test_coordinator_model.py``).
 
 CI runs the Hypothesis state machine with 200 examples (seconds). This runs it for a given
 time instead: rounds of ``--round`` examples of up to ``--steps`` steps each, every round
@@ -27,7 +27,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.test_coordinator_model import ExactModel  # noqa: E402
+from tests.support.exact_model import ExactModel  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,6 @@ wait for connections: poll with a timeout (feedline.procs.wait_for).
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,8 +17,7 @@ import pytest
 
 from feedline.broker import Broker, BrokerConfig
 from feedline.procs import Daemon, free_port, stop_all, wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT, tcp_ready  # noqa: F401  (fixtures' modules import them here)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -87,12 +85,6 @@ def endpoints(tmp_path: Path) -> Endpoints:
     return Endpoints(f"tcp://127.0.0.1:{port}", f"ipc://{tmp_path}/egress.sock", port)
 
 
-def tcp_ready(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 class ThreadBroker:
     """A Broker running in a thread of the test process (fast to start; same code path)."""
 
@@ -132,7 +124,8 @@ def daemons(tmp_path: Path) -> Iterator:
 
     def start(module: str, *args: str, name: str | None = None) -> Daemon:
         log = tmp_path / f"{name or module}-{len(procs)}.log"
-        # The repo root on the path: configs may name factories in tests/ (tests.ledger_data).
+        # The repo root on the path: configs may name factories in tests/
+        # (tests.support.ledger_data).
         d = Daemon(module, [str(a) for a in args], log, env={"PYTHONPATH": str(ROOT)})
         procs.append(d)
         return d
@@ -157,14 +150,14 @@ def broker_proc(daemons, endpoints: Endpoints):
 
 
 class HostFactory:
-    """Starts hosts of one kind (``broker`` or ``direct``): see tests/hosts.py."""
+    """Starts hosts of one kind (``broker`` or ``direct``): see tests/support/hosts.py."""
 
     def __init__(self, kind: str, daemons, tmp_path: Path, endpoints: Endpoints) -> None:
         self.kind, self._daemons, self._tmp, self._endpoints = kind, daemons, tmp_path, endpoints
         self.started: list = []
 
     def __call__(self, *extra: str, **kw):
-        from tests.hosts import start_host
+        from tests.support.hosts import start_host
 
         h = start_host(self.kind, self._daemons, self._tmp, self._endpoints, *extra, **kw)
         self.started.append(h)

@@ -6,9 +6,13 @@ module names in the lazy-export tables of ``feedline/__init__.py`` and
 ``feedline/consumer/__init__.py``. Then:
 
 - the kernel (``feedline/*.py`` but ``__init__``/``__main__``) imports no component;
-- ``feedline.serving`` and ``feedline.producer`` import only the kernel;
-- ``feedline.broker`` imports only ``serving`` and the kernel;
-- ``feedline.consumer`` imports ``serving``, ``producer`` and the kernel, never ``broker``;
+- ``feedline.exact`` (exact delivery) and ``feedline.producer`` import only the kernel;
+- ``feedline.serving`` imports only ``exact`` and the kernel;
+- ``feedline.broker`` imports only ``serving``, ``exact`` and the kernel;
+- ``feedline.consumer`` imports ``serving``, ``producer``, ``exact`` and the kernel, never
+  ``broker``;
+- a module outside ``feedline.exact`` imports it through the package (``from feedline.exact
+  import Cursor``), never one of its modules;
 - only ``commands`` (and the facade: ``feedline/__init__.py``, ``feedline/__main__.py``)
   imports ``commands``, and nothing imports the facade;
 - no two modules import each other, directly or around a circle.
@@ -21,18 +25,21 @@ from __future__ import annotations
 import ast
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
-from tests.package_source import Module, extension_modules, modules
+from tests.support import ROOT
+from tests.support.package_source import Module, extension_modules, modules
 
 KERNEL, FACADE = "kernel", "facade"
-COMPONENTS = ("serving", "producer", "broker", "consumer", "commands")
+COMPONENTS = ("exact", "serving", "producer", "broker", "consumer", "commands")
 # What each room may import besides itself.
 ALLOWED = {
     KERNEL: {KERNEL},
-    "serving": {KERNEL},
+    "exact": {KERNEL},
+    "serving": {KERNEL, "exact"},
     "producer": {KERNEL},
-    "broker": {KERNEL, "serving"},
-    "consumer": {KERNEL, "serving", "producer"},
+    "broker": {KERNEL, "serving", "exact"},
+    "consumer": {KERNEL, "serving", "producer", "exact"},
     "commands": {KERNEL, *COMPONENTS},
     FACADE: {KERNEL, *COMPONENTS},
 }
@@ -139,6 +146,15 @@ def test_every_import_goes_down_the_layers() -> None:
     assert not bad, "imports against the layering (docs/architecture.md):\n" + "\n".join(bad)
 
 
+def test_exact_delivery_is_used_through_its_package() -> None:
+    """Outside ``feedline.exact`` the product names the package, never its modules (the
+    facade's lazy table aside: it maps names to the package too)."""
+    bad = [str(i) for i in all_imports()
+           if room(i.target) == "exact" and i.target != "feedline.exact"
+           and room(i.source.name) != "exact"]
+    assert not bad, "import feedline.exact's names from the package:\n" + "\n".join(bad)
+
+
 def test_no_import_cycles() -> None:
     """Claim: the graph of imports between the package's modules has no circle (Tarjan's
     strongly connected components; each circle is printed with the imports that close it)."""
@@ -181,3 +197,42 @@ def test_no_import_cycles() -> None:
         described.append(" <-> ".join(scc) + "\n  " + "\n  ".join(
             str(e) for v in scc for e in graph[v] if e.target in members))
     assert not circles, "import cycles:\n" + "\n".join(described)
+
+
+def _imports_of_tests(path: Path) -> list[tuple[int, str]]:
+    """The ``tests...`` modules a file imports, with their lines (imports anywhere in it, and
+    ``from tests import X`` as ``tests.X``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "tests":
+            if node.module == "tests":
+                out += [(node.lineno, f"tests.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "tests"]
+    return out
+
+
+def test_tests_import_helpers_only_from_tests_support() -> None:
+    """Test modules share code through ``tests/support/`` and never import one another;
+    benchmarks, fuzz harnesses, examples and the package import nothing of ``tests/`` outside
+    ``tests/support/`` (a test module is free to change without breaking a harness)."""
+    files = [p for d in ("tests", "fuzz", "benchmarks", "examples", "feedline", "deploy")
+             for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 200, len(files)
+    bad = [f"{p.relative_to(ROOT)}:{line}: imports {mod}" for p in files
+           for line, mod in _imports_of_tests(p)
+           if not (mod == "tests.support" or mod.startswith("tests.support."))]
+    assert not bad, "\n".join(bad)
+
+
+def test_test_folders_mirror_the_package() -> None:
+    """Test modules live in folders by what they test (tests/broker/, tests/exact/, ...); only
+    this one, about the whole tree, sits at the top."""
+    top = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert top == ["test_layering.py"], top
+    folders = {p.parent.name for p in (ROOT / "tests").rglob("test_*.py")} - {"tests"}
+    assert {"broker", "consumer", "producer", "exact", "protocol", "transport"} <= folders, \
+        folders

@@ -5,7 +5,7 @@ the verdict thresholds of ``feedline top``). Edit this file, run it, commit both
 
     python3 deploy/grafana/build_dashboard.py
 
-tests/test_ops_deploy.py checks that the committed JSON is what this script writes, and runs
+tests/ops/test_ops_deploy.py checks that the committed JSON is what this script writes, and runs
 every panel's query against a live Prometheus.
 """
 

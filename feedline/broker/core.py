@@ -32,8 +32,8 @@ from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
 from feedline.broker.sizing import BrokerSizing
 from feedline.bundle import JOIN_FORWARDED, MAX_BUNDLE
+from feedline.exact import ExactConfig
 from feedline.logs import RateLimitedLog
-from feedline.serving.exact_streams import ExactConfig
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.server import Server, ServingConfig

@@ -33,9 +33,9 @@ from feedline.broker.buffer import Buffer
 from feedline.broker.consumers import Consumer, Orphan
 from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
+from feedline.exact import Applied, ExactStreams
 from feedline.logs import RateLimitedLog
 from feedline.serving.budget import Budget
-from feedline.serving.exact_streams import Applied, ExactStreams
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.peers import HELLO_RATE, HelloRate, PeerTable, connection

@@ -11,7 +11,7 @@
 Restarted from that checkpoint, the job goes on from the next batch after what the model saw:
 nothing repeated, nothing skipped, however many times it restarts from it. With several
 training processes, give every process the merged cursor of all of them
-(:meth:`feedline.cursor.Cursor.merge`, e.g. gathered at save time): the ranks of a job share
+(:meth:`feedline.exact.cursor.Cursor.merge`, e.g. gathered at save time): the ranks of a job share
 one resume. A cursor of another pipeline is refused. Other frameworks:
 ``remote.state().to_dict()`` / ``RemoteDataZMQ(..., resume=that_dict)``.
 """
@@ -23,11 +23,11 @@ from typing import Any
 import tensorflow as tf
 
 from feedline.consumer.remote import RemoteDataZMQ
-from feedline.cursor import Cursor
+from feedline.exact import Cursor
 
 
 class CursorState(tf.__internal__.tracking.Trackable):  # type: ignore[misc,name-defined]
-    """A checkpointable holder of a :class:`~feedline.cursor.Cursor`.
+    """A checkpointable holder of a :class:`~feedline.exact.cursor.Cursor`.
 
     At save, it stores the tracked RemoteDataZMQ's ``state()`` (or the cursor it holds); at
     restore, :attr:`cursor` becomes the saved one.

@@ -27,15 +27,15 @@ from feedline import messages as m
 from feedline.bundle import MAX_BUNDLE
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.metrics import ConsumerMetrics
-from feedline.cursor import MAX_CURSOR_BYTES, Cursor
 from feedline.errors import AddressError, FeedlineError, ProducerError
+from feedline.exact import MAX_CURSOR_BYTES, RECORDS_PER_COMMIT, Cursor
 from feedline.handover import Inbox
 from feedline.heap import keep_freed_memory
 from feedline.link import KeysHint, Link, LinkConfig, Reach
 from feedline.logs import RateLimitedLog
+from feedline.refusals import CONSUMER_FATAL
 from feedline.security import ClientKeys
 from feedline.serving.budget import depth, report_after
-from feedline.serving.coordinator import RECORDS_PER_COMMIT
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,6 @@ class EpochMark:
 _MAX_PRODUCERS = 4096  # per-producer statistics kept, at most
 _STREAMING = 0.02  # seconds since the last delivery arrived: more are on the way
 _EXPECTING_POLL_MS = 5  # the loop's longest sleep while takes are left for arrivals to report
-# Refusals of a registration that no retry changes (the cursor it carries, the stream): the
-# iterator raises them, one line, instead of waiting for batches that will not come.
-FATAL = frozenset({"cursor_mismatch", "bad_cursor", "position_lost", "not_exact",
-                   "too_many_streams", "too_many_pending", "journal_corrupt", "journal_stale",
-                   "wrong_port"})
 # What a consumer is told to give a broker with CURVE keys (Link.explain).
 KEYS_HINT = KeysHint("CURVE keys (curve=ClientKeys.load(secret, broker_key), on ipc:// too; "
                      "feedline keys generate makes them)", "the broker_key of ClientKeys.load")
@@ -313,7 +308,7 @@ class ConsumerIO:
                 s.refusal = msg
             self._reject_log.warning("the broker refused a message of ours: %s %s",
                                      msg.reason, msg.detail)
-            if msg.reason in FATAL and s.fatal != (msg.reason, msg.detail):
+            if msg.reason in CONSUMER_FATAL and s.fatal != (msg.reason, msg.detail):
                 s.fatal = (msg.reason, msg.detail)
                 text = f"the broker at {link.addr} refused this consumer ({msg.reason}): " \
                     f"{msg.detail}"

@@ -37,8 +37,8 @@ from feedline import endpoints
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
-from feedline.cursor import MAX_CURSOR_BYTES, Cursor
 from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
+from feedline.exact import MAX_CURSOR_BYTES, Cursor
 from feedline.link import LinkConfig
 from feedline.messages import DEFAULT_STREAM, check_stream
 from feedline.security import ClientKeys, ServerKeys

@@ -55,14 +55,11 @@ from feedline.producer.outbox import (
     UnitEnd,
 )
 from feedline.producer.targets import Targets
+from feedline.refusals import EXACT_PRODUCER_FATAL
 from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)
 _CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most
-# Registration refusals of an exact producer that no retry changes (the stream's mode or
-# pipeline, the broker's state directory, its stream limit): raised, not retried.
-EXACT_FATAL = frozenset({"delivery_mismatch", "no_state_dir", "journal_corrupt",
-                         "journal_stale", "too_many_streams", "too_many_units"})
 
 
 
@@ -215,8 +212,8 @@ class ProducerIO:
         # for the next batch's credit instead of waiting for a grant nobody sends. (Any other
         # refusal ends the registration or the producer; an extra WANT costs nothing.)
         ch.largest_sent = 0
-        if self.out.exact is not None and msg.reason in EXACT_FATAL and not ch.link.welcomed \
-                and ch is self.channels[0]:
+        if self.out.exact is not None and msg.reason in EXACT_PRODUCER_FATAL \
+                and not ch.link.welcomed and ch is self.channels[0]:
             # An exact stream's registration refused for a reason no retry changes: the
             # owner raises it (one line) instead of waiting for a broker that said no.
             # Not "exact": a training producer that claims its shards asks for units too.

@@ -3,7 +3,7 @@
 A TCP connection closed with received data still unread is reset, not closed, and the reset
 throws away what the kernel had not yet sent: a leaving producer's last batches and its BYE,
 whenever a GRANT arrived just before the close (the broker then counted the producer gone by
-timeout and the batches lost: 1 run in ~10 of tests/test_data_path.py's three fast
+timeout and the batches lost: 1 run in ~10 of tests/consumer/test_data_path.py's three fast
 producers). So a producer says BYE and reads until the broker's answer, BYE too: the last
 message the broker sends on the connection, after everything it had to say before our BYE.
 Once it is read, nothing is left unread, and all we sent has arrived. A broker that does not

@@ -5,7 +5,7 @@
 (:mod:`feedline.serving.producers`: registrations, credit from
 :mod:`feedline.serving.credit` within one :class:`feedline.serving.budget.Budget`, batches),
 the peer tables (:mod:`feedline.serving.peers`), exact delivery's coordinator
-(:mod:`feedline.serving.coordinator`), tensorpack's ingress and the metrics they count in.
+(:mod:`feedline.exact.coordinator`), tensorpack's ingress and the metrics they count in.
 The hosts (:mod:`feedline.broker.core`, :mod:`feedline.consumer.direct`) add only where
 accepted batches go and who runs the loop.
 """

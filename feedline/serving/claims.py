@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 
 from feedline import messages as m
 from feedline.errors import Refusal
-from feedline.serving.coordinator import Assignment, ExactPlan
+from feedline.exact import Assignment, ExactPlan
 
 if TYPE_CHECKING:
-    from feedline.serving.exact_streams import ExactStreams
+    from feedline.exact import ExactStreams
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ class CreditPlanner:
     """Credit of every registered producer, by key (the broker uses ROUTER identities)."""
 
     # A top-up given at once to the last producer that can take more, rather than one credit
-    # per pass (the same grants: tests/test_serving_fast_paths.py compares with False).
+    # per pass (the same grants: tests/broker/test_serving_fast_paths.py compares with False).
     BULK = True
 
     def __init__(self, budget: Budget, window: int, lease: float,

@@ -26,11 +26,11 @@ from feedline import bundle, wire
 from feedline import messages as m
 from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
+from feedline.exact import ExactStreams
 from feedline.logs import RateLimitedLog
 from feedline.serving.budget import Budget
 from feedline.serving.claims import ClaimStreams, admit
 from feedline.serving.credit import CreditPlanner
-from feedline.serving.exact_streams import ExactStreams
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held, Send, Sink
 from feedline.serving.metrics import BrokerMetrics

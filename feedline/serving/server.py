@@ -34,10 +34,10 @@ import zmq
 from feedline import endpoints, security
 from feedline.codec import Limits
 from feedline.errors import ConfigError
+from feedline.exact import ExactConfig, ExactStreams
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.endpoint import Endpoint, Refusals, Side
-from feedline.serving.exact_streams import ExactConfig, ExactStreams
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.producers import IngressConfig, ProducerSide, Sink
 from feedline.serving.tensorpack import TensorpackIngress

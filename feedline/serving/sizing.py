@@ -25,7 +25,7 @@ The number exported, :attr:`Estimate.wanted`, moves only when the evidence holds
 the lowest of them), down when every proposal of the last ``down_hold`` seconds was lower,
 with ``band`` more headroom (to the highest of them). Proposals up also look at the demand
 of the last half window (a rise shows there first); proposals down at the whole window. A
-need that wanders inside the band never reverses the number (tests/test_sizing.py proves it
+need that wanders inside the band never reverses the number (tests/broker/test_sizing.py proves it
 with Hypothesis). The first number is the producers connected at the first sample, so the
 broker takes none until :attr:`SizingConfig.settle` has passed since it started (its
 producers, after a restart, are all back by then).
@@ -307,7 +307,7 @@ class StreamSizer:
         producers that ran free. Not from throttled ones, even above the figure: when demand
         rises after a slow phase, or producers leave and their credit goes to the others,
         those send what they made while they waited for credit (producers paced at 10
-        batches/s read 12.2 and 17.6 in tests/test_fleet.py: a figure raised to that kept
+        batches/s read 12.2 and 17.6 in tests/commands/test_fleet.py: a figure raised to that kept
         the fleet one producer short for 10 s). A figure too low asks for a producer too
         many, until they run free and are measured; one too high left trainers waiting."""
         delivered = 0.0

@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterable
 
 from feedline import messages as m
 from feedline.errors import Refusal
+from feedline.exact import Coordinator, ExactStreams
 from feedline.serving.claims import ClaimStreams
-from feedline.serving.coordinator import Coordinator
-from feedline.serving.exact_streams import ExactStreams
 from feedline.serving.peers import Peer
 
 Control = Callable[[bytes, m.Message], int]

@@ -5,7 +5,7 @@ came from (:class:`~feedline.producer.dataflow.image_folder.FileBytes`, ``shard#
 so that a decoder's error names the record; a class label becomes an int, JSON an object,
 text a str. A field that is missing or does not parse is a resumable
 :class:`~feedline.producer.shards.records.CorruptRecord` naming the record, and nothing
-else: the bytes are hostile (``tests/test_shards_fuzz.py`` holds every decoder to that). JSON
+else: the bytes are hostile (``tests/shards/test_shards_fuzz.py`` holds every decoder to that). JSON
 nested deeper than :data:`MAX_JSON_DEPTH` is corrupt too: Python's parser recurses, and a
 datapoint that deep could not be sent anyway (the wire takes 16 levels).
 """

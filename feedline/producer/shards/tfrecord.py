@@ -146,7 +146,7 @@ def parse_example(data: bytes, keys: Sequence[str] | None = None) -> dict[str, A
     """The features of a serialized ``tf.train.Example``: key -> list of bytes (bytes_list),
     list of int (int64_list) or float32 array (float_list); only ``keys`` if given. Raises
     :class:`~feedline.errors.DataError` (a ValueError), and nothing else, for what is not a
-    well-formed Example (``tests/test_shards_fuzz.py`` holds it to that)."""
+    well-formed Example (``tests/shards/test_shards_fuzz.py`` holds it to that)."""
     want = None if keys is None else set(keys)
     out: dict[str, Any] = {}
     for num, wt, features in _fields(data):

@@ -1,0 +1,31 @@
+"""Exact delivery: every sample of an epoch taken exactly once by the job, through kill -9,
+restarts and resumes (docs/reliability.md, "Exact delivery").
+
+The package holds the whole of it, and the serving core and the consumer call it through the
+names below:
+
+- :mod:`~feedline.exact.cursor`: a job's position (:class:`Cursor`): what it took of its
+  epoch, as a consumer keeps it, checkpoints it and reports it when it registers;
+- :mod:`~feedline.exact.plan`: what an exact stream is made of (:class:`ExactPlan`: sizes,
+  runs, fingerprint), a unit's progress and a unit handed to a producer (:class:`Assignment`);
+- :mod:`~feedline.exact.coordinator`: one stream's units, runs and settled batches
+  (:class:`Coordinator`, pure logic, no sockets), kept in
+- :mod:`~feedline.exact.journal`: an append-only, fsync'd journal a restarted broker restores
+  from;
+- :mod:`~feedline.exact.streams`: a host's exact streams (:class:`ExactStreams`): their
+  coordinators made, restored, kept to one pipeline and reclaimed, and the cursors of the
+  consumers applied to them (:class:`Applied`).
+
+It imports only the kernel (errors, logs): the broker, a direct-mode trainer and a consumer
+each use it the same way, and its model test drives it as it is.
+"""
+
+from __future__ import annotations
+
+from feedline.exact.coordinator import RECORDS_PER_COMMIT, Coordinator
+from feedline.exact.cursor import MAX_CURSOR_BYTES, Cursor
+from feedline.exact.plan import Assignment, ExactPlan
+from feedline.exact.streams import Applied, ExactConfig, ExactStreams
+
+__all__ = ["MAX_CURSOR_BYTES", "RECORDS_PER_COMMIT", "Applied", "Assignment", "Coordinator",
+           "Cursor", "ExactConfig", "ExactPlan", "ExactStreams"]

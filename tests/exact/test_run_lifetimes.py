@@ -1,0 +1,312 @@
+"""The lifetimes of exact runs and of shard-claim tables (issue 53, findings 3 and 10), with
+real broker and producer processes on 127.0.0.1.
+
+- An exact run's producers are the producers registered while it is served: every one of them
+  ends when its epochs are served, and a new run starts only with a producer that came after
+  the run ended, once the run's producers left (docs/pipelines.md, "Runs").
+- A stream's shard-claim table ends with its last producer (after
+  :data:`feedline.serving.claims.LINGER` seconds, what a restarting producer needs to find it
+  again); a changed shard list starts a fresh table once the old one's producers are gone,
+  and a finished table's next producer starts the next run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from feedline.exact.coordinator import Assignment
+from feedline.procs import wait_for
+from tests.support.exact_run import (
+    FAST,
+    LIVENESS,
+    assert_exactly_once,
+    pipeline,
+    producer,
+    remote,
+    samples,
+)
+from tests.support.shard_server import file_server
+from tests.support.shard_support import make_wds
+
+
+def connected(broker, n: int) -> bool:
+    """The broker logged its ``n``-th producer joining."""
+    return f"({n} connected)" in broker.log_text()
+
+
+def test_two_exact_producers_of_a_one_epoch_run_both_end_when_it_is_served(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Finding 3: two producers, ``epochs: 1``, a dataset of one unit (so one producer is
+    given it and the other never is), a trainer reading ``epoch()``. Before: the epoch arrived
+    once, but the producer that never had a unit asked as a newcomer after the run was served,
+    began "a new run of 1 epoch(s)" and buffered an epoch nobody asked for, for as long as it
+    ran. Now both registered while the run was served, both are of that run: both exit 0."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1, n=16)
+    procs = [producer(daemons, cfg, endpoints.ingress, f"p{i}") for i in range(2)]
+    wait_for(lambda: connected(broker, 2), 20, what="both producers to register")
+    with remote(endpoints.egress) as src:
+        batches = list(src.epoch())
+    assert_exactly_once([s for b in batches for s in samples(b)], cfg, batches[0].epoch)
+    wait_for(lambda: not any(p.alive() for p in procs), 20,
+             what="both producers to exit once the run is served")
+    assert [p.proc.returncode for p in procs] == [0, 0]
+    assert "a new run" not in broker.log_text(), broker.log_text()[-3000:]
+
+
+def test_a_new_jobs_producer_waits_for_the_last_runs_producers_then_starts_the_next(
+        broker_proc, daemons, endpoints, tmp_path):
+    """The rule's other side: a producer that registers after the run was served and its
+    producers left starts the next run, and a trainer gets that run's epoch, whole (one that
+    comes while they are still attached waits for them: tests/exact/test_coordinator_model.py)."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1, n=16)
+    old = [producer(daemons, cfg, endpoints.ingress, f"old{i}") for i in range(2)]
+    wait_for(lambda: connected(broker, 2), 20, what="both producers to register")
+    with remote(endpoints.egress) as src:
+        first = list(src.epoch())
+    wait_for(lambda: not any(p.alive() for p in old), 20, what="the run's producers to exit")
+    assert "a new run" not in broker.log_text()
+    new = producer(daemons, cfg, endpoints.ingress, "next-job")
+    with remote(endpoints.egress) as src:
+        second = list(src.epoch())
+    epoch = second[0].epoch
+    assert epoch > first[0].epoch
+    assert_exactly_once([s for b in second for s in samples(b)], cfg, epoch)
+    wait_for(lambda: not new.alive(), 20, what="the next job's producer to exit")
+    assert "a new run" in broker.log_text()
+
+
+def test_a_late_producer_of_a_served_run_is_told_finished_while_its_trainer_reads(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Issue 53 follow-up: two producers of an ``epochs: 1`` run started together, a trainer
+    waiting on ``epoch()``; the first serves the whole epoch and leaves before the second
+    registers (the race made certain: the second starts only once the first is gone). Before:
+    the late one began "a new run of 1 epoch(s)", made an epoch nobody asked for, left it in
+    the broker and waited for ever (the next job's trainer got it). Now a producer that
+    registers while the served run's trainer is still connected, no other consumer having
+    come since, is of that run: told it is finished, it exits 0 and nothing is buffered."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1, n=16)
+    with remote(endpoints.egress) as src:
+        first = producer(daemons, cfg, endpoints.ingress, "first")
+        batches = list(src.epoch())
+        assert_exactly_once([s for b in batches for s in samples(b)], cfg, batches[0].epoch)
+        wait_for(lambda: not first.alive(), 20, what="the first producer to exit")
+        late = producer(daemons, cfg, endpoints.ingress, "late")
+        wait_for(lambda: not late.alive(), 20,
+                 what="the late producer to exit (before: it began a new run and waited)")
+        assert late.proc.returncode == 0
+        assert "a new run" not in broker.log_text(), broker.log_text()[-3000:]
+        assert "told it is finished" in broker.log_text()
+
+
+def test_a_producer_after_a_new_consumer_came_starts_the_next_run(
+        broker_proc, daemons, endpoints, tmp_path):
+    """The rule's other side: the served run's trainer is still connected, but another
+    consumer (the next job's trainer) registered since: a producer now starts the next run
+    (and once the old trainer leaves, what it was sent of it is served again), and the new
+    trainer gets its epoch, whole."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1, n=16)
+    old = remote(endpoints.egress)
+    try:
+        first = producer(daemons, cfg, endpoints.ingress, "first")
+        served = list(old.epoch())
+        wait_for(lambda: not first.alive(), 20, what="the first producer to exit")
+        with remote(endpoints.egress) as src:
+            src._start()  # registers now (the broker learns of a consumer by its HELLO)
+            wait_for(lambda: broker.log_text().count("joined stream val") >= 2, 20,
+                     what="the new trainer to register")
+            nxt = producer(daemons, cfg, endpoints.ingress, "next-job")
+            wait_for(lambda: "a new run" in broker.log_text(), 20, what="the next run")
+            old.close()  # the last job's trainer leaves (with two, they share the epoch)
+            second = list(src.epoch())
+    finally:
+        old.close()
+    epoch = second[0].epoch
+    assert epoch > served[0].epoch
+    assert_exactly_once([s for b in second for s in samples(b)], cfg, epoch)
+    wait_for(lambda: not nxt.alive(), 20, what="the next job's producer to exit")
+    assert "a consumer that came since" in broker.log_text()
+
+
+def shard_pipeline(tmp_path: Path, url: str, shards: int, epochs: int | None = 1,
+                   first: int = 0) -> Path:
+    last = first + shards - 1
+    cfg = {"stream": "train", "seed": 1, "epochs": epochs,
+           "source": {"webdataset": {"urls": f"{url}/train-{{{first:06d}..{last:06d}}}.tar",
+                                     "fields": ["bin", "cls"]}},
+           "steps": [{"map": {"function": "tests.support.shard_support:id_and_digest",
+                              "component": None}},
+                     {"batch": {"batch_size": 5, "remainder": True}}]}
+    path = tmp_path / f"train-{first}-{shards}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def shard_producer(daemons, cfg: Path, broker: str, name: str):
+    return daemons("feedline.producer", "--config", cfg, "--broker", broker, "--id", name,
+                   *LIVENESS, name=name)
+
+
+def take_ids(egress: str, n: int, until: set[int] | None = None, most: int = 20000) -> Counter:
+    """``n`` samples of stream ``train``, counted by id (with ``until``: until those ids are
+    seen too, at most ``most`` samples: what an earlier producer left buffered comes first)."""
+    from feedline.consumer import RemoteDataZMQ
+
+    seen: Counter = Counter()
+    with RemoteDataZMQ(egress, stream="train", timeout=30, link=FAST, return_meta=True) as src:
+        it = iter(src)
+        while sum(seen.values()) < n or (until and not until <= set(seen)
+                                         and sum(seen.values()) < most):
+            ids, _ = next(it).datapoint
+            seen.update(int(i) for i in np.asarray(ids))
+    return seen
+
+
+def test_a_one_epoch_shard_pipeline_run_a_second_time_is_served_again(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Finding 10, second half: an ``epochs: 1`` shard pipeline (claims) served, its producer
+    gone; the same pipeline run again (the next job). Before: 0 batches, the producer exited
+    0 at once ("finished": the claim table of the first run was still there). Now a table
+    whose run was served and whose producers left is gone: the second job gets every sample."""
+    make_wds(tmp_path / "shards", shards=4, per_shard=5, nbytes=200)
+    broker = broker_proc()
+    with file_server(str(tmp_path / "shards")) as url:
+        cfg = shard_pipeline(tmp_path, url, 4)
+        for job in range(2):
+            p = shard_producer(daemons, cfg, endpoints.ingress, f"job{job}")
+            assert take_ids(endpoints.egress, 20) == Counter({i: 1 for i in range(20)}), job
+            wait_for(lambda p=p: not p.alive(), 20, what=f"job {job}'s producer to finish")
+            assert p.proc.returncode == 0, p.log_text()[-2000:]
+    assert "delivery_mismatch" not in broker.log_text()
+
+
+def test_a_grown_shard_list_starts_a_fresh_claim_table_once_the_old_producers_left(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Finding 10, first half: a stream read from 4 shards, its producers stopped, the shard
+    list grown to 6 and the producers started again. Before: every new producer was refused
+    ``delivery_mismatch`` ("reads 4 shards") for as long as the broker ran. Now the old table
+    goes with its producers and the new ones read all 6 shards. While an old producer is still
+    attached, a producer of the other list is refused with one line naming both and what to
+    do."""
+    make_wds(tmp_path / "shards", shards=6, per_shard=5, nbytes=200)
+    broker = broker_proc("--max-batches", "8")  # what the old producer leaves buffered: little
+    with file_server(str(tmp_path / "shards")) as url:
+        four, six = shard_pipeline(tmp_path, url, 4, epochs=None), shard_pipeline(tmp_path, url, 6)
+        old = shard_producer(daemons, four, endpoints.ingress, "old")
+        take_ids(endpoints.egress, 10)
+        early = shard_producer(daemons, six, endpoints.ingress, "early")
+        wait_for(lambda: not early.alive(), 20, what="the other list's producer to be refused")
+        line = [s for s in early.log_text().splitlines() if "reads 4 shards" in s]
+        assert early.proc.returncode != 0 and line, early.log_text()[-2000:]
+        assert "reads 6 shards" in line[-1] and "stop the stream's other" in line[-1], line[-1]
+        old.stop()
+        p = shard_producer(daemons, six, endpoints.ingress, "new")
+        wait_for(lambda: "producer new joined" in broker.log_text(), 20,
+                 what="the new list's producer to register")
+        seen = take_ids(endpoints.egress, 30, until=set(range(20, 30)))
+        assert set(range(20, 30)) <= set(seen), seen  # shards 4 and 5 are read
+        wait_for(lambda: not p.alive(), 20, what="the new producer to finish")
+        assert p.proc.returncode == 0, p.log_text()[-2000:]
+    assert "a fresh claim table" in broker.log_text(), broker.log_text()[-3000:]
+
+
+def test_another_list_of_as_many_shards_is_refused_in_one_line_while_the_old_is_read(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Finding 10, a changed list of the same length (shards 2-5 for 0-3): told apart by
+    the list's fingerprint. Before: taken into the old table (its shards 0-3 handed out as if
+    they were the new list's, silently). Now refused in one line naming both lists while the
+    old list's producer reads."""
+    make_wds(tmp_path / "shards", shards=6, per_shard=5, nbytes=200)
+    broker_proc()
+    with file_server(str(tmp_path / "shards")) as url:
+        old = shard_producer(daemons, shard_pipeline(tmp_path, url, 4, epochs=None),
+                             endpoints.ingress, "old")
+        take_ids(endpoints.egress, 5)
+        other = shard_producer(daemons, shard_pipeline(tmp_path, url, 4, first=2),
+                               endpoints.ingress, "other")
+        wait_for(lambda: not other.alive(), 20, what="the other list's producer to be refused")
+        assert old.alive() and other.proc.returncode != 0
+        line = other.log_text().strip().splitlines()[-1]
+        assert "reads 4 shards (list " in line and "this producer reads 4 shards (list " \
+            in line and "stop the stream's other producers first" in line, line
+
+
+# -- the rules as the broker's tables see them (no sockets: these classes have none) ---------
+
+def test_a_producer_of_the_run_is_told_it_is_finished_and_a_later_one_waits_for_it():
+    """Finding 3 at the coordinator: ``a`` and ``b`` register while the run (1 epoch of 1
+    unit) is served, ``a`` is given the unit; ``b``, never given one, is told ``finished``
+    (before: it began a new run). ``c``, registered once the run was served, waits while ``b``
+    is attached, and starts the next run when it is gone."""
+    from feedline.exact.coordinator import Coordinator, ExactPlan
+
+    c = Coordinator("val", ExactPlan(4, 4, epochs=1, fingerprint=1))
+    c.enlist(b"a", 1)
+    c.enlist(b"b", 2)
+    assert c.request(b"a", first=True) == Assignment(0, 0, 0)
+    assert c.request(b"b", first=True) == "busy"
+    c.unit_done(b"a", 0, 0, 1)
+    assert c.settle((0, 0, 0)) == [0] and c.finished
+    c.enlist(b"c", 3)
+    assert c.request(b"a") == "finished"
+    c.release(b"a")
+    assert c.request(b"c", first=True) == "busy"  # b, of the served run, is still here
+    assert c.request(b"b", first=True) == "finished"
+    c.release(b"b")
+    assert c.request(b"c", first=True) == Assignment(1, 0, 0)  # the next run
+    c.enlist(b"b", 2)  # b registers again (a reconnect): of this run now, not a newcomer
+    assert c.request(b"b", first=True) == "busy"
+
+
+def test_a_claim_table_lingers_for_a_restarting_producer_then_starts_afresh():
+    """Finding 10 at the claim table: a table whose producers left goes on for a producer
+    that comes within LINGER seconds (a restart), and starts at epoch 0 for one after."""
+    from feedline.serving.claims import LINGER, ClaimStreams
+
+    s = ClaimStreams()
+    t = s.join("train", 4, 0, b"a", now=0.0)
+    assert not isinstance(t, str)
+    for _ in range(6):
+        a = t.request(b"a")
+        assert not isinstance(a, str)
+        t.ack(b"a", a.epoch, a.unit)
+    s.leave("train", b"a", now=1.0)
+    assert s.join("train", 4, 0, b"b", now=LINGER) is t and t.epoch == 1  # where it was
+    s.leave("train", b"b", now=LINGER)
+    fresh = s.join("train", 4, 0, b"c", now=2 * LINGER + 1)
+    assert fresh is not t and not isinstance(fresh, str) and fresh.epoch == fresh.next == 0
+
+
+def test_a_served_claim_table_goes_with_its_producers_and_a_changed_list_starts_afresh():
+    """Finding 10: an ``epochs: 1`` table handed out: a producer that registers while the
+    run's producer still reads is told ``busy``, then starts the next run once it left;
+    another shard list is refused in one line naming both while a producer of the old list is
+    attached, and starts a fresh table once none is."""
+    from feedline.serving.claims import ClaimStreams
+
+    s = ClaimStreams()
+    t = s.join("train", 2, 1, b"a", fingerprint=0xA, now=0.0)
+    assert not isinstance(t, str)
+    for _ in range(2):
+        a = t.request(b"a")
+        assert not isinstance(a, str)
+        t.ack(b"a", a.epoch, a.unit)
+    assert t.request(b"a") == "finished"
+    assert s.join("train", 2, 1, b"b", fingerprint=0xA, now=1.0) is t
+    assert t.request(b"b") == "busy"  # a still reads its last shard
+    refused = s.join("train", 3, 1, b"x", fingerprint=0xB, now=1.0)
+    assert isinstance(refused, str) and "\n" not in refused
+    assert "reads 2 shards (list a)" in refused and "reads 3 shards (list b)" in refused
+    assert "stop the stream's other producers first" in refused
+    s.leave("train", b"a", now=2.0)
+    assert t.request(b"b") == Assignment(0, 0, 0)  # the next run
+    s.leave("train", b"b", now=3.0)
+    other = s.join("train", 2, 1, b"y", fingerprint=0xB, now=3.0)  # same count, other files
+    assert other is not t and not isinstance(other, str) and other.fingerprint == 0xB

@@ -1,0 +1,95 @@
+"""The atheris harness of the shard readers (fuzz/fuzz_shards.py): its seeds read, the inputs
+that found the harness's first findings stay fixed, and a time-boxed libFuzzer run finds
+nothing (only CorruptRecord and ShardError escape the tar, TFRecord, Example, field and
+Parquet readers; the reader and ``feedline info`` count the same samples; no datapoint holds
+more than ``max_sample_bytes``)."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.support import ROOT
+
+pytest.importorskip(
+    "atheris", reason="atheris is not installed (pip install atheris; the test extra has it "
+    "on CPython 3.11+, Linux x86_64, where atheris has wheels)")
+
+HARNESS = ROOT / "fuzz" / "fuzz_shards.py"
+FUZZ_SECONDS = 10
+# Hundreds of runs a second on one core (each reads a shard twice or three times); a run
+# that managed fewer than this did not fuzz (it crashed at start, or never left its seeds).
+MIN_RUNS = 1000
+
+
+@functools.cache
+def _harness() -> ModuleType:
+    """The harness, imported once (atheris instruments what it imports: seconds)."""
+    spec = importlib.util.spec_from_file_location("fuzz_shards", HARNESS)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_seeds_read_and_edits_reach_the_corrupt_paths() -> None:
+    fs = _harness()
+    results = {name: fs.one_input(data) for name, data in fs.seeds().items()}
+    readers = {k: v for k, v in results.items() if not k.startswith(("field", "parquet"))}
+    assert readers and set(readers.values()) == {"ok"}, results
+    if fs.PQ_SEEDS:
+        assert {v for k, v in results.items() if k.startswith("parquet")} == {"rows:5"}
+    assert results["field-cls"] == "corrupt" and results["field-json"] == "ok"
+    # a tar header's checksum broken (0xFF is left unfixed), a TFRecord length cut short
+    assert fs.one_input(bytes([1, 0, 0, 0, 0, 0, 150, 0xFF])) == "corrupt"
+    assert fs.one_input(bytes([2, 0]) + bytes(11)) == "corrupt"
+    assert fs.one_input(bytes([4, 0, 0x0A, 0x05])) == "rejected"  # an Example cut short
+
+
+# Inputs the harness found on its first runs, each a bug fixed with it:
+FOUND = {
+    # a feature value of wire type 0 (an int where a list belongs): TypeError in _fields
+    "varint-feature": "BAEKVAoZCg1pbWFnZS9lbmNvZGVkEggAWAoBcAoBcQoRCgFmEgxbCgoIAA1pbWFnZS9lbmNvZ"
+                      "GVkEggKBmxhc3IvbGFiZWwSDxoNCgsBgICAgICAgICAAQ==",
+    # a member past max_sample_bytes cut short by the shard's end: the reader counted the
+    # sample and the member, ``info`` the member only
+    "over-and-cut": "AQQBDlQKGQoS0jHS0tLSZAgK",
+    # a 10-byte varint (70 bits) as an int64 label: OverflowError in np.asarray(.., int64)
+    "varint-70-bits": "//n//y0H9cn15/Xyjm1jZ2UvZW4Aegg=",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_what_the_fuzzer_found_stays_fixed(name: str) -> None:
+    fs = _harness()
+    assert fs.one_input(base64.b64decode(FOUND[name])) in ("ok", "corrupt", "rejected")
+
+
+def test_time_boxed_fuzz_run_finds_nothing(tmp_path: Path) -> None:
+    corpus, artifacts = tmp_path / "corpus", tmp_path / "artifacts"
+    artifacts.mkdir()
+    assert _harness().make_corpus(corpus) > 0  # in this process: one instrumented start
+    run = subprocess.run(
+        [sys.executable, str(HARNESS), str(corpus), f"-max_total_time={FUZZ_SECONDS}",
+         "-rss_limit_mb=2048", "-timeout=10", "-print_final_stats=1",
+         f"-artifact_prefix={artifacts}/"],
+        capture_output=True, text=True, timeout=FUZZ_SECONDS + 120, cwd=tmp_path)
+    out = run.stdout + run.stderr
+    findings = sorted(p.name for p in artifacts.iterdir())
+    assert run.returncode == 0 and not findings, (
+        f"the fuzzer found something (inputs in {artifacts}: {findings}; replay with "
+        f"python {HARNESS} FILE):\n{out[-6000:]}")
+    m = re.search(r"stat::number_of_executed_units:\s*(\d+)", out)
+    assert m, out[-3000:]
+    runs = int(m.group(1))
+    assert runs >= MIN_RUNS, f"only {runs} runs:\n{out[-3000:]}"
+    rate = re.search(r"stat::average_exec_per_sec:\s*(\d+)", out)
+    print(f"fuzzed {runs} inputs in ~{FUZZ_SECONDS}s ({rate.group(1) if rate else '?'}/s)")
