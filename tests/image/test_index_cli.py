@@ -16,7 +16,7 @@ import pytest
 from feedline.producer.dataflow.image_folder import ImageFolder
 from feedline.producer.image import ImageNetTrain, turbo
 from feedline.producer.image.jpgindex import check_index, index_path
-from tests.conftest import ROOT
+from tests.support import ROOT
 from tests.support.jpeg_data import encode, photo
 
 pytestmark = pytest.mark.skipif(not turbo.AVAILABLE, reason=turbo.decoder_info())
