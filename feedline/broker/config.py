@@ -10,6 +10,7 @@ from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
+from feedline.serving.server import CREDIT_LEASE, MAX_PEERS, PRODUCER_WINDOW
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,9 @@ class BrokerConfig:
     tensorpack_stream: str = DEFAULT_STREAM
     max_batches: int = 32  # buffered + in flight to consumers + granted to producers
     max_bytes: int = 1 << 30  # the same, in bytes: the broker's memory budget
-    producer_window: int = 4  # most credit one producer holds at once
-    credit_lease: float = 2.0  # credit unused this long is asked back when others wait
-    max_peers: int = 1024  # registered producers (and, separately, consumers), at most
+    producer_window: int = PRODUCER_WINDOW  # most credit one producer holds at once
+    credit_lease: float = CREDIT_LEASE  # credit unused this long is asked back when others wait
+    max_peers: int = MAX_PEERS  # registered producers (and, separately, consumers), at most
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT  # a peer silent this long is dropped
     linger_ms: int = 100

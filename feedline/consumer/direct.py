@@ -33,7 +33,14 @@ from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
-from feedline.serving.server import DIRECT, Server, ServingConfig
+from feedline.serving.server import (
+    CREDIT_LEASE,
+    DIRECT,
+    MAX_PEERS,
+    PRODUCER_WINDOW,
+    Server,
+    ServingConfig,
+)
 
 log = logging.getLogger(__name__)
 _PLAN_EVERY = 0.05  # seconds: the longest a credit plan waits when nothing was taken
@@ -42,9 +49,9 @@ _STREAMING = 0.02  # seconds since the last batch arrived: more are on the way
 
 @dataclass(frozen=True)
 class DirectConfig:
-    producer_window: int = 4
-    credit_lease: float = 2.0
-    max_producers: int = 1024
+    producer_window: int = PRODUCER_WINDOW
+    credit_lease: float = CREDIT_LEASE
+    max_producers: int = MAX_PEERS
     tensorpack: str | None = None  # also accept tensorpack's send_dataflow_zmq here
 
 

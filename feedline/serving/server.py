@@ -35,6 +35,7 @@ from feedline import endpoints, security
 from feedline.codec import Limits
 from feedline.errors import ConfigError
 from feedline.exact import ExactConfig, ExactStreams
+from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.endpoint import Endpoint, Refusals, Side
@@ -84,6 +85,13 @@ def check_exposure(addrs: Sequence[str | None], tensorpack: str | None, keyed: b
     return exposed
 
 
+# What a host gives its producers, written once: the broker's flags and a direct-mode
+# trainer's DirectConfig default to these.
+PRODUCER_WINDOW = 4  # the most credit one producer holds at once
+CREDIT_LEASE = 2.0  # seconds: credit unused this long is asked back when others wait
+MAX_PEERS = 1024  # registered producers (and, separately, consumers), at most
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """What the core needs of its host's configuration (a broker's flags, or a trainer's
@@ -91,11 +99,11 @@ class ServingConfig:
 
     ingress: str
     budget: Budget
-    producer_window: int = 4
-    credit_lease: float = 2.0
-    max_peers: int = 1024
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0
+    producer_window: int = PRODUCER_WINDOW
+    credit_lease: float = CREDIT_LEASE
+    max_peers: int = MAX_PEERS
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     linger_ms: int = 100
     limits: Limits = field(default_factory=Limits)
     curve: ServerKeys | None = None
