@@ -46,7 +46,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -66,39 +65,33 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from feedline import messages as m  # noqa: E402
-from feedline import wire  # noqa: E402
 from feedline.procs import Child, free_port, wait_for  # noqa: E402
 from feedline.scrape import Scrape, scrape  # noqa: E402
+from tests.support.hand_protocol import (  # noqa: E402
+    ARRAY,
+    RAW_BATCH_BYTES,
+    K,
+    batch_header,
+    empty_frames,
+    pack,
+    unpack,
+    zmtp_dealer,
+)
 
 MiB = 1 << 20
 LEASE = 2.0  # the broker's default credit lease (BrokerConfig.credit_lease)
 
 # ------------------------------------------------------------------- hand-spoken protocol
-# (a copy of what the issue-16 tests speak: a benchmark does not import from tests/)
-
-VERSION = wire.PROTOCOL_VERSION
-K = wire.Kind
-RAW_BATCH_BYTES = MiB  # what hand-played producers declare: they get credit without asking
+# The frame builders are the tests' (tests/support/hand_protocol.py); the attackers' peer
+# below differs from the tests' RawPeer: it re-registers on one connection and never blocks.
 
 
-def pack(kind: int, **fields: Any) -> bytes:
-    """One header frame ``{"v": VERSION, "k": kind, **fields}`` (valid or not)."""
-    return msgpack.packb({"v": VERSION, "k": int(kind), **fields}, use_bin_type=True)
 
 
-def unpack(frame: Any) -> dict[str, Any]:
-    return dict(msgpack.unpackb(bytes(frame), raw=False, strict_map_key=False))
 
 
-def array_ref(i: int) -> msgpack.ExtType:
-    """The i-th array frame, as it appears in a batch header's datapoint."""
-    return msgpack.ExtType(1, i.to_bytes(4, "big"))
 
 
-def batch_header(pid: str, session: int, seq: int, datapoint: Any,
-                 arrays: list[tuple[str, list[int]]]) -> bytes:
-    return pack(K.BATCH, p=pid, q=session, s=seq, e=0, c=0, d=datapoint,
-                a=[[dt, list(shape)] for dt, shape in arrays])
 
 
 class RawPeer:
@@ -155,36 +148,10 @@ class RawPeer:
         self.sock.close(linger=0)
 
 
-def zmtp_dealer(addr: str) -> socket.socket:
-    """A raw stream that completes a ZMTP 3.0 NULL handshake as a DEALER: what it sends next
-    is written byte by byte, as libzmq would never send it."""
-    host, port = addr[len("tcp://"):].rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=10)
-    s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
-              + b"\x00" + b"\0" * 31)
-    _recv_exact(s, 64)  # the broker's greeting
-    ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-    s.sendall(bytes([0x04, len(ready)]) + ready)
-    flags, size = _recv_exact(s, 2)
-    if flags != 0x04:
-        raise ConnectionError("expected the broker's READY command")
-    _recv_exact(s, size)
-    return s
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed during the handshake")
-        buf += chunk
-    return buf
 
 
-def empty_frames(n: int) -> bytes:
-    """ZMTP bytes of one message of ``n`` empty frames (2 bytes each on the wire)."""
-    return b"\x01\x00" * (n - 1) + b"\x00\x00"
 
 
 # ------------------------------------------------------------------------------ attackers
@@ -226,7 +193,7 @@ def attack_garbage(t: Target, stop: Any, ready: Any, sent: Any) -> None:
         lambda: [msgpack.packb({"v": 99, "k": 1})],
         lambda: [pack(250, x=1)],
         lambda: [pack(K.GRANT, t="x")],
-        lambda: [batch_header("nobody", 1, 0, [array_ref(0)], [("<f4", [4])]), b"\0" * 16],
+        lambda: [batch_header("nobody", 1, 0, [ARRAY(0)], [("<f4", [4])]), b"\0" * 16],
         lambda: [rng.randbytes(8), rng.randbytes(64), rng.randbytes(3)],
     ]
     pace = _paced(2000)
@@ -259,7 +226,7 @@ def attack_refused(t: Target, stop: Any, ready: Any, sent: Any) -> None:
             p.read()
             while p.sent < p.granted:
                 p.send([batch_header(f"refused{i}", 1000 + i, p.sent,
-                                     [array_ref(0), *OVER_LIMIT], [("<f4", [4])]), payload])
+                                     [ARRAY(0), *OVER_LIMIT], [("<f4", [4])]), payload])
                 sent.value += 1
                 busy = True
         if time.monotonic() - last_hb > 0.3:
@@ -284,7 +251,7 @@ def attack_no_credit(t: Target, stop: Any, ready: Any, sent: Any) -> None:
         p = RawPeer(ctx, t.ingress)
         p.hello_producer(f"greedy{n}", 5000 + n, declared=len(body) + 1024)
         for seq in range(8):  # the window is 4: the 5th has no credit
-            p.send([batch_header(f"greedy{n}", 5000 + n, seq, [array_ref(0)],
+            p.send([batch_header(f"greedy{n}", 5000 + n, seq, [ARRAY(0)],
                                  [("|u1", [len(body)])]), body])
             sent.value += 1
         pace()

@@ -21,15 +21,8 @@ from feedline.endpoints import AddressError
 from feedline.errors import ReceiveTimeout
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender
-from tests.support.flow_support import (
-    FAST,
-    OVERHEAD,
-    TP_ENV,
-    MiB,
-    RawPeer,
-    RssSampler,
-    run_script,
-)
+from tests.support.flow_support import FAST, OVERHEAD, TP_ENV, MiB, RssSampler, run_script
+from tests.support.hand_protocol import RawPeer
 from tests.support.hosts import honest_round
 
 FRAMES, FRAME = 40, 8 * MiB  # one message: 320 MiB in frames each within a 16 MiB budget

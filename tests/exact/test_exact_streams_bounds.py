@@ -19,7 +19,8 @@ from feedline.consumer import RemoteDataZMQ
 from feedline.exact.cursor import Cursor
 from feedline.procs import wait_for
 from tests.support.exact_run import FAST, pipeline, producer
-from tests.support.flow_support import MiB, RawPeer, RssSampler, start_broker
+from tests.support.flow_support import MiB, RssSampler, start_broker
+from tests.support.hand_protocol import RawPeer
 
 FLOOD = 300  # exact HELLOs, each naming a stream of its own
 CONNECTIONS = 30  # ... from this many connections (each may register 10 times a second)

@@ -24,7 +24,7 @@ import time
 import pytest
 import zmq
 
-from tests.support.flow_support import ARRAY, batch_header
+from tests.support.hand_protocol import ARRAY, batch_header
 
 
 @pytest.mark.xfail(strict=True, reason="libzmq aborts the broker (Assertion failed: !_io_error, "

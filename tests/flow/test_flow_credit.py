@@ -25,21 +25,23 @@ from feedline.producer import Sender
 from feedline.producer.outbox import BACKLOG_BYTES, BACKLOG_ITEMS
 from feedline.serving.budget import DEPTH, depth
 from tests.support.flow_support import (
-    ARRAY,
-    BATCH,
     FAST,
     HELLO,
-    RAW_BATCH_BYTES,
     WANT,
     FakeBroker,
+    fake_yaml,
+    sender_and_fake_broker,
+    start_producer,
+)
+from tests.support.hand_protocol import (
+    ARRAY,
+    BATCH,
+    RAW_BATCH_BYTES,
     RawPeer,
     batch_header,
     broker_credit,
     broker_grant,
     broker_heartbeat,
-    fake_yaml,
-    sender_and_fake_broker,
-    start_producer,
     want_of,
     welcome,
 )

@@ -19,14 +19,8 @@ from feedline import messages as m
 from feedline.errors import Stopped
 from feedline.procs import wait_for
 from feedline.producer import Sender
-from tests.support.flow_support import (
-    ARRAY,
-    FAST,
-    CountingConsumer,
-    MiB,
-    RawPeer,
-    batch_header,
-)
+from tests.support.flow_support import FAST, CountingConsumer, MiB
+from tests.support.hand_protocol import ARRAY, RawPeer, batch_header
 
 
 def _send_forever(addr: str, name: str, nbytes: int, stop: threading.Event) -> threading.Thread:

@@ -26,19 +26,21 @@ from feedline.consumer import RemoteDataZMQ
 from feedline.link import LinkConfig
 from feedline.procs import wait_for
 from tests.support.flow_support import (
-    ARRAY,
     FAST,
     HELLO,
     OVERHEAD,
     FakeBroker,
-    RawPeer,
     RssSampler,
+    fake_yaml,
+    start_producer,
+)
+from tests.support.hand_protocol import (
+    ARRAY,
+    RawPeer,
     batch_header,
     broker_heartbeat,
     deliver_envelope,
     empty_frames,
-    fake_yaml,
-    start_producer,
     welcome,
     zmtp_dealer,
 )

@@ -28,13 +28,7 @@ from feedline.consumer import RemoteDataZMQ
 from feedline.endpoints import AddressError
 from feedline.procs import free_port, wait_for
 from feedline.producer import send_dataflow
-from tests.support.flow_support import (
-    FAST,
-    fake_yaml,
-    log_lines,
-    start_broker,
-    start_producer,
-)
+from tests.support.flow_support import FAST, fake_yaml, log_lines, start_broker, start_producer
 from tests.support.hosts import KINDS
 
 DROPPED = "feedline_broker_dropped_peers_total"

@@ -24,12 +24,12 @@ from tests.support.flow_support import (
     OVERHEAD,
     TP_ENV,
     MiB,
-    RawPeer,
     RssSampler,
     fake_yaml,
     run_script,
     start_producer,
 )
+from tests.support.hand_protocol import RawPeer
 from tests.support.hosts import Trainer
 
 

@@ -21,11 +21,10 @@ import zmq
 from feedline import messages as m
 from feedline.link import LinkConfig
 from feedline.producer import Sender
-from tests.support.flow_support import (
+from tests.support.flow_support import HELLO, FakeBroker
+from tests.support.hand_protocol import (
     BATCH,
     BYE,
-    HELLO,
-    FakeBroker,
     K,
     broker_grant,
     broker_heartbeat,

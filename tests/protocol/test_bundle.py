@@ -43,7 +43,7 @@ from feedline.producer import Sender
 from feedline.serving.budget import Budget, depth
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
-from tests.support.flow_support import RawPeer, unpack
+from tests.support.hand_protocol import RawPeer, unpack
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
 PID = wire.packb("p")

@@ -22,7 +22,8 @@ from feedline import errors
 from feedline import messages as m
 from feedline.errors import FeedlineError
 from feedline.procs import wait_for
-from tests.support.flow_support import RawPeer, consumer_hello, start_broker
+from tests.support.flow_support import start_broker
+from tests.support.hand_protocol import RawPeer, consumer_hello
 from tests.support.package_source import modules
 
 # Builtin errors product code may still raise: a programming error in the caller (an

@@ -29,7 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from feedline.errors import FeedlineError
+from feedline.errors import ConfigError, FeedlineError
 from feedline.producer.image.decode import CorruptImage, as_buffer, name_of
 from feedline.producer.image.turbo import _MISSING, Unsupported, _jpegturbo, refused_index
 
@@ -76,7 +76,7 @@ def index_jpeg(data: Any, step: int = DEFAULT_STEP, source: Any = None) -> Index
     of ``source``) for a JPEG whose entropy-coded data does not decode."""
     jt = _need()
     if not 1 <= step <= 255:
-        raise ValueError(f"step must be 1..255 MCUs, got {step}")
+        raise ConfigError(f"step must be 1..255 MCUs, got {step}")
     buf = as_buffer(data)
     if buf.size < 2 or buf[0] != 0xFF or buf[1] != 0xD8:
         return Indexing(None, "not a JPEG")
