@@ -122,10 +122,11 @@ class DirectIO:
         self.ingress = self.server.producers
         self.endpoint = self.server.ingress.endpoint
         shared.collect_keys = True  # exact streams settle here as the model takes batches
-        if shared.resume is not None:  # set when the stream's first producer registers
+        if shared.exact.resume is not None:  # set when the stream's first producer registers
             sink = self._sink
             self.ingress.exact.refuse = lambda _ident, reason, detail: sink.refused(detail)
-            self.ingress.exact.cursor(b"", shared.stream, shared.resume.encode(), time.monotonic())
+            self.ingress.exact.cursor(b"", shared.stream, shared.exact.resume.encode(),
+                                    time.monotonic())
         self._next_tick = 0.0
         self._next_plan = 0.0
         self._arrived = 0.0  # when a batch last arrived

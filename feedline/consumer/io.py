@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +27,7 @@ from feedline.bundle import MAX_BUNDLE
 from feedline.client import ClientLoop, Waker
 from feedline.consumer.metrics import ConsumerMetrics
 from feedline.errors import AddressError, FeedlineError, ProducerError
-from feedline.exact import MAX_CURSOR_BYTES, RECORDS_PER_COMMIT, Cursor
+from feedline.exact import CursorKeeper
 from feedline.handover import Inbox
 from feedline.heap import keep_freed_memory
 from feedline.link import KeysHint, Link, LinkConfig, Reach
@@ -112,14 +111,10 @@ class Shared:
         self.explain: Callable[[], str] | None = None  # Link.explain (plain reads only)
         self.waker: Waker | None = None
         self.loop: ClientLoop | None = None
-        # Exact delivery: what this process took of the current epoch (its cursor), the
-        # last of it (reported when it registers again: what a restarted broker's journal may
-        # lack: its last commit's worth and this window), the checkpoint it resumes from
-        # (sent with its first HELLO), and, in direct mode, the batches taken since the I/O
-        # thread last settled them.
-        self.cursor = Cursor(stream)
-        self.recent: deque[tuple[int, int]] = deque(maxlen=RECORDS_PER_COMMIT + self.slots + 64)
-        self.resume: Cursor | None = None
+        # Exact delivery: what this process took of the current epoch, the last of it and the
+        # checkpoint it resumes from (feedline.exact.keeper), and, in direct mode, the
+        # batches taken since the I/O thread last settled them.
+        self.exact = CursorKeeper(stream, self.slots)
         self.fatal: tuple[str, str] | None = None  # a refusal raised to the iterator
         self.collect_keys = False
         self.taken_keys: list[tuple[int, int, int]] = []
@@ -135,7 +130,7 @@ class Shared:
         the cursor goes on (what was taken stays taken)."""
         out = Shared(self.consumer_id, self.session, self.window, self.max_bytes,
                      self.stream, self.on_error, self.registry, self.metrics, self.slots)
-        out.cursor, out.resume, out.recent = self.cursor, self.resume, self.recent
+        out.exact = self.exact
         out.waited = self.waited
         return out
 
@@ -150,31 +145,14 @@ class Shared:
                 return False
             if item.registration == self.registration:
                 self.taken += 1
-            if b.unit >= 0 and b.epoch == self.cursor.epoch and \
-                    self.cursor.has(b.unit, b.index):
+            if b.unit >= 0 and self.exact.seen(b.epoch, b.unit, b.index):
                 # Exact: we took this one before (served again after a broker restart, before
                 # our report reached it): acknowledged, not given to the model twice.
                 if self.waker is not None:
                     self.waker.wake()
                 return False
             if b.unit >= 0:
-                c = self.cursor
-                if c.pipeline and b.pipeline != c.pipeline and c.bits:
-                    raise FeedlineError(
-                        f"stream {self.stream!r} now serves another pipeline (fingerprint "
-                        f"{b.pipeline:x}) than the one this process took batches of "
-                        f"({c.pipeline:x}): its producers were replaced; start the job "
-                        "again (with a new RemoteDataZMQ)")
-                if b.epoch != self.cursor.epoch or not self.cursor.pipeline:
-                    if b.epoch != self.cursor.epoch:
-                        self.cursor = Cursor(self.stream, b.epoch)
-                        self.recent.clear()
-                    self.cursor.pipeline = b.pipeline
-                self.cursor.add(b.unit, b.index)
-                self.recent.append((b.unit, b.index))
-                # The resume was applied (a batch came after it): later registrations report
-                # what we take instead.
-                self.resume = None
+                self.exact.take(b.epoch, b.unit, b.index, b.pipeline)
                 if self.collect_keys:
                     self.taken_keys.append(b.key)
         if self.waker is not None and not self.expecting and self.taken >= self.wake_at:
@@ -216,19 +194,6 @@ class Shared:
         return st
 
 
-def report(cursor: Cursor, recent: list[tuple[int, int]]) -> bytes:
-    """The cursor of the batches taken last (``recent``, oldest first), as much of it as a
-    registration carries (the oldest go first: a broker's journal has those)."""
-    while True:
-        part = Cursor(cursor.stream, cursor.epoch, pipeline=cursor.pipeline)
-        for u, i in recent:
-            part.add(u, i)
-        data = part.encode()
-        if len(data) <= MAX_CURSOR_BYTES or len(recent) <= 1:
-            return data
-        recent = recent[len(recent) // 4:]
-
-
 class ConsumerIO:
     """The consumer's role in the client loop (runs in the I/O thread only)."""
 
@@ -255,12 +220,7 @@ class ConsumerIO:
         with s.lock:
             # Exact delivery: the checkpoint to resume from (until a broker took it), else
             # what we took last of this epoch, so that a restarted broker knows it too.
-            if s.resume is not None:
-                cursor = s.resume.encode()
-            elif s.recent:
-                cursor = report(s.cursor, list(s.recent))
-            else:
-                cursor = b""
+            cursor = s.exact.hello_cursor()
         return m.ConsumerHello(consumer=s.consumer_id, session=s.session, window=s.window,
                                max_bytes=s.max_bytes, stream=s.stream,
                                registration=registration, cursor=cursor, bundle=MAX_BUNDLE)

@@ -38,7 +38,7 @@ from feedline.client import ClientLoop, Waker
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
 from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
-from feedline.exact import MAX_CURSOR_BYTES, Cursor
+from feedline.exact import Cursor
 from feedline.link import LinkConfig
 from feedline.messages import DEFAULT_STREAM, check_stream
 from feedline.security import ClientKeys, ServerKeys
@@ -148,20 +148,7 @@ class RemoteDataZMQ:
         self.metrics = self._shared.metrics
         self.metrics.set_stream(stream)
         if resume is not None:
-            cursor = _as_cursor(resume)
-            if cursor.stream != stream:
-                raise ConfigError(f"resume: a cursor of stream {cursor.stream!r}, not {stream!r}")
-            cursor.resume = True
-            size = len(cursor.encode())
-            if size > MAX_CURSOR_BYTES:
-                raise ConfigError(
-                    f"resume: this cursor takes {size} bytes, more than the "
-                    f"{MAX_CURSOR_BYTES} a registration carries: it holds batches scattered "
-                    "over the epoch, as one rank's cursor does; resume every rank from the "
-                    "merged cursor of all of them (Cursor.merge), which holds runs")
-            self._shared.resume = cursor
-            self._shared.cursor = cursor.copy()
-            self._shared.cursor.resume = False
+            self._shared.exact.resume_from(_as_cursor(resume))
         # Direct mode serves producers as a broker does, with the broker's metrics.
         self.serving_metrics = BrokerMetrics(self._shared.registry) if bind else None
         self._io: ClientLoop | None = None
@@ -189,7 +176,7 @@ class RemoteDataZMQ:
         """
         shared = self._start()
         with shared.lock:
-            resumed = shared.resume
+            resumed = shared.exact.resume
         yield from self._deliveries(shared, epoch=-1 if resumed is None else resumed.epoch)
 
     def state(self) -> Cursor:
@@ -198,7 +185,7 @@ class RemoteDataZMQ:
         frameworks, :func:`feedline.consumer.checkpoint.trackable` for ``tf.train.Checkpoint``)."""
         s = self._shared
         with s.lock:
-            return s.cursor.copy()
+            return s.exact.cursor.copy()
 
     def _deliveries(self, shared: Shared, epoch: int | None) -> Iterator[Any]:
         """Yield batches; ``epoch`` None: forever; -1: the epoch of the first batch, until

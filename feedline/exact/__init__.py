@@ -14,7 +14,9 @@ names below:
   from;
 - :mod:`~feedline.exact.streams`: a host's exact streams (:class:`ExactStreams`): their
   coordinators made, restored, kept to one pipeline and reclaimed, and the cursors of the
-  consumers applied to them (:class:`Applied`).
+  consumers applied to them (:class:`Applied`);
+- :mod:`~feedline.exact.keeper`: a consumer's side (:class:`CursorKeeper`): what it took,
+  what it reports when it registers again, the checkpoint it resumes from.
 
 It imports only the kernel (errors, logs): the broker, a direct-mode trainer and a consumer
 each use it the same way, and its model test drives it as it is.
@@ -24,8 +26,9 @@ from __future__ import annotations
 
 from feedline.exact.coordinator import RECORDS_PER_COMMIT, Coordinator
 from feedline.exact.cursor import MAX_CURSOR_BYTES, Cursor
+from feedline.exact.keeper import CursorKeeper
 from feedline.exact.plan import Assignment, ExactPlan
 from feedline.exact.streams import Applied, ExactConfig, ExactStreams
 
 __all__ = ["MAX_CURSOR_BYTES", "RECORDS_PER_COMMIT", "Applied", "Assignment", "Coordinator",
-           "Cursor", "ExactConfig", "ExactPlan", "ExactStreams"]
+           "Cursor", "CursorKeeper", "ExactConfig", "ExactPlan", "ExactStreams"]

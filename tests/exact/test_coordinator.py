@@ -331,7 +331,7 @@ def test_a_cursor_of_few_bytes_cannot_decode_to_gigabytes():
 def test_a_consumer_s_report_fits_a_registration_whatever_it_took():
     """What a consumer reports when it registers again is the batches it took last, as many
     as a registration carries (the oldest go first: a journal has those)."""
-    from feedline.consumer.io import report
+    from feedline.exact.keeper import report
 
     rng = random.Random(3)
     recent = [(rng.randrange(200_000), rng.randrange(1024)) for _ in range(20_000)]
