@@ -92,10 +92,10 @@ from feedline.fields import (
 from feedline.wire import PROTOCOL_VERSION, Kind, header_map
 
 __all__ = [
-    "BROKER_SENT", "EXACT", "TRAINING", "Bye", "ConsumerHello", "Deliver", "EpochEnd", "Eos",
-    "Error", "Grant", "Heartbeat", "Message", "ProducerHello", "Refused", "Reset", "Returned",
-    "Revoke", "Taken", "Unit", "UnitDone", "UnitRequest", "UnitWait", "Want", "Welcome",
-    "broker_of", "check_stream", "decode", "encode",
+    "BROKER_SENT", "EXACT", "TRAINING", "WAIT_OLD_PRODUCERS", "Bye", "ConsumerHello", "Deliver",
+    "EpochEnd", "Eos", "Error", "Grant", "Heartbeat", "Message", "ProducerHello", "Refused",
+    "Reset", "Returned", "Revoke", "Taken", "Unit", "UnitDone", "UnitRequest", "UnitWait",
+    "Want", "Welcome", "broker_of", "check_stream", "decode", "encode",
 ]
 
 M = TypeVar("M")
@@ -255,6 +255,12 @@ class Refused:
     seq: int = field(default=-1, metadata=wire_key("s", integer(-1, U63)))
     limit: int = field(default=0, metadata=wire_key("l", count))
     detail: str = field(default="", metadata=wire_key("d", text))
+
+
+# A registration refused for this reason is not refused for good: the broker has the producer
+# wait (a stream's old dataset's producers are being dropped: feedline.serving.succession);
+# it says HELLO again, as after any refused registration, and logs it as a wait.
+WAIT_OLD_PRODUCERS = "wait_old_producers"
 
 
 @message(Kind.RESET)

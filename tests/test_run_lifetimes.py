@@ -16,8 +16,10 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
+from feedline.errors import Refusal
 from feedline.procs import wait_for
 from feedline.serving.coordinator import Assignment
 from tests.shard_server import file_server
@@ -211,6 +213,39 @@ def test_a_grown_shard_list_starts_a_fresh_claim_table_once_the_old_producers_le
     assert "a fresh claim table" in broker.log_text(), broker.log_text()[-3000:]
 
 
+def test_a_changed_shard_list_started_after_a_kill_9_waits_for_the_old_claims_then_is_served(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Issue 53, hole 3: the old list's producer (4 shards) is killed with ``kill -9`` and a
+    producer of a grown list (6 shards) is started at once; the broker still counts the
+    killed one until its heartbeat timeout (6 s here, so that the new one surely registers
+    first). Before: the new producer was refused ``delivery_mismatch`` and exited, for good.
+    Now it is told to wait, says so in one line naming both lists and for how long at most,
+    and is served once the killed producer is dropped: shards 4 and 5 are read, and it ends
+    0 at the end of its epoch."""
+    make_wds(tmp_path / "shards", shards=6, per_shard=5, nbytes=200)
+    broker = broker_proc("--max-batches", "8", "--heartbeat-timeout", "6")
+    with file_server(str(tmp_path / "shards")) as url:
+        four, six = shard_pipeline(tmp_path, url, 4, epochs=None), shard_pipeline(tmp_path, url, 6)
+        old = shard_producer(daemons, four, endpoints.ingress, "old")
+        take_ids(endpoints.egress, 10)
+        old.kill9()
+        new = shard_producer(daemons, six, endpoints.ingress, "new")
+        wait_for(lambda: "has us wait" in new.log_text() or not new.alive(), 30,
+                 what="the new list's producer to be told to wait")
+        assert "has us wait" in new.log_text(), new.log_text()[-2000:]  # before: refused
+        seen = take_ids(endpoints.egress, 30, until=set(range(20, 30)))
+        assert set(range(20, 30)) <= set(seen), seen  # shards 4 and 5 are read
+        wait_for(lambda: not new.alive(), 30, what="the new producer to finish its epoch")
+        assert new.proc.returncode == 0, new.log_text()[-2000:]
+        waits = [s for s in new.log_text().splitlines() if "has us wait" in s]
+        assert len(waits) == 1 and "reads 4 shards (list " in waits[0] \
+            and "this producer (6 shards (list " in waits[0] and "at most " in waits[0], waits
+        assert "WARNING" not in new.log_text(), new.log_text()[-2000:]  # a wait, not an error
+    said = broker.log_text()
+    assert "producer old dropped (timeout" in said and "a fresh claim table" in said, \
+        said[-3000:]
+
+
 def test_another_list_of_as_many_shards_is_refused_in_one_line_while_the_old_is_read(
         broker_proc, daemons, endpoints, tmp_path):
     """Finding 10, a changed list of the same length (shards 2-5 for 0-3): told apart by
@@ -295,8 +330,10 @@ def test_a_served_claim_table_goes_with_its_producers_and_a_changed_list_starts_
     assert t.request(b"a") == "finished"
     assert s.join("train", 2, 1, b"b", fingerprint=0xA, now=1.0) is t
     assert t.request(b"b") == "busy"  # a still reads its last shard
-    refused = s.join("train", 3, 1, b"x", fingerprint=0xB, now=1.0)
-    assert isinstance(refused, str) and "\n" not in refused
+    with pytest.raises(Refusal) as e:
+        s.join("train", 3, 1, b"x", fingerprint=0xB, now=1.0)
+    refused = e.value.detail
+    assert e.value.reason == "delivery_mismatch" and "\n" not in refused
     assert "reads 2 shards (list a)" in refused and "reads 3 shards (list b)" in refused
     assert "stop the stream's other producers first" in refused
     s.leave("train", b"a", now=2.0)
@@ -304,3 +341,80 @@ def test_a_served_claim_table_goes_with_its_producers_and_a_changed_list_starts_
     s.leave("train", b"b", now=3.0)
     other = s.join("train", 2, 1, b"y", fingerprint=0xB, now=3.0)  # same count, other files
     assert other is not t and not isinstance(other, str) and other.fingerprint == 0xB
+
+
+class Heard:
+    """What :class:`~feedline.serving.succession.Succession` asks the producer table: when
+    each registered producer was last heard from."""
+
+    def __init__(self) -> None:
+        self.at: dict[bytes, float] = {}
+
+    def __call__(self, ident: bytes) -> float | None:
+        return self.at.get(ident)
+
+
+def test_a_changed_shard_list_waits_for_killed_producers_and_is_refused_by_running_ones():
+    """Finding 10 after a ``kill -9`` (issue 53, hole 3): the old list's producer is killed
+    and stays registered until the heartbeat timeout (1.5 s here) drops it. Before: a
+    producer of the new list registering meanwhile was refused ``delivery_mismatch``, for
+    good. Now it is told to wait (one line naming both lists and for how long at most) while
+    the old producer is silent, and starts a fresh table once it is dropped; while an old
+    producer is heard from after the new one first asked (it reads), the new one is
+    refused, in one line, as before."""
+    from feedline.serving.claims import ClaimStreams
+    from feedline.serving.succession import WAIT, Succession
+
+    heard = Heard()
+    s = ClaimStreams(succession=Succession(heard, timeout=1.5))
+    s.join("train", 4, 0, b"old", fingerprint=0xA, now=0.0)
+    heard.at[b"old"] = 0.2  # its last heartbeat; then kill -9
+    with pytest.raises(Refusal) as e:
+        s.join("train", 6, 0, b"new", fingerprint=0xB, now=1.0)
+    line = e.value.detail
+    assert e.value.reason == WAIT and "\n" not in line
+    assert "reads 4 shards (list a)" in line and "(6 shards (list b))" in line, line
+    assert "at most 0.7s more" in line, line
+    with pytest.raises(Refusal) as e:  # it says HELLO again: still silent, still waiting
+        s.join("train", 6, 0, b"new", fingerprint=0xB, now=1.6)
+    assert e.value.reason == WAIT and "at most 0.1s more" in e.value.detail
+    del heard.at[b"old"]
+    s.leave("train", b"old", now=1.8)  # dropped at the timeout
+    t = s.join("train", 6, 0, b"new", fingerprint=0xB, now=2.0)
+    assert t.units == 6 and t.fingerprint == 0xB and t.members == {b"new"}
+
+    # An old producer that reads: heard from after the new one first asked.
+    s.join("val", 4, 0, b"reader", fingerprint=0xA, now=0.0)
+    heard.at[b"reader"] = 0.9
+    with pytest.raises(Refusal) as e:
+        s.join("val", 6, 0, b"other", fingerprint=0xB, now=1.0)
+    assert e.value.reason == WAIT  # it might be dead: the first HELLO waits
+    heard.at[b"reader"] = 1.2  # its heartbeat
+    with pytest.raises(Refusal) as e:
+        s.join("val", 6, 0, b"other", fingerprint=0xB, now=2.0)
+    assert e.value.reason == "delivery_mismatch", e.value
+    assert "stop the stream's other producers first" in e.value.detail
+
+
+def test_a_replaced_exact_pipeline_waits_for_its_killed_producers_too():
+    """The same for an exact stream whose pipeline changed after its producer was killed:
+    told to wait while the old producer is silent, admitted (from epoch 0) once it is
+    dropped; refused while an old producer is heard from."""
+    from feedline.serving.coordinator import ExactPlan
+    from feedline.serving.exact_streams import ExactStreams
+    from feedline.serving.succession import WAIT, Succession
+
+    heard = Heard()
+    s = ExactStreams()
+    s.succession = Succession(heard, timeout=1.5)
+    s.attach("val", True)
+    s.join("val", ExactPlan(8, 4, 1, fingerprint=1), 0.0, b"old", 1)
+    heard.at[b"old"] = 0.2
+    with pytest.raises(Refusal) as e:
+        s.join("val", ExactPlan(16, 4, 1, fingerprint=2), 1.0, b"new", 2)
+    assert e.value.reason == WAIT and "at most 0.7s more" in e.value.detail, e.value
+    s.detach("val", True)
+    s.streams["val"].release(b"old")
+    del heard.at[b"old"]
+    c = s.join("val", ExactPlan(16, 4, 1, fingerprint=2), 2.0, b"new", 2)
+    assert c.plan.dataset_size == 16 and c.epoch == 0

@@ -8,10 +8,12 @@ restored from their journals, kept to one pipeline and one delivery mode, and re
   told to keep exact streams in memory only (``ephemeral``: a direct-mode trainer, or
   ``--exact-ephemeral``).
 - **One pipeline, one mode.** A producer whose pipeline (sizes, fingerprint) differs from the
-  stream's is refused while producers of the stream's are registered; with none, the new
-  pipeline replaces the old and the stream starts again at epoch 0. An exact producer is
-  refused on a stream training producers serve, and a training producer on a stream that is
-  exact (its state kept until it is reclaimed).
+  stream's is refused while producers of the stream's are registered and one of them has been
+  heard from since it first asked (it runs); while none has (they were killed: the heartbeat
+  timeout drops them, :mod:`feedline.serving.succession`) it is told to wait. With none
+  registered, the new pipeline replaces the old and the stream starts again at epoch 0. An
+  exact producer is refused on a stream training producers serve, and a training producer on
+  a stream that is exact (its state kept until it is reclaimed).
 - **Cursors.** A consumer's cursor is a *resume* (its job's checkpoint: the stream's epoch is
   set to exactly it, once for all the consumers registered with that same cursor, so that the
   ranks of one job roll back once and a job that crashes again rolls back again) or a
@@ -34,6 +36,7 @@ from feedline.errors import DecodeError, Refusal
 from feedline.logs import RateLimitedLog
 from feedline.serving.coordinator import Coordinator, ExactPlan
 from feedline.serving.journal import Journal, JournalCorrupt, JournalStale
+from feedline.serving.succession import WAIT, Succession
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 64  # cursors waiting for their stream's first producer, at most
@@ -67,7 +70,8 @@ class ExactStreams:
     """The coordinators of a broker's exact streams. A consumer's cursor that waited for its
     stream's coordinator is answered by ``refuse(ident, reason, detail)`` or by
     ``applied(ident, stream, applied)``; ``live()`` names the streams registered peers use
-    (for the stream limit)."""
+    (for the stream limit); ``succession`` tells a killed producer of a replaced pipeline from
+    a running one (None: every registered one runs)."""
 
     def __init__(self, cfg: ExactConfig | None = None) -> None:
         self.cfg = cfg or ExactConfig()
@@ -75,6 +79,7 @@ class ExactStreams:
         self.refuse: Callable[[bytes, str, str], None] = lambda ident, reason, detail: None
         self.applied: Callable[[bytes, str, Applied], None] = lambda ident, stream, a: None
         self.live: Callable[[], set[str]] = set
+        self.succession: Succession | None = None
         self._producers: dict[str, list[int]] = {}  # stream -> [exact, training] registered
         self._pending: dict[bytes, tuple[str, bytes]] = {}  # consumer -> (stream, cursor)
         self._resumed: dict[bytes, tuple[str, bytes]] = {}  # consumer -> (stream, cursor id)
@@ -171,6 +176,15 @@ class ExactStreams:
             c = got
         elif not c.plan.same_pipeline(plan):
             if n[0]:
+                left = None if self.succession is None else \
+                    self.succession.wait(stream, list(c.attached), now)
+                if left is not None:
+                    raise Refusal(WAIT, f"stream {stream!r} is served by {n[0]} producer(s) of "
+                                  f"another pipeline ({c.plan.describe()}; this one: "
+                                  f"{plan.describe()}), silent since this producer first asked: "
+                                  f"it waits for them to end, at most {left:.1f}s more (the "
+                                  "broker drops silent producers at its heartbeat timeout), then "
+                                  "this pipeline replaces theirs from epoch 0")
                 raise Refusal("delivery_mismatch",
                               f"stream {stream!r} is served by {n[0]} producer(s) of another "
                               f"pipeline ({c.plan.describe()}; this one: {plan.describe()}): "
@@ -179,6 +193,8 @@ class ExactStreams:
         elif not c.plan.fingerprint and plan.fingerprint:  # restored from an older journal
             c.plan = replace(c.plan, fingerprint=plan.fingerprint)
         self._active[stream] = now
+        if self.succession is not None:
+            self.succession.settled(stream)
         if owner is not None:
             c.enlist(owner, session)
         return c
