@@ -15,7 +15,8 @@ message        dir    meaning
 ProducerHello  P->B   register: id, session, next sequence number, largest batch it
                       expects to send (0: unknown), stream, previous broker instance,
                       registration number (a repeated HELLO of one registration is a no-op),
-                      and the supervisor that started it (``feedline fleet``), if any
+                      the supervisor that started it (``feedline fleet``), if any, and how
+                      long ago it started
 ConsumerHello  C->B   register: id, session, window (batches), byte budget, stream,
                       registration number, the most batches it takes in one delivery
                       (feedline.bundle; 0 none: a broker splits bundles for it)
@@ -151,6 +152,11 @@ class ProducerHello:
     # The pipeline's fingerprint (what decides the sample order and the units): the cursors
     # of the stream carry it, and a resume from another pipeline's cursor is refused.
     pipeline: int = field(default=0, metadata=wire_key("fp", count))
+    # Milliseconds since this producer started (its process, for `feedline producer`), at
+    # least 1; 0: not said (an older producer). An exact stream's late producer of a run just
+    # served (started before the run was served, registered after) is told from the next
+    # job's by it; a duration, not a time of day, so the hosts' clocks need not agree.
+    age_ms: int = field(default=0, metadata=wire_key("ag", count))
 
 
 @message(Kind.CONSUMER_HELLO)

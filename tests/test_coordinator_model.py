@@ -13,11 +13,14 @@ After every step: no batch is taken twice by the job (its view rolls back only w
 every epoch the coordinator ends was taken whole (every batch, but for those every sample of
 which was skipped). A new run begins only when no producer of the served run is attached, and
 a producer of a run is never given a later run's unit (issue 53, finding 3). A producer that
-registers after the run was served is told it is finished exactly while a consumer
-registered during the run is registered and no other consumer registered since (a late
-producer of the job just served), and otherwise starts the next run. At the end,
-everything is woken and run to completion: the epoch (or the run) must end, so nothing can be
-stranded.
+registers after the run was served is of that run (told it is finished) exactly when it
+started before the run was served (one of the job slow to come up); one that started after
+starts the next run; and one that does not say when it started, or any after a broker restart
+on a served stream (when the run was served is in memory only), is told it is finished
+exactly while a consumer registered during the run is registered and no other consumer
+registered since (a late producer of the job just served), and otherwise starts the next
+run. At the end, everything is woken and run to completion: the epoch (or the run) must end,
+so nothing can be stranded.
 
 The glue mirrors ``feedline.broker.egress`` and ``feedline.consumer.io``: batches of a dropped
 consumer's registration are served again (those not settled) when its connection closes or
@@ -33,6 +36,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +82,9 @@ class Producer:
     given: bool = False
     unit: tuple[int, int, int, int] | None = None  # epoch, unit, next index, batches
     empty: list[int] = field(default_factory=list)
+    # When it started (time.monotonic(); None: it does not say, an older producer): with the
+    # job (before any run was served), or when it registers.
+    started: float | None = None
 
 
 class ExactModel(RuleBasedStateMachine):
@@ -112,7 +119,9 @@ class ExactModel(RuleBasedStateMachine):
         self._reads(0)
         self.producers: dict[int, Producer] = {}
         self.ids = 0
-        self._enlist(Producer(b"p0", 0))
+        self.t0 = time.monotonic()  # the job's start: before any run is served
+        self.served_known = False  # this coordinator served its run (not: restored so)
+        self._enlist(Producer(b"p0", 0, started=self.t0))
         self.ids = 1
         self.job: dict[int, set[tuple[int, int]]] = {}  # what the job took, per epoch
         self.ended: set[int] = set()
@@ -157,6 +166,8 @@ class ExactModel(RuleBasedStateMachine):
                 f"epoch {e} ended: lost {sorted(self.keys(e) - self.job.get(e, set()))}, "
                 f"foreign {sorted(self.job.get(e, set()) - self.keys(e))}")
             self.ended.add(e)
+        if epochs and self.coord.finished:  # its run served now, in this coordinator's life
+            self.served_known = True
 
     def _requeue(self, items: list[Key]) -> None:
         self.buffer[:0] = [k for k in items if self.coord.servable(k)]
@@ -204,8 +215,13 @@ class ExactModel(RuleBasedStateMachine):
 
     def _enlist(self, p: Producer) -> None:
         """It registers (a HELLO): the broker enlists it with the stream's coordinator."""
-        self.coord.enlist(p.ident, p.session)
-        p.run = None if self.coord.finished else self.coord.end
+        self.coord.enlist(p.ident, p.session, p.started)
+        # Of the run being served, or, on a served stream, of that run if it started before
+        # it was served (when the coordinator knows when that was); else a newcomer.
+        early = self.served_known and p.started == self.t0
+        p.run = None if self.coord.finished and not early else self.coord.end
+        if self.coord.finished and early:
+            event("a producer started with the job registers once its run was served")
         self.producers[p.session] = p
 
     def _reads(self, i: int) -> None:
@@ -230,13 +246,16 @@ class ExactModel(RuleBasedStateMachine):
         p = self.producers[i]
         served, end = self.coord.finished, self.coord.end
         late = not self.came_since and bool(self.run_consumers & set(self._registered()))
+        if p.started is not None and self.served_known:
+            late = p.started == self.t0  # it started before the run was served
         got = self.coord.request(p.ident, self.now, first=not p.given)
         if served and not p.given and p.run is None:
             # A producer that came after the run was served is of it exactly when it is late.
             assert (got == "finished") == late, (
-                f"{p.ident!r} told {got!r}; late: {late} (consumers of the run "
-                f"{sorted(self.run_consumers)}, registered {self._registered()}, "
-                f"one came since: {self.came_since})")
+                f"{p.ident!r} (started {p.started}) told {got!r}; late: {late} (consumers of "
+                f"the run {sorted(self.run_consumers)}, registered {self._registered()}, "
+                f"one came since: {self.came_since}; served in this life: "
+                f"{self.served_known})")
             if late:
                 event("a late producer of the served run is told it is finished")
         if served and not self.coord.finished:
@@ -309,10 +328,12 @@ class ExactModel(RuleBasedStateMachine):
         self.coord.release(self.producers.pop(i).ident)
 
     @precondition(lambda self: len(self.producers) < 3)
-    @rule()
-    def producer_starts(self) -> None:
-        """A fresh producer (on a served stream: a second job's)."""
-        self._enlist(Producer(b"p%d" % self.ids, self.ids))
+    @rule(start=st.sampled_from(["now", "with the job", "unsaid"]))
+    def producer_starts(self, start: str) -> None:
+        """A fresh producer (on a served stream: a second job's, or one of the job that was
+        slow to come up), started now, with the job, or not saying when."""
+        started = {"now": time.monotonic(), "with the job": self.t0}.get(start)
+        self._enlist(Producer(b"p%d" % self.ids, self.ids, started=started))
         self.ids += 1
 
     # -- consumers ----------------------------------------------------------------------
@@ -404,6 +425,7 @@ class ExactModel(RuleBasedStateMachine):
         journal = Journal(self.path)
         self.coord = Coordinator("val", self.plan, journal, journal.read("val"), GRACE,
                                  self.now)
+        self.served_known = False  # when it was served is not in the journal
         self._seen = self._stat()
         self.run_consumers, self.came_since = set(), False  # in memory only
         self.buffer, self.orphans = [], {}  # producers go on with their units
@@ -449,14 +471,14 @@ class ExactModel(RuleBasedStateMachine):
         for u, p in self.coord.units.items():
             assert p.settled & ~p.accepted == 0 and u not in self.coord.done
 
-    @rule(one_more=st.booleans())
-    def served_to_the_end(self, one_more: bool) -> None:
+    @rule(one_more=st.booleans(), start=st.sampled_from(["now", "with the job", "unsaid"]))
+    def served_to_the_end(self, one_more: bool, start: str) -> None:
         """Mid-way, everything woken and run to the epoch's (or the run's) end: so that what
         follows a served run (its producers asking, late ones, a second job's) is drawn too.
         ``one_more``: a producer registers first, as the last units go out (one of the run
         that may never be given a unit)."""
         if one_more and len(self.producers) < 3:
-            self.producer_starts()
+            self.producer_starts(start)
         self.drain()
 
     # -- the end: nothing is stranded ---------------------------------------------------
@@ -469,7 +491,7 @@ class ExactModel(RuleBasedStateMachine):
         if not self.consumers:
             self.consumer_starts()
         if not self.producers:
-            self.producer_starts()
+            self.producer_starts("now")
         goal = self.coord.epoch
         for _ in range(8 * (self.plan.units + 4)):
             if self.coord.finished or goal in self.ended:

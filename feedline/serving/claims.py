@@ -24,9 +24,10 @@ same pipeline run again (the next job) is served again. A producer with another 
 producers are gone; while they are attached it waits for them if none of them has been heard
 from since it first asked (they were killed: the heartbeat timeout drops them,
 :mod:`feedline.serving.succession`), and is refused, with a line naming both lists, if one
-has (it still reads). A producer that registers after the run was handed out, while the
-run's producers still read their last shards, is of the next run: it is told ``busy`` until
-they are gone, then starts it.
+has (it still reads). A producer that registers after the run was handed out is of that run
+if it started before (it lost the race to a faster one of its job: told ``finished``), and
+of the next run if it started after (or did not say when it started): it is told ``busy``
+until the run's producers are gone, then starts it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Claims:
     members: set[bytes] = field(default_factory=set)  # its registered producers
     next_run: set[bytes] = field(default_factory=set)  # members of the next run
     left: float = 0.0  # when its last producer left (with no members)
+    served_at: float | None = None  # when its run was last handed out (time.monotonic())
 
     @property
     def finished(self) -> bool:
@@ -90,6 +92,8 @@ class Claims:
             self.next += 1
             if self.next >= self.units:
                 self.epoch, self.next = self.epoch + 1, 0
+                if self.finished:
+                    self.served_at = time.monotonic()
         self.handed[owner] = got
         return Assignment(got[0], got[1], 0)
 
@@ -139,10 +143,10 @@ class ClaimStreams:
         return self.streams.get(stream)
 
     def join(self, stream: str, units: int, epochs: int, owner: bytes, fingerprint: int = 0,
-             now: float | None = None) -> Claims:
+             now: float | None = None, started: float | None = None) -> Claims:
         """The stream's table for a producer that reads ``units`` shards (``fingerprint``: of
-        their list, 0 if not said); :class:`Refusal` (one line: what to do) if it may not join
-        now."""
+        their list, 0 if not said; ``started``: when it started, on the clock of ``now``, None
+        if not said); :class:`Refusal` (one line: what to do) if it may not join now."""
         now = time.monotonic() if now is None else now
         c = self.streams.get(stream)
         if c is not None and not c.members:
@@ -165,7 +169,8 @@ class ClaimStreams:
             self._another_list(stream, c, units, fingerprint, now)
         if self.succession is not None:
             self.succession.settled(stream)
-        if c.finished and owner not in c.members:
+        if c.finished and owner not in c.members and not (
+                started is not None and c.served_at is not None and started < c.served_at):
             c.next_run.add(owner)  # once this run's producers are gone
         c.members.add(owner)
         return c
@@ -226,10 +231,12 @@ def admit(exact: ExactStreams, claims: ClaimStreams, ident: bytes,
     that claims shards declares the stream's shards. :class:`Refusal` if not (or, reason
     ``wait_old_producers``, not yet)."""
     now = time.monotonic()
+    started = now - msg.age_ms / 1000 if msg.age_ms else None
     if msg.delivery == m.EXACT:
         exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size, msg.epochs,
-                                         msg.pipeline), now, ident, msg.session)
+                                         msg.pipeline), now, ident, msg.session, started)
         return
     exact.training_may_join(msg.stream)
     if msg.dataset_size > 0:  # a training producer that claims its shards
-        claims.join(msg.stream, msg.dataset_size, msg.epochs, ident, msg.pipeline, now)
+        claims.join(msg.stream, msg.dataset_size, msg.epochs, ident, msg.pipeline, now,
+                    started)

@@ -146,11 +146,12 @@ class ExactStreams:
 
     # -- coordinators -------------------------------------------------------------------
     def join(self, stream: str, plan: ExactPlan, now: float, owner: bytes | None = None,
-             session: int = 0) -> Coordinator:
+             session: int = 0, started: float | None = None) -> Coordinator:
         """The coordinator of ``stream`` for a producer with ``plan``; :class:`Refusal` (its
-        reason, and a line saying what to do) if it is refused. ``owner`` (its ident) and
-        ``session``: the producer is enlisted (:meth:`Coordinator.enlist`): nothing refuses
-        it after this, and its departure is :meth:`Coordinator.release`."""
+        reason, and a line saying what to do) if it is refused. ``owner`` (its ident),
+        ``session`` and ``started`` (when it started, on the clock of ``now``; None: not
+        said): the producer is enlisted (:meth:`Coordinator.enlist`): nothing refuses it
+        after this, and its departure is :meth:`Coordinator.release`."""
         if self.cfg.state_dir is None and not self.cfg.ephemeral:
             raise Refusal("no_state_dir",
                           f"stream {stream!r} is exact, and this broker has no --state-dir to "
@@ -196,7 +197,7 @@ class ExactStreams:
         if self.succession is not None:
             self.succession.settled(stream)
         if owner is not None:
-            c.enlist(owner, session)
+            c.enlist(owner, session, started)
         return c
 
     def load(self, stream: str, now: float) -> Coordinator | None:
