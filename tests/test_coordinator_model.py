@@ -224,9 +224,10 @@ class ExactModel(RuleBasedStateMachine):
             event("a producer started with the job registers once its run was served")
         self.producers[p.session] = p
 
-    def _reads(self, i: int) -> None:
-        """Consumer ``i`` registers (its HELLO): the broker tells the coordinator."""
-        self.coord.read_by(b"c%d" % i, i)
+    def _reads(self, i: int, resumed: bool = False) -> None:
+        """Consumer ``i`` registers (its HELLO; ``resumed``: with the resume cursor the broker
+        just applied): the broker tells the coordinator."""
+        self.coord.read_by(b"c%d" % i, i, resumed)
         if not self.coord.finished:
             self.run_consumers.add(i)
         elif i not in self.run_consumers:
@@ -460,7 +461,7 @@ class ExactModel(RuleBasedStateMachine):
         self.consumers[self.ids] = c
         self.inflight[self.ids] = []
         self._run_opens()  # the run is open again (resume), with its consumers
-        self._reads(self.ids)
+        self._reads(self.ids, resumed=True)
         self.ids += 1
         self._wrote()
 

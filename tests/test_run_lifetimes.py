@@ -569,3 +569,32 @@ def test_a_replaced_exact_pipeline_waits_for_its_killed_producers_too():
     del heard.at[b"old"]
     c = s.join("val", ExactPlan(16, 4, 1, fingerprint=2), 2.0, b"new", 2)
     assert c.plan.dataset_size == 16 and c.epoch == 0
+
+
+def test_a_job_resumed_from_a_checkpoint_of_its_whole_run_is_that_runs_consumer():
+    """Found by tests/test_coordinator_model.py: a job resumes from a checkpoint that holds
+    its whole run (it crashed after its last batch), so the resume finds the run complete.
+    Before: its consumer, registering right after the resume, counted as one that came since
+    the run was served, and a late producer that does not say when it started (an older
+    one) began a run nobody asked for. Now a consumer whose resume was just applied is of the
+    run its job resumed: that producer is told the run is finished."""
+    from feedline.cursor import Cursor
+    from feedline.serving.coordinator import ExactPlan
+    from feedline.serving.exact_streams import ExactStreams
+
+    s = ExactStreams()
+    c = s.join("val", ExactPlan(8, 4, 1, fingerprint=5), 0.0, b"p", 1)
+    for u in range(2):
+        assert c.request(b"p", first=u == 0) == Assignment(0, u, 0)
+        c.accept((0, u, 0))
+        c.unit_done(b"p", 0, u, 1)
+        c.settle((0, u, 0))
+    assert c.finished
+    c.release(b"p")
+    whole = Cursor.of("val", 0, {0: {0}, 1: {0}}, pipeline=5)
+    whole.resume = True
+    s.cursor(b"job", "val", whole.encode(), 1.0)  # its HELLO's cursor, then its registration
+    s.reader("val", b"job", 7)
+    assert c.finished
+    s.join("val", ExactPlan(8, 4, 1, fingerprint=5), 2.0, b"older", 2)  # no start said
+    assert c.request(b"older", first=True) == "finished"

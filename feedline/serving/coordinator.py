@@ -231,10 +231,12 @@ class Coordinator:
         if len(self.members) > MAX_MEMBERS:
             self.members &= set(self.attached.values())
 
-    def read_by(self, ident: bytes, session: int) -> None:
-        """Consumer ``ident`` (of ``session``) registered on the stream."""
+    def read_by(self, ident: bytes, session: int, resumed: bool = False) -> None:
+        """Consumer ``ident`` (of ``session``) registered on the stream (``resumed``: with a
+        resume cursor just applied: of the run its job resumed, even one that the resume
+        found complete)."""
         self.readers[ident] = session
-        if not self.finished:
+        if not self.finished or resumed:
             self._reader(session)
         elif session not in self.run_readers:
             self.read_since = True

@@ -87,6 +87,9 @@ class ExactStreams:
         # Consumers registered now: ident -> (stream, session); a coordinator made later is
         # told of them (what decides whether a late producer is of the run just served).
         self._readers: dict[bytes, tuple[str, int]] = {}
+        # Consumers whose HELLO's resume cursor was just applied (the registration follows):
+        # they are of the run their job resumed, even one the resume found complete.
+        self._resuming: dict[bytes, str] = {}
         self._log = RateLimitedLog(log, interval=60.0)
 
     def get(self, stream: str) -> Coordinator | None:
@@ -128,9 +131,10 @@ class ExactStreams:
         consumers a broker registers (each is :meth:`unread` when its registration ends)."""
         self.unread(ident)
         self._readers[ident] = (stream, session)
+        of_run = self._resuming.pop(ident, None) == stream
         c = self.streams.get(stream)
         if c is not None:
-            c.read_by(ident, session)
+            c.read_by(ident, session, of_run)
 
     def unread(self, ident: bytes) -> None:
         """Consumer ``ident``'s registration ended (a bye, a timeout, registered again)."""
@@ -309,6 +313,10 @@ class ExactStreams:
                               f"{cursor.epoch}: restart the job from its checkpoint "
                               "(resume=), and give the broker --state-dir")
             return Applied(c, cursor.epoch, settled=cursor, ended=tuple(ended))
+        self._resuming.pop(ident, None)
+        self._resuming[ident] = c.stream
+        while len(self._resuming) > MAX_PENDING:
+            self._resuming.pop(next(iter(self._resuming)))
         key = (c.stream, cursor.ident())
         same = self._resumed.get(ident) == key or others_alive(
             [x for x, v in self._resumed.items() if v == key and x != ident])
@@ -339,6 +347,7 @@ class ExactStreams:
         """A consumer's registration ended: its waiting cursor goes; ``gone`` (its connection
         is closed), its part in a resume too (a paused rank of a job is still of the job)."""
         self._pending.pop(ident, None)
+        self._resuming.pop(ident, None)
         if gone:
             self._resumed.pop(ident, None)
 
