@@ -153,6 +153,8 @@ def explain(r: Reach, addr: str, curve: bool, hint: KeysHint = PRODUCER_KEYS) ->
     ``curve``: the link has CURVE keys."""
     if r.refusal is not None:
         detail = f" ({r.refusal.detail})" if r.refusal.detail else ""
+        if r.refusal.reason == m.WAIT_OLD_PRODUCERS:
+            return f"the broker at {addr} has us wait{detail}"
         return f"the broker at {addr} refused our registration: {r.refusal.reason}{detail}"
     if r.failure == "mechanism":
         if curve:
@@ -426,8 +428,14 @@ class Link:
         if isinstance(msg, m.Refused) and not self.welcomed:
             self.ever_answered = True
             self.refusal = self.reach.refusal = msg
-            self._log.warning("%s: the broker at %s refused our registration: %s%s", self.what,
-                              self.addr, msg.reason, f" ({msg.detail})" if msg.detail else "")
+            if msg.reason == m.WAIT_OLD_PRODUCERS:  # not an error: asked to wait, we ask again
+                self._log.info("%s: the broker at %s has us wait: %s", self.what, self.addr,
+                               msg.detail)
+                self._nagged = True  # ... and the WELCOME that ends the wait says so
+            else:
+                self._log.warning("%s: the broker at %s refused our registration: %s%s",
+                                  self.what, self.addr, msg.reason,
+                                  f" ({msg.detail})" if msg.detail else "")
             return True
         return not isinstance(msg, m.Heartbeat)
 
@@ -515,7 +523,12 @@ class Link:
     def _nag(self, now: float) -> None:
         """Say that no broker has us, and why, at WARNING; again after twice the delay (up
         to a minute) for as long as that lasts: an operator who looks at the log an hour
-        later still finds it, and it does not fill the log."""
+        later still finds it, and it does not fill the log. Not while the broker has us wait
+        (it said why, and for how long at most, when it did)."""
+        r = self.reach.refusal
+        if r is not None and r.reason == m.WAIT_OLD_PRODUCERS:
+            self._nag_at = now + self._nag_delay
+            return
         if self.reach.welcomed_at is None:
             log.warning("%s: never %s a broker (trying for %.0fs): %s", self.what,
                         "registered with" if self.reach.refusal else "connected to",

@@ -15,7 +15,8 @@ message        dir    meaning
 ProducerHello  P->B   register: id, session, next sequence number, largest batch it
                       expects to send (0: unknown), stream, previous broker instance,
                       registration number (a repeated HELLO of one registration is a no-op),
-                      and the supervisor that started it (``feedline fleet``), if any
+                      the supervisor that started it (``feedline fleet``), if any, and how
+                      long ago it started
 ConsumerHello  C->B   register: id, session, window (batches), byte budget, stream,
                       registration number, the most batches it takes in one delivery
                       (feedline.bundle; 0 none: a broker splits bundles for it)
@@ -89,13 +90,14 @@ from feedline.fields import (
     window,
     wire_key,
 )
+from feedline.refusals import Reason
 from feedline.wire import PROTOCOL_VERSION, Kind, header_map
 
 __all__ = [
-    "BROKER_SENT", "EXACT", "TRAINING", "Bye", "ConsumerHello", "Deliver", "EpochEnd", "Eos",
-    "Error", "Grant", "Heartbeat", "Message", "ProducerHello", "Refused", "Reset", "Returned",
-    "Revoke", "Taken", "Unit", "UnitDone", "UnitRequest", "UnitWait", "Want", "Welcome",
-    "broker_of", "check_stream", "decode", "encode",
+    "BROKER_SENT", "EXACT", "TRAINING", "WAIT_OLD_PRODUCERS", "Bye", "ConsumerHello", "Deliver",
+    "EpochEnd", "Eos", "Error", "Grant", "Heartbeat", "Message", "ProducerHello", "Refused",
+    "Reset", "Returned", "Revoke", "Taken", "Unit", "UnitDone", "UnitRequest", "UnitWait",
+    "Want", "Welcome", "broker_of", "check_stream", "decode", "encode",
 ]
 
 M = TypeVar("M")
@@ -151,6 +153,11 @@ class ProducerHello:
     # The pipeline's fingerprint (what decides the sample order and the units): the cursors
     # of the stream carry it, and a resume from another pipeline's cursor is refused.
     pipeline: int = field(default=0, metadata=wire_key("fp", count))
+    # Milliseconds since this producer started (its process, for `feedline producer`), at
+    # least 1; 0: not said (an older producer). An exact stream's late producer of a run just
+    # served (started before the run was served, registered after) is told from the next
+    # job's by it; a duration, not a time of day, so the hosts' clocks need not agree.
+    age_ms: int = field(default=0, metadata=wire_key("ag", count))
 
 
 @message(Kind.CONSUMER_HELLO)
@@ -255,6 +262,12 @@ class Refused:
     seq: int = field(default=-1, metadata=wire_key("s", integer(-1, U63)))
     limit: int = field(default=0, metadata=wire_key("l", count))
     detail: str = field(default="", metadata=wire_key("d", text))
+
+
+# A registration refused for this reason is not refused for good: the broker has the producer
+# wait (a stream's old dataset's producers are being dropped: feedline.exact.succession);
+# it says HELLO again, as after any refused registration, and logs it as a wait.
+WAIT_OLD_PRODUCERS = Reason.WAIT_OLD_PRODUCERS.value
 
 
 @message(Kind.RESET)

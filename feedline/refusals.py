@@ -47,6 +47,9 @@ class Reason(str, Enum):
     BAD_CURSOR = "bad_cursor"  # not a cursor, or another stream's
     CURSOR_MISMATCH = "cursor_mismatch"  # a cursor of another pipeline
     POSITION_LOST = "position_lost"  # a cursor older than what the journal keeps
+    # A stream's dataset changed while its old producers are still registered, none heard
+    # from since: wait (say HELLO again) until they are dropped (feedline.exact.succession).
+    WAIT_OLD_PRODUCERS = "wait_old_producers"
 
     def __str__(self) -> str:
         return self.value

@@ -16,7 +16,9 @@ names below:
   coordinators made, restored, kept to one pipeline and reclaimed, and the cursors of the
   consumers applied to them (:class:`Applied`);
 - :mod:`~feedline.exact.keeper`: a consumer's side (:class:`CursorKeeper`): what it took,
-  what it reports when it registers again, the checkpoint it resumes from.
+  what it reports when it registers again, the checkpoint it resumes from;
+- :mod:`~feedline.exact.succession`: whether a changed dataset's producer waits for the old
+  one's producers (killed, not yet dropped) or is refused (:class:`Succession`).
 
 It imports only the kernel (errors, logs): the broker, a direct-mode trainer and a consumer
 each use it the same way, and its model test drives it as it is.
@@ -29,6 +31,7 @@ from feedline.exact.cursor import MAX_CURSOR_BYTES, Cursor
 from feedline.exact.keeper import CursorKeeper
 from feedline.exact.plan import Assignment, ExactPlan
 from feedline.exact.streams import Applied, ExactConfig, ExactStreams
+from feedline.exact.succession import WAIT, Succession
 
-__all__ = ["MAX_CURSOR_BYTES", "RECORDS_PER_COMMIT", "Applied", "Assignment", "Coordinator",
-           "Cursor", "CursorKeeper", "ExactConfig", "ExactPlan", "ExactStreams"]
+__all__ = ["MAX_CURSOR_BYTES", "RECORDS_PER_COMMIT", "WAIT", "Applied", "Assignment", "Coordinator",
+           "Cursor", "CursorKeeper", "ExactConfig", "ExactPlan", "ExactStreams", "Succession"]

@@ -12,18 +12,20 @@ missing); and moves to the next epoch when every unit is settled.
 Runs: a plan of ``epochs`` epochs is served, then the stream is *finished* (its producers are
 told so and exit). A run's producers are those registered (:meth:`Coordinator.enlist`) while
 it was served, by their session: each of them is told the run is finished, whether or not it
-was ever given a unit. A producer that registered after the run was served and was never
-given a unit is a *late* producer of the served run, and is told it is finished too, while a
-consumer of that run (one registered while it was served) is still registered and no other
-consumer registered since: the job just served is still there and asked for nothing more.
-Otherwise (no consumer at all, as when the next job starts its producers first, or a
-consumer that came after the run was served) it starts the next run, from the next epoch
-number (a second job gets whole epochs again), once no producer of the served run is
-attached any more; until then it is told ``busy`` (the last job's producers are on their way
-out). (A consumer's ``epoch()`` call sends nothing: the broker knows consumers by their
-registrations only.) (One that joins a run only,
-``--join-run``: a fleet's scale-up, asks as if it had had units, and is told the stream is
-finished.)
+was ever given a unit. A producer that registers after the run was served and was never
+given a unit is told which run it is of by when it started (its HELLO says how long ago,
+``age_ms``): one started before the run was served is a *late* producer of it (it lost the
+race to a faster one of its job) and is told it is finished; one started after it starts the
+next run, from the next epoch number (a second job gets whole epochs again), once no producer
+of the served run is attached any more; until then it is told ``busy`` (the last job's
+producers are on their way out). The moment a run was served is kept in memory only: on a
+stream restored finished from its journal, and for a producer that does not say when it
+started (an older one), a consumer decides instead: such a producer is late while a consumer
+of the run (one registered while it was served) is still registered and no other consumer
+registered since (the job just served is still there and asked for nothing more), and starts
+the next run otherwise. (A consumer's ``epoch()`` call sends nothing: the broker knows
+consumers by their registrations only.) (One that joins a run only, ``--join-run``: a fleet's
+scale-up, asks as if it had had units, and is told the stream is finished.)
 
 Its state survives a broker restart through a journal (:mod:`feedline.exact.journal`): the
 plan, the epoch, each unit done, and the settled batches (written every tick, at each unit's
@@ -36,6 +38,7 @@ to exactly its cursor (:meth:`Coordinator.resume`).
 from __future__ import annotations
 
 import logging
+import time
 
 from feedline.exact.cursor import Cursor, from_runs, runs
 from feedline.exact.journal import Journal, Record
@@ -79,6 +82,11 @@ class Coordinator:
         # registers again on a finished stream is a newcomer.
         self.members: set[int] = set()
         self.attached: dict[bytes, int] = {}
+        # When each attached producer started (a time.monotonic() reading; absent: it did not
+        # say), and when the run was last served (None: not in this process's life): a
+        # producer started before that moment is of that run, however late it registers.
+        self.started: dict[bytes, float] = {}
+        self.served_at: float | None = None
         # The consumers registered now (ident -> session), the sessions of those registered
         # while the run was served, and whether one not of them registered since it was:
         # what tells a late producer of the run just served from the next job's.
@@ -143,6 +151,7 @@ class Coordinator:
         # is done: nothing else would ever mark it.
         for u in [u for u, p in self.units.items() if p.complete()]:
             self._check(u, write=False)
+        self.served_at = None  # when it was served is not in the journal
         log.info("stream %s: resumed epoch %d from the journal, %d of %d units done%s",
                  self.stream, self.epoch, len(self.done), self.plan.units,
                  "; every epoch of its run served" if self.finished else "")
@@ -200,22 +209,34 @@ class Coordinator:
     def recovering(self, now: float) -> bool:
         return now < self.recovering_until
 
-    def enlist(self, owner: bytes, session: int) -> None:
-        """Producer ``owner`` (of ``session``) registered: while a run is served, it is one of
+    def enlist(self, owner: bytes, session: int, started: float | None = None) -> None:
+        """Producer ``owner`` (of ``session``, started at ``started``: a time.monotonic()
+        reading, None if it did not say) registered: while a run is served, it is one of
         that run's producers."""
         self.attached[owner] = session
+        if started is not None:
+            self.started[owner] = started
+        else:
+            self.started.pop(owner, None)
         if not self.finished:
             self._member(session)
+        elif session not in self.members and self._started_before(owner):
+            # Of the run just served from the start: a producer of the next job that asks
+            # first waits for it to leave, as for the run's other producers.
+            self._member(session)
+            self._said_late(self.of_served_run(owner))
 
     def _member(self, session: int) -> None:
         self.members.add(session)
         if len(self.members) > MAX_MEMBERS:
             self.members &= set(self.attached.values())
 
-    def read_by(self, ident: bytes, session: int) -> None:
-        """Consumer ``ident`` (of ``session``) registered on the stream."""
+    def read_by(self, ident: bytes, session: int, resumed: bool = False) -> None:
+        """Consumer ``ident`` (of ``session``) registered on the stream (``resumed``: with a
+        resume cursor just applied: of the run its job resumed, even one that the resume
+        found complete)."""
         self.readers[ident] = session
-        if not self.finished:
+        if not self.finished or resumed:
             self._reader(session)
         elif session not in self.run_readers:
             self.read_since = True
@@ -245,25 +266,44 @@ class Coordinator:
         """Producers of the served run still attached."""
         return sum(1 for s in self.attached.values() if s in self.members)
 
+    def of_served_run(self, owner: bytes) -> str:
+        """Why ``owner``, a producer that registered after the run was served and was never
+        given a unit, is of that run ('' if it is of the next): it started before the run was
+        served, or (when that is not known) :meth:`late`."""
+        before = self._started_before(owner)
+        if before is not None:
+            return "it started before the run was served" if before else ""
+        return "that run's consumer is still connected" if self.late() else ""
+
+    def _started_before(self, owner: bytes) -> bool | None:
+        """``owner`` started before the run was served (None: one of the two is not known)."""
+        started = self.started.get(owner)
+        if started is None or self.served_at is None:
+            return None
+        return started < self.served_at
+
+    def _said_late(self, why: str) -> None:
+        if not self._late_logged:
+            self._late_logged = True
+            log.info("stream %s: a producer registered after its run was served, and %s: it "
+                     "is of that run, and told it is finished", self.stream, why)
+
     def request(self, owner: bytes, now: float = 0.0, first: bool = False) -> Assignment | str:
         """A unit for ``owner``, or why not: ``busy`` (the epoch's remaining units are being
         produced, or the broker is recovering, or, on a finished stream, the served run's
         producers are still attached: ask again) or ``finished``. ``first``: the producer was
         never given a unit; on a finished stream, if it registered after the run was served,
-        it is a late producer of that run (:meth:`late`: told ``finished``), or else it
-        starts the next run once the run's producers are gone."""
+        it is a late producer of that run (:meth:`of_served_run`: told ``finished``), or else
+        it starts the next run once the run's producers are gone."""
         if self.finished:
             if not first or self.attached.get(owner) in self.members:
                 return "finished"
-            if self.late():
+            why = self.of_served_run(owner)
+            if why:
                 session = self.attached.get(owner)
                 if session is not None:  # it stays of the run: asked again, the same answer
                     self._member(session)
-                if not self._late_logged:
-                    self._late_logged = True
-                    log.info("stream %s: a producer started after its run was served, while "
-                             "that run's consumer is still connected: it is of that run, and "
-                             "told it is finished", self.stream)
+                self._said_late(why)
                 return "finished"
             waiting = self._run_attached()
             if waiting:
@@ -298,6 +338,9 @@ class Coordinator:
         return "busy"
 
     def _new_run(self) -> None:
+        readers = ("a consumer that came since" if self.read_since else
+                   "the last run's consumer still connected" if self.readers else
+                   "no consumer connected")
         self.progress += 1
         self.epoch += 1
         self.end = self.epoch + self.plan.epochs if self.plan.epochs else 0
@@ -313,12 +356,13 @@ class Coordinator:
         log.info("stream %s: a new run of %s from epoch %d (a producer started after the "
                  "last run was served and its producers left, with %s)", self.stream,
                  f"{self.plan.epochs} epoch(s)" if self.plan.epochs else "epochs", self.epoch,
-                 "a consumer that came since" if self.readers else "no consumer connected")
+                 readers)
 
     def release(self, owner: bytes) -> None:
         """``owner`` is gone: its units go back to be produced from their first missing batch."""
         self.progress += 1
         self.attached.pop(owner, None)
+        self.started.pop(owner, None)
         for p in self.units.values():
             if p.owner == owner:
                 p.owner = None
@@ -410,6 +454,7 @@ class Coordinator:
         self.progress += 1
         if self.end and ended + 1 >= self.end:
             self.finished = True
+            self.served_at = time.monotonic()
         else:
             self.epoch += 1
             self.units, self.done, self._next = {}, {}, 0

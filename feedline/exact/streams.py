@@ -8,10 +8,12 @@ restored from their journals, kept to one pipeline and one delivery mode, and re
   told to keep exact streams in memory only (``ephemeral``: a direct-mode trainer, or
   ``--exact-ephemeral``).
 - **One pipeline, one mode.** A producer whose pipeline (sizes, fingerprint) differs from the
-  stream's is refused while producers of the stream's are registered; with none, the new
-  pipeline replaces the old and the stream starts again at epoch 0. An exact producer is
-  refused on a stream training producers serve, and a training producer on a stream that is
-  exact (its state kept until it is reclaimed).
+  stream's is refused while producers of the stream's are registered and one of them has been
+  heard from since it first asked (it runs); while none has (they were killed: the heartbeat
+  timeout drops them, :mod:`feedline.exact.succession`) it is told to wait. With none
+  registered, the new pipeline replaces the old and the stream starts again at epoch 0. An
+  exact producer is refused on a stream training producers serve, and a training producer on
+  a stream that is exact (its state kept until it is reclaimed).
 - **Cursors.** A consumer's cursor is a *resume* (its job's checkpoint: the stream's epoch is
   set to exactly it, once for all the consumers registered with that same cursor, so that the
   ranks of one job roll back once and a job that crashes again rolls back again) or a
@@ -33,6 +35,7 @@ from feedline.errors import DecodeError, Refusal
 from feedline.exact.coordinator import Coordinator, ExactPlan
 from feedline.exact.cursor import MAX_UNITS, Cursor
 from feedline.exact.journal import Journal, JournalCorrupt, JournalStale
+from feedline.exact.succession import WAIT, Succession
 from feedline.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,8 @@ class ExactStreams:
     """The coordinators of a broker's exact streams. A consumer's cursor that waited for its
     stream's coordinator is answered by ``refuse(ident, reason, detail)`` or by
     ``applied(ident, stream, applied)``; ``live()`` names the streams registered peers use
-    (for the stream limit)."""
+    (for the stream limit); ``succession`` tells a killed producer of a replaced pipeline from
+    a running one (None: every registered one runs)."""
 
     def __init__(self, cfg: ExactConfig | None = None) -> None:
         self.cfg = cfg or ExactConfig()
@@ -75,6 +79,7 @@ class ExactStreams:
         self.refuse: Callable[[bytes, str, str], None] = lambda ident, reason, detail: None
         self.applied: Callable[[bytes, str, Applied], None] = lambda ident, stream, a: None
         self.live: Callable[[], set[str]] = set
+        self.succession: Succession | None = None
         self._producers: dict[str, list[int]] = {}  # stream -> [exact, training] registered
         self._pending: dict[bytes, tuple[str, bytes]] = {}  # consumer -> (stream, cursor)
         self._resumed: dict[bytes, tuple[str, bytes]] = {}  # consumer -> (stream, cursor id)
@@ -82,6 +87,9 @@ class ExactStreams:
         # Consumers registered now: ident -> (stream, session); a coordinator made later is
         # told of them (what decides whether a late producer is of the run just served).
         self._readers: dict[bytes, tuple[str, int]] = {}
+        # Consumers whose HELLO's resume cursor was just applied (the registration follows):
+        # they are of the run their job resumed, even one the resume found complete.
+        self._resuming: dict[bytes, str] = {}
         self._log = RateLimitedLog(log, interval=60.0)
 
     def get(self, stream: str) -> Coordinator | None:
@@ -123,9 +131,10 @@ class ExactStreams:
         consumers a broker registers (each is :meth:`unread` when its registration ends)."""
         self.unread(ident)
         self._readers[ident] = (stream, session)
+        of_run = self._resuming.pop(ident, None) == stream
         c = self.streams.get(stream)
         if c is not None:
-            c.read_by(ident, session)
+            c.read_by(ident, session, of_run)
 
     def unread(self, ident: bytes) -> None:
         """Consumer ``ident``'s registration ended (a bye, a timeout, registered again)."""
@@ -141,11 +150,12 @@ class ExactStreams:
 
     # -- coordinators -------------------------------------------------------------------
     def join(self, stream: str, plan: ExactPlan, now: float, owner: bytes | None = None,
-             session: int = 0) -> Coordinator:
+             session: int = 0, started: float | None = None) -> Coordinator:
         """The coordinator of ``stream`` for a producer with ``plan``; :class:`Refusal` (its
-        reason, and a line saying what to do) if it is refused. ``owner`` (its ident) and
-        ``session``: the producer is enlisted (:meth:`Coordinator.enlist`): nothing refuses
-        it after this, and its departure is :meth:`Coordinator.release`."""
+        reason, and a line saying what to do) if it is refused. ``owner`` (its ident),
+        ``session`` and ``started`` (when it started, on the clock of ``now``; None: not
+        said): the producer is enlisted (:meth:`Coordinator.enlist`): nothing refuses it
+        after this, and its departure is :meth:`Coordinator.release`."""
         if self.cfg.state_dir is None and not self.cfg.ephemeral:
             raise Refusal("no_state_dir",
                           f"stream {stream!r} is exact, and this broker has no --state-dir to "
@@ -171,6 +181,15 @@ class ExactStreams:
             c = got
         elif not c.plan.same_pipeline(plan):
             if n[0]:
+                left = None if self.succession is None else \
+                    self.succession.wait(stream, list(c.attached), now)
+                if left is not None:
+                    raise Refusal(WAIT, f"stream {stream!r} is served by {n[0]} producer(s) of "
+                                  f"another pipeline ({c.plan.describe()}; this one: "
+                                  f"{plan.describe()}), silent since this producer first asked: "
+                                  f"it waits for them to end, at most {left:.1f}s more (the "
+                                  "broker drops silent producers at its heartbeat timeout), then "
+                                  "this pipeline replaces theirs from epoch 0")
                 raise Refusal("delivery_mismatch",
                               f"stream {stream!r} is served by {n[0]} producer(s) of another "
                               f"pipeline ({c.plan.describe()}; this one: {plan.describe()}): "
@@ -179,8 +198,10 @@ class ExactStreams:
         elif not c.plan.fingerprint and plan.fingerprint:  # restored from an older journal
             c.plan = replace(c.plan, fingerprint=plan.fingerprint)
         self._active[stream] = now
+        if self.succession is not None:
+            self.succession.settled(stream)
         if owner is not None:
-            c.enlist(owner, session)
+            c.enlist(owner, session, started)
         return c
 
     def load(self, stream: str, now: float) -> Coordinator | None:
@@ -292,6 +313,10 @@ class ExactStreams:
                               f"{cursor.epoch}: restart the job from its checkpoint "
                               "(resume=), and give the broker --state-dir")
             return Applied(c, cursor.epoch, settled=cursor, ended=tuple(ended))
+        self._resuming.pop(ident, None)
+        self._resuming[ident] = c.stream
+        while len(self._resuming) > MAX_PENDING:
+            self._resuming.pop(next(iter(self._resuming)))
         key = (c.stream, cursor.ident())
         same = self._resumed.get(ident) == key or others_alive(
             [x for x, v in self._resumed.items() if v == key and x != ident])
@@ -322,6 +347,7 @@ class ExactStreams:
         """A consumer's registration ended: its waiting cursor goes; ``gone`` (its connection
         is closed), its part in a resume too (a paused rank of a job is still of the job)."""
         self._pending.pop(ident, None)
+        self._resuming.pop(ident, None)
         if gone:
             self._resumed.pop(ident, None)
 

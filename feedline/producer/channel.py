@@ -155,7 +155,8 @@ class ProducerIO:
                 delivery=x.delivery if x else m.TRAINING, dataset_size=x.dataset_size if x else 0,
                 unit_size=x.unit_size if x else 0, epochs=x.epochs if x else 0,
                 pipeline=x.fingerprint if x and x.fingerprint else self.out.pipeline,
-                fleet=self.out.fleet[0], fleet_max=self.out.fleet[1])
+                fleet=self.out.fleet[0], fleet_max=self.out.fleet[1],
+                age_ms=max(1, int((time.monotonic() - self.out.started) * 1000)))
 
         def registered(_registration: int) -> None:
             if holder:

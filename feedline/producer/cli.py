@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import socket
+import time
 
 from feedline import endpoints
 from feedline.codec import DEFAULT_LIMITS
@@ -184,7 +185,8 @@ def _run_exact(args: argparse.Namespace, cfg: dict, pipe: ExactPipeline) -> int:
     try:
         stats = send_exact(pipe, args.broker, producer_id=producer_id, link=link,
                            curve=curve, stop=stop, registry=registry,
-                           fleet=(args.fleet, args.fleet_max, args.join_run))
+                           fleet=(args.fleet, args.fleet_max, args.join_run),
+                           started=process_started())
     except FeedlineError as e:
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
     log_summary(stats, args.broker)
@@ -226,13 +228,29 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
                               log_interval=args.log_interval,
                               skipped=lambda: sum(s.skipped for s in stages),
                               fleet=(args.fleet, args.fleet_max, args.join_run),
-                              pipeline=training_fingerprint(cfg))
+                              pipeline=training_fingerprint(cfg), started=process_started())
     except FeedlineError as e:
         # What the operator must change (a batch larger than the broker's --max-bytes, a
         # datapoint over the protocol's limits): one line, not a traceback.
         raise SystemExit(f"feedline producer {producer_id}: {e}") from None
     log_summary(stats, args.broker)
     return 0
+
+
+def process_started() -> float | None:
+    """When this process started, as a ``time.monotonic()`` reading (Linux: its start time in
+    /proc/self/stat against CLOCK_BOOTTIME, the clock that start time is on); None where that
+    is not known (the producer's HELLO then counts from when it began sending). Measured
+    from the process, not from the pipeline's build: a producer started with the others of
+    its job but slow to come up (imports, a loaded machine) is still of that job's run."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.monotonic() - max(0.0, age)
 
 
 def log_summary(stats: SendStats, brokers: list[str]) -> None:

@@ -266,17 +266,21 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
 def send_exact(pipe: ExactPipeline, addr: str | list[str], *, producer_id: str | None = None,
                link: Any = None, curve: Any = None, stop: threading.Event | None = None,
                registry: Any = None, stream: str | None = None,
-               fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0)) -> SendStats:
+               fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0),
+               started: float | None = None) -> SendStats:
     """Serve ``pipe``'s units to the broker at ``addr`` until every epoch is served (or
     forever, ``epochs: null``, until ``stop``). Returns what it did as
     :func:`~feedline.producer.sender.send_dataflow` does: ``sent``/``sent_bytes`` are the
-    batches a broker took (sent under its credit), ``batches`` those made, stopped or not."""
+    batches a broker took (sent under its credit), ``batches`` those made, stopped or not.
+    ``started``: when this producer started, as :class:`~feedline.producer.sender.Sender`
+    takes it."""
     from feedline.errors import Stopped
 
     stats = SendStats()
     t0 = time.monotonic()
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream or pipe.stream, exact=pipe.spec, fleet=fleet) as sender:
+                stream=stream or pipe.stream, exact=pipe.spec, fleet=fleet,
+                started=started) as sender:
         try:
             pipe.run(sender, stop, stats)
             sender.end(pipe.epochs, stop)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -140,6 +141,9 @@ class Outbox:
     # leftovers of a departed pipeline once another produces the stream (docs/architecture.md,
     # "Streams"). An exact pipeline's is its spec's.
     pipeline: int = 0
+    # When this producer started (a time.monotonic() reading): each HELLO says how long ago
+    # (an exact stream's broker tells a late producer of a served run from the next job's).
+    started: float = field(default_factory=time.monotonic)
     units: queue.Queue[m.Unit | m.UnitWait] = field(default_factory=lambda: queue.Queue(8))
 
     def nudge(self) -> None:

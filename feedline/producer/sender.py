@@ -100,7 +100,10 @@ class Sender:
     ``pipeline``: a fingerprint of what makes the batches (1 .. 2**63 - 1; 0: not said),
     declared in HELLO. A broker drops what a departed producer left on the stream once a
     producer of another fingerprint produces it (docs/architecture.md, "Streams");
-    ``feedline producer`` passes its pipeline file's."""
+    ``feedline producer`` passes its pipeline file's. ``started``: when this producer started
+    (a ``time.monotonic()`` reading; default: now), said in every HELLO as an age: on an exact
+    stream, a producer started before its run was served is of that run, however late it
+    registers (``feedline producer`` passes its process's start)."""
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class Sender:
         exact: ExactSpec | None = None,
         fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0),
         pipeline: int = 0,
+        started: float | None = None,
     ) -> None:
         cfg = link or LinkConfig()
         self.limits = cfg.limits
@@ -139,6 +143,8 @@ class Sender:
             raise ConfigError(f"pipeline must be a fingerprint in 0 .. 2**63 - 1, not {pipeline}")
         out = self._out = Outbox(self.producer_id, self.session, stream, self.metrics,
                                  exact=exact, fleet=Fleet(*fleet), pipeline=pipeline)
+        if started is not None:
+            out.started = started
         out.waker = Waker()
         targets = self.targets
         out.loop = ClientLoop("feedline-producer-io",
@@ -389,6 +395,7 @@ def send_dataflow(
     stream: str = m.DEFAULT_STREAM,
     fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0),
     pipeline: int = 0,
+    started: float | None = None,
 ) -> SendStats:
     """Send every datapoint of ``df`` to the broker at ``addr`` (or to several), ``epochs``
     times.
@@ -401,7 +408,8 @@ def send_dataflow(
     its traceback) and re-raised. Returns when done, or when ``stop`` is set. ``fleet``:
     the id and ``--max`` of the supervisor that started this producer, and whether it joins
     a run under way (``feedline fleet``; :class:`~feedline.producer.outbox.Fleet`).
-    ``pipeline``: its fingerprint, as :class:`Sender` takes it.
+    ``pipeline``: its fingerprint, and ``started``: when this producer started, as
+    :class:`Sender` takes them.
     """
     df = as_dataflow(df)
     df.reset_state()
@@ -409,7 +417,8 @@ def send_dataflow(
     shards = claiming_source(df)  # a sharded source reads the shards the broker hands out
     spec = None if shards is None else claim_spec(shards, epochs)
     with Sender(addr, producer_id=producer_id, link=link, registry=registry, curve=curve,
-                stream=stream, exact=spec, fleet=fleet, pipeline=pipeline) as sender:
+                stream=stream, exact=spec, fleet=fleet, pipeline=pipeline,
+                started=started) as sender:
         if shards is not None:
             shards.attach(SenderClaims(sender, stop))
         rate = _RateLog(sender, log_interval, skipped)

@@ -21,10 +21,13 @@ where the stream was), then the next producer of the stream starts a fresh one a
 A table whose run is served (every epoch handed out) goes at once with its last producer: the
 same pipeline run again (the next job) is served again. A producer with another shard list
 (another count, or another list's fingerprint) starts a fresh table if the old one's
-producers are gone, and is refused, with a line naming both lists, while they are attached.
-A producer that registers after the run was handed out, while the run's producers still read
-their last shards, is of the next run: it is told ``busy`` until they are gone, then starts
-it.
+producers are gone; while they are attached it waits for them if none of them has been heard
+from since it first asked (they were killed: the heartbeat timeout drops them,
+:mod:`feedline.exact.succession`), and is refused, with a line naming both lists, if one
+has (it still reads). A producer that registers after the run was handed out is of that run
+if it started before (it lost the race to a faster one of its job: told ``finished``), and
+of the next run if it started after (or did not say when it started): it is told ``busy``
+until the run's producers are gone, then starts it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from feedline import messages as m
 from feedline.errors import Refusal
-from feedline.exact import Assignment, ExactPlan
+from feedline.exact import WAIT, Assignment, ExactPlan, Succession
 
 if TYPE_CHECKING:
     from feedline.exact import ExactStreams
@@ -62,8 +65,9 @@ class Claims:
     handed: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # owner -> unacked
     returned: list[tuple[int, int]] = field(default_factory=list)
     members: set[bytes] = field(default_factory=set)  # its registered producers
-    late: set[bytes] = field(default_factory=set)  # members registered once it was finished
+    next_run: set[bytes] = field(default_factory=set)  # members of the next run
     left: float = 0.0  # when its last producer left (with no members)
+    served_at: float | None = None  # when its run was last handed out (time.monotonic())
 
     @property
     def finished(self) -> bool:
@@ -74,8 +78,8 @@ class Claims:
         """A unit for ``owner``, ``finished`` once every epoch was handed out; ``busy`` for a
         producer of the next run while the served run's producers are still attached."""
         got = self.handed.get(owner)
-        if got is None and owner in self.late:
-            if self.members - self.late:
+        if got is None and owner in self.next_run:
+            if self.members - self.next_run:
                 return "busy"
             self._next_run()
         if got is None and self.returned:
@@ -87,13 +91,15 @@ class Claims:
             self.next += 1
             if self.next >= self.units:
                 self.epoch, self.next = self.epoch + 1, 0
+                if self.finished:
+                    self.served_at = time.monotonic()
         self.handed[owner] = got
         return Assignment(got[0], got[1], 0)
 
     def _next_run(self) -> None:
-        """The served run's producers are gone: the late ones start the next, at epoch 0."""
+        """The served run's producers are gone: the next run's start it, at epoch 0."""
         self.epoch, self.next, self.handed, self.returned = 0, 0, {}, []
-        self.late.clear()
+        self.next_run.clear()
 
     def ack(self, owner: bytes, epoch: int, unit: int) -> None:
         """``owner`` started reading the unit: it is no longer anybody else's."""
@@ -123,19 +129,23 @@ class Claims:
 
 
 class ClaimStreams:
-    """The claim tables of a broker's training streams that read shards."""
+    """The claim tables of a broker's training streams that read shards. ``succession``: what
+    tells a killed producer of an old shard list from a running one (None: every registered
+    one runs)."""
 
-    def __init__(self, linger: float = LINGER) -> None:
+    def __init__(self, linger: float = LINGER, succession: Succession | None = None) -> None:
         self.streams: dict[str, Claims] = {}
         self.linger = linger
+        self.succession = succession
 
     def get(self, stream: str) -> Claims | None:
         return self.streams.get(stream)
 
     def join(self, stream: str, units: int, epochs: int, owner: bytes, fingerprint: int = 0,
-             now: float | None = None) -> Claims | str:
+             now: float | None = None, started: float | None = None) -> Claims:
         """The stream's table for a producer that reads ``units`` shards (``fingerprint``: of
-        their list, 0 if not said), or why not (one line: what to do)."""
+        their list, 0 if not said; ``started``: when it started, on the clock of ``now``, None
+        if not said); :class:`Refusal` (one line: what to do) if it may not join now."""
         now = time.monotonic() if now is None else now
         c = self.streams.get(stream)
         if c is not None and not c.members:
@@ -148,21 +158,40 @@ class ClaimStreams:
             if len(self.streams) >= MAX_STREAMS:
                 idle = [s for s, t in self.streams.items() if not t.members]
                 if not idle:
-                    return (f"more than {MAX_STREAMS} streams read shards through this broker: "
-                            "stop the producers of a stream nobody reads, or use another "
-                            "broker")
+                    raise Refusal("too_many_streams",
+                                  f"more than {MAX_STREAMS} streams read shards through this "
+                                  "broker: stop the producers of a stream nobody reads, or use "
+                                  "another broker")
                 del self.streams[idle[0]]
             c = self.streams[stream] = Claims(units, epochs, fingerprint=fingerprint)
         elif c.units != units or _differ(c.fingerprint, fingerprint):
-            return (f"stream {stream!r} reads {_list(c.units, c.fingerprint)} and "
-                    f"{len(c.members)} of its producers are still attached; this producer "
-                    f"reads {_list(units, fingerprint)}: stop the stream's other producers "
-                    "first (a fresh claim table starts once they are gone), or give this "
-                    "pipeline another stream")
-        if c.finished and owner not in c.members:
-            c.late.add(owner)  # of the next run, once this one's producers are gone
+            self._another_list(stream, c, units, fingerprint, now)
+        if self.succession is not None:
+            self.succession.settled(stream)
+        if c.finished and owner not in c.members and not (
+                started is not None and c.served_at is not None and started < c.served_at):
+            c.next_run.add(owner)  # once this run's producers are gone
         c.members.add(owner)
         return c
+
+    def _another_list(self, stream: str, c: Claims, units: int, fingerprint: int,
+                      now: float) -> None:
+        """A producer of another shard list than ``c``'s, whose producers are attached: told
+        to wait for them if they went silent, refused if one of them reads (Refusal, both)."""
+        ours, theirs = _list(units, fingerprint), _list(c.units, c.fingerprint)
+        left = None if self.succession is None else \
+            self.succession.wait(stream, c.members, now)
+        if left is not None:
+            raise Refusal(WAIT, f"stream {stream!r} reads {theirs}, and its {len(c.members)} "
+                          f"producer(s) have been silent since this producer ({ours}) first "
+                          f"asked: it waits for the old list's claims to end, at most "
+                          f"{left:.1f}s more (the broker drops silent producers at its heartbeat "
+                          "timeout), then starts a fresh claim table")
+        raise Refusal("delivery_mismatch",
+                      f"stream {stream!r} reads {theirs} and {len(c.members)} of its producers "
+                      f"are still attached; this producer reads {ours}: stop the stream's "
+                      "other producers first (a fresh claim table starts once they are "
+                      "gone), or give this pipeline another stream")
 
     def _stale(self, c: Claims, units: int, fingerprint: int, now: float) -> str:
         """Why the idle table ``c`` goes for a producer that joins now ('' if it stays)."""
@@ -179,7 +208,7 @@ class ClaimStreams:
         c = self.streams.get(stream)
         if c is not None and owner in c.members:
             c.members.discard(owner)
-            c.late.discard(owner)
+            c.next_run.discard(owner)
             c.release(owner)
             if not c.members:
                 c.left = time.monotonic() if now is None else now
@@ -198,13 +227,15 @@ def admit(exact: ExactStreams, claims: ClaimStreams, ident: bytes,
           msg: m.ProducerHello) -> None:
     """A producer's delivery agrees with its stream's: a stream is exact or not, for every
     producer of it, with one pipeline; the host has room for its state; a training producer
-    that claims shards declares the stream's shards. :class:`Refusal` if not."""
+    that claims shards declares the stream's shards. :class:`Refusal` if not (or, reason
+    ``wait_old_producers``, not yet)."""
+    now = time.monotonic()
+    started = now - msg.age_ms / 1000 if msg.age_ms else None
     if msg.delivery == m.EXACT:
         exact.join(msg.stream, ExactPlan(msg.dataset_size, msg.unit_size, msg.epochs,
-                                         msg.pipeline), time.monotonic(), ident, msg.session)
+                                         msg.pipeline), now, ident, msg.session, started)
         return
     exact.training_may_join(msg.stream)
     if msg.dataset_size > 0:  # a training producer that claims its shards
-        joined = claims.join(msg.stream, msg.dataset_size, msg.epochs, ident, msg.pipeline)
-        if isinstance(joined, str):
-            raise Refusal("delivery_mismatch", joined)
+        claims.join(msg.stream, msg.dataset_size, msg.epochs, ident, msg.pipeline, now,
+                    started)

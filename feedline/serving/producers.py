@@ -26,7 +26,7 @@ from feedline import bundle, wire
 from feedline import messages as m
 from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
-from feedline.exact import ExactStreams
+from feedline.exact import ExactStreams, Succession
 from feedline.logs import RateLimitedLog
 from feedline.serving.budget import Budget
 from feedline.serving.claims import ClaimStreams, admit
@@ -50,6 +50,7 @@ class IngressConfig:
     bundle: int = 0  # the most batches in one message (feedline.bundle)
     join: int = 0  # the largest batch (array bytes) sent joined in one (0: JOIN_BYTES)
     whole: bool = False  # a bundle goes to the sink as one item (a broker), not batch by batch
+    heartbeat_timeout: float = 5.0  # a producer silent this long is dropped
 
 
 class ProducerSide:
@@ -60,11 +61,16 @@ class ProducerSide:
                  cut_off: Callable[[int, int, str, str], None],
                  exact: ExactStreams | None = None) -> None:
         self._send, self.sink, self.metrics, self.limits = send, sink, metrics, limits
-        self.exact = exact if exact is not None else ExactStreams()
-        self.claims = ClaimStreams()  # training streams whose producers claim shards
         self.cfg, self.instance, self._cut_off = cfg, instance, cut_off
         self.max_batch_bytes = cfg.budget.max_message(limits)
         self.producers: PeerTable[Producer] = PeerTable("producer", cfg.capacity)
+        # A stream's dataset changed while its old producers are registered: killed ones
+        # (silent since) are waited for, running ones keep the stream.
+        succession = Succession(self._heard, cfg.heartbeat_timeout)
+        self.exact = exact if exact is not None else ExactStreams()
+        self.exact.succession = succession
+        # Training streams whose producers claim shards.
+        self.claims = ClaimStreams(succession=succession)
         self.planner = CreditPlanner(cfg.budget, cfg.producer_window, cfg.credit_lease,
                                      by_bytes=cfg.by_bytes)
         self.gaps = GapTracker(4 * cfg.capacity)
@@ -84,6 +90,11 @@ class ProducerSide:
 
     def _control(self, ident: bytes, msg: m.Message) -> int:
         return self._send(ident, [m.encode(msg)])
+
+    def _heard(self, ident: bytes) -> float | None:
+        """When registered producer ``ident`` was last heard from (None: not registered)."""
+        p = self.producers.get(ident)
+        return None if p is None else p.last_seen
 
     # -- messages -----------------------------------------------------------------------
     def on_message(self, ident: bytes, frames: list[zmq.Frame], fd: int, now: float) -> None:

@@ -170,7 +170,8 @@ class Server:
             self.ingress.send, sink, metrics, cfg.limits,
             IngressConfig(cfg.budget, cfg.producer_window, cfg.credit_lease, cfg.max_peers,
                           stream=cfg.stream, by_bytes=cfg.by_bytes, bundle=cfg.bundle,
-                          whole=cfg.whole, join=cfg.join),
+                          whole=cfg.whole, join=cfg.join,
+                          heartbeat_timeout=cfg.heartbeat_timeout),
             instance, self.refusals.cut_off, self.exact)
         self.attach(self.ingress, self.producers)
         self.tensorpack = (TensorpackIngress(tp_ep, sink, metrics, cfg.limits,

@@ -13,11 +13,14 @@ After every step: no batch is taken twice by the job (its view rolls back only w
 every epoch the coordinator ends was taken whole (every batch, but for those every sample of
 which was skipped). A new run begins only when no producer of the served run is attached, and
 a producer of a run is never given a later run's unit (issue 53, finding 3). A producer that
-registers after the run was served is told it is finished exactly while a consumer
-registered during the run is registered and no other consumer registered since (a late
-producer of the job just served), and otherwise starts the next run. At the end,
-everything is woken and run to completion: the epoch (or the run) must end, so nothing can be
-stranded.
+registers after the run was served is of that run (told it is finished) exactly when it
+started before the run was served (one of the job slow to come up); one that started after
+starts the next run; and one that does not say when it started, or any after a broker restart
+on a served stream (when the run was served is in memory only), is told it is finished
+exactly while a consumer registered during the run is registered and no other consumer
+registered since (a late producer of the job just served), and otherwise starts the next
+run. At the end, everything is woken and run to completion: the epoch (or the run) must end,
+so nothing can be stranded.
 
 The glue mirrors ``feedline.broker.egress`` and ``feedline.consumer.io``: batches of a dropped
 consumer's registration are served again (those not settled) when its connection closes or

@@ -12,12 +12,16 @@ real broker and producer processes on 127.0.0.1.
 
 from __future__ import annotations
 
+import re
+import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
+from feedline.errors import Refusal
 from feedline.exact.coordinator import Assignment
 from feedline.procs import wait_for
 from tests.support.exact_run import (
@@ -81,28 +85,98 @@ def test_a_new_jobs_producer_waits_for_the_last_runs_producers_then_starts_the_n
     assert "a new run" in broker.log_text()
 
 
+def gated_producer(daemons, gate: Path, cfg: Path, broker: str, name: str):
+    """A producer process started now that registers only once ``gate`` exists (its process,
+    and so the age its HELLO says, starts now): one of a job's producers slow to come up."""
+    return daemons("tests.support.gated", gate, "feedline.producer", "--config", cfg, "--broker",
+                   broker, "--id", name, *LIVENESS, name=name)
+
+
 def test_a_late_producer_of_a_served_run_is_told_finished_while_its_trainer_reads(
         broker_proc, daemons, endpoints, tmp_path):
     """Issue 53 follow-up: two producers of an ``epochs: 1`` run started together, a trainer
     waiting on ``epoch()``; the first serves the whole epoch and leaves before the second
-    registers (the race made certain: the second starts only once the first is gone). Before:
-    the late one began "a new run of 1 epoch(s)", made an epoch nobody asked for, left it in
-    the broker and waited for ever (the next job's trainer got it). Now a producer that
-    registers while the served run's trainer is still connected, no other consumer having
-    come since, is of that run: told it is finished, it exits 0 and nothing is buffered."""
+    registers (the race made certain: the second is held back until the first is gone).
+    Before: the late one began "a new run of 1 epoch(s)", made an epoch nobody asked for,
+    left it in the broker and waited for ever (the next job's trainer got it). Now it started
+    before the run was served, so it is of that run: told it is finished, it exits 0 and
+    nothing is buffered."""
     broker = broker_proc("--state-dir", str(tmp_path / "state"))
     cfg = pipeline(tmp_path, epochs=1, n=16)
+    gate = tmp_path / "gate"
     with remote(endpoints.egress) as src:
         first = producer(daemons, cfg, endpoints.ingress, "first")
+        late = gated_producer(daemons, gate, cfg, endpoints.ingress, "late")
         batches = list(src.epoch())
         assert_exactly_once([s for b in batches for s in samples(b)], cfg, batches[0].epoch)
         wait_for(lambda: not first.alive(), 20, what="the first producer to exit")
-        late = producer(daemons, cfg, endpoints.ingress, "late")
+        gate.touch()
         wait_for(lambda: not late.alive(), 20,
                  what="the late producer to exit (before: it began a new run and waited)")
         assert late.proc.returncode == 0
         assert "a new run" not in broker.log_text(), broker.log_text()[-3000:]
         assert "told it is finished" in broker.log_text()
+
+
+def test_a_late_producer_of_a_served_run_ends_with_it_after_its_trainer_left(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Finding 3, the README's order (issue 53's first-hour scene, 1 run in 3 under load):
+    two producers of an ``epochs: 1`` run started together; the first serves the whole
+    epoch, the trainer takes it and leaves, the first exits, and only then does the second
+    register (held back until then: the race made certain). Before: nothing told it from the
+    next job's first producer: it began "a new run of 1 epoch(s)" and waited for ever for a
+    trainer. Now its HELLO says it started before the run was served: it is of that run, told
+    it is finished, and exits 0."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1, n=16)
+    gate = tmp_path / "gate"
+    first = producer(daemons, cfg, endpoints.ingress, "first")
+    late = gated_producer(daemons, gate, cfg, endpoints.ingress, "late")
+    with remote(endpoints.egress) as src:
+        batches = list(src.epoch())
+    assert_exactly_once([s for b in batches for s in samples(b)], cfg, batches[0].epoch)
+    wait_for(lambda: not first.alive(), 20, what="the first producer to exit")
+    wait_for(lambda: re.search(r"consumer \S+ dropped", broker.log_text()), 20,
+             what="the broker to see the trainer leave")
+    gate.touch()
+    wait_for(lambda: not late.alive(), 30,
+             what="the late producer to exit (before: it began a new run and waited)")
+    assert late.proc.returncode == 0, late.log_text()[-2000:]
+    said = broker.log_text()
+    assert "a new run" not in said, said[-3000:]
+    assert "it started before the run was served: it is of that run" in said, said[-3000:]
+
+
+def test_a_producer_started_after_the_run_was_served_starts_the_next_while_its_trainer_stays(
+        broker_proc, daemons, endpoints, tmp_path):
+    """The rule's other side: the run served, its trainer still connected (it evaluates, its
+    ``RemoteDataZMQ`` open), the next job's producer started. Before: taken for a late
+    producer of the last job ("finished", exit 0) because a consumer of that run was still
+    there: the next job got nothing. Now it started after the run was served: it starts the
+    next run, and the next job's trainer gets that run's epoch, whole, once the old one
+    leaves (what the old one was sent of it is served again)."""
+    broker = broker_proc("--state-dir", str(tmp_path / "state"))
+    cfg = pipeline(tmp_path, epochs=1, n=16)
+    old = remote(endpoints.egress)
+    try:
+        first = producer(daemons, cfg, endpoints.ingress, "first")
+        served = list(old.epoch())
+        wait_for(lambda: not first.alive(), 20, what="the first producer to exit")
+        nxt = producer(daemons, cfg, endpoints.ingress, "next-job")
+        wait_for(lambda: "a new run" in broker.log_text() or not nxt.alive(), 20,
+                 what="the next run")
+        assert "a new run" in broker.log_text(), nxt.log_text()[-2000:]
+        assert "the last run's consumer still connected" in broker.log_text()
+        old.close()
+        with remote(endpoints.egress) as src:
+            second = list(src.epoch())
+    finally:
+        old.close()
+    epoch = second[0].epoch
+    assert epoch > served[0].epoch
+    assert_exactly_once([s for b in second for s in samples(b)], cfg, epoch)
+    wait_for(lambda: not nxt.alive(), 20, what="the next job's producer to exit")
+    assert nxt.proc.returncode == 0
 
 
 def test_a_producer_after_a_new_consumer_came_starts_the_next_run(
@@ -217,6 +291,39 @@ def test_a_grown_shard_list_starts_a_fresh_claim_table_once_the_old_producers_le
     assert "a fresh claim table" in broker.log_text(), broker.log_text()[-3000:]
 
 
+def test_a_changed_shard_list_started_after_a_kill_9_waits_for_the_old_claims_then_is_served(
+        broker_proc, daemons, endpoints, tmp_path):
+    """Issue 53, hole 3: the old list's producer (4 shards) is killed with ``kill -9`` and a
+    producer of a grown list (6 shards) is started at once; the broker still counts the
+    killed one until its heartbeat timeout (6 s here, so that the new one surely registers
+    first). Before: the new producer was refused ``delivery_mismatch`` and exited, for good.
+    Now it is told to wait, says so in one line naming both lists and for how long at most,
+    and is served once the killed producer is dropped: shards 4 and 5 are read, and it ends
+    0 at the end of its epoch."""
+    make_wds(tmp_path / "shards", shards=6, per_shard=5, nbytes=200)
+    broker = broker_proc("--max-batches", "8", "--heartbeat-timeout", "6")
+    with file_server(str(tmp_path / "shards")) as url:
+        four, six = shard_pipeline(tmp_path, url, 4, epochs=None), shard_pipeline(tmp_path, url, 6)
+        old = shard_producer(daemons, four, endpoints.ingress, "old")
+        take_ids(endpoints.egress, 10)
+        old.kill9()
+        new = shard_producer(daemons, six, endpoints.ingress, "new")
+        wait_for(lambda: "has us wait" in new.log_text() or not new.alive(), 30,
+                 what="the new list's producer to be told to wait")
+        assert "has us wait" in new.log_text(), new.log_text()[-2000:]  # before: refused
+        seen = take_ids(endpoints.egress, 30, until=set(range(20, 30)))
+        assert set(range(20, 30)) <= set(seen), seen  # shards 4 and 5 are read
+        wait_for(lambda: not new.alive(), 30, what="the new producer to finish its epoch")
+        assert new.proc.returncode == 0, new.log_text()[-2000:]
+        waits = [s for s in new.log_text().splitlines() if "has us wait" in s]
+        assert len(waits) == 1 and "reads 4 shards (list " in waits[0] \
+            and "this producer (6 shards (list " in waits[0] and "at most " in waits[0], waits
+        assert "WARNING" not in new.log_text(), new.log_text()[-2000:]  # a wait, not an error
+    said = broker.log_text()
+    assert "producer old dropped (timeout" in said and "a fresh claim table" in said, \
+        said[-3000:]
+
+
 def test_another_list_of_as_many_shards_is_refused_in_one_line_while_the_old_is_read(
         broker_proc, daemons, endpoints, tmp_path):
     """Finding 10, a changed list of the same length (shards 2-5 for 0-3): told apart by
@@ -301,8 +408,10 @@ def test_a_served_claim_table_goes_with_its_producers_and_a_changed_list_starts_
     assert t.request(b"a") == "finished"
     assert s.join("train", 2, 1, b"b", fingerprint=0xA, now=1.0) is t
     assert t.request(b"b") == "busy"  # a still reads its last shard
-    refused = s.join("train", 3, 1, b"x", fingerprint=0xB, now=1.0)
-    assert isinstance(refused, str) and "\n" not in refused
+    with pytest.raises(Refusal) as e:
+        s.join("train", 3, 1, b"x", fingerprint=0xB, now=1.0)
+    refused = e.value.detail
+    assert e.value.reason == "delivery_mismatch" and "\n" not in refused
     assert "reads 2 shards (list a)" in refused and "reads 3 shards (list b)" in refused
     assert "stop the stream's other producers first" in refused
     s.leave("train", b"a", now=2.0)
@@ -310,3 +419,188 @@ def test_a_served_claim_table_goes_with_its_producers_and_a_changed_list_starts_
     s.leave("train", b"b", now=3.0)
     other = s.join("train", 2, 1, b"y", fingerprint=0xB, now=3.0)  # same count, other files
     assert other is not t and not isinstance(other, str) and other.fingerprint == 0xB
+
+
+def test_when_a_producer_started_decides_its_run_whatever_the_consumers():
+    """Finding 3 at the coordinator, with start times (a HELLO's ``age_ms``): ``b`` started
+    with ``a`` but registered once ``a`` had served the run and no consumer was left: of that
+    run (told ``finished``), and ``n``, the next job's (started after the run was served),
+    waits for it, then starts the next run. Before: ``b`` began a new run nobody asked for."""
+    from feedline.exact.coordinator import Coordinator, ExactPlan
+
+    c = Coordinator("val", ExactPlan(4, 4, epochs=1, fingerprint=1))
+    before = time.monotonic()
+    c.enlist(b"a", 1, before)
+    c.read_by(b"trainer", 9)
+    assert c.request(b"a", first=True) == Assignment(0, 0, 0)
+    c.unit_done(b"a", 0, 0, 1)
+    assert c.settle((0, 0, 0)) == [0] and c.finished
+    after = time.monotonic()
+    c.unread(b"trainer")
+    c.release(b"a")
+    c.enlist(b"b", 2, before)
+    c.enlist(b"n", 3, after)
+    assert c.request(b"n", first=True) == "busy"  # b, of the served run, is still here
+    assert c.request(b"b", first=True) == "finished"
+    c.release(b"b")
+    assert c.request(b"n", first=True) == Assignment(1, 0, 0)  # the next run
+    c.read_by(b"trainer2", 10)  # that run's trainer
+    c.unit_done(b"n", 1, 0, 1)
+    assert c.settle((1, 0, 0)) == [1] and c.finished
+    # The next job's producer, started after that run was served while its trainer is still
+    # connected: of the next run all the same (before: taken for a late one of the run).
+    c.release(b"n")
+    c.enlist(b"m", 4, time.monotonic())
+    assert c.request(b"m", first=True) == Assignment(2, 0, 0)
+
+
+def test_a_producer_that_does_not_say_when_it_started_is_judged_by_the_consumers():
+    """An older producer (no ``age_ms``), or a stream restored finished from its journal:
+    late while the run's consumer is still registered and no other came since."""
+    from feedline.exact.coordinator import Coordinator, ExactPlan
+
+    c = Coordinator("val", ExactPlan(4, 4, epochs=1, fingerprint=1))
+    c.enlist(b"a", 1, time.monotonic())
+    c.read_by(b"trainer", 9)
+    assert c.request(b"a", first=True) == Assignment(0, 0, 0)
+    c.unit_done(b"a", 0, 0, 1)
+    assert c.settle((0, 0, 0)) == [0] and c.finished
+    c.release(b"a")
+    c.enlist(b"old", 2)  # says nothing of its start
+    assert c.request(b"old", first=True) == "finished"  # the trainer of the run is here
+    c.release(b"old")
+    c.unread(b"trainer")
+    c.enlist(b"old2", 3)
+    assert c.request(b"old2", first=True) == Assignment(1, 0, 0)
+
+
+def test_a_claim_tables_late_producer_is_of_its_run_if_it_started_before_it_was_handed_out():
+    """The same rule for an ``epochs: 1`` shard pipeline: ``b``, started with ``a`` and
+    registered after ``a`` was handed every shard, is told ``finished`` (before: it waited for
+    ``a`` and then read every shard again, a second run of a one-epoch job); ``c``, started
+    after, waits for ``a`` and ``b``, then reads the next run."""
+    from feedline.serving.claims import ClaimStreams
+
+    s = ClaimStreams()
+    before = time.monotonic()
+    t = s.join("train", 2, 1, b"a", now=0.0, started=before)
+    for _ in range(2):
+        a = t.request(b"a")
+        assert isinstance(a, Assignment)
+        t.ack(b"a", a.epoch, a.unit)
+    assert t.finished
+    after = time.monotonic()
+    assert s.join("train", 2, 1, b"b", now=1.0, started=before) is t
+    assert s.join("train", 2, 1, b"c", now=1.0, started=after) is t
+    assert t.request(b"b") == "finished"
+    assert t.request(b"c") == "busy"
+    s.leave("train", b"a", now=2.0)
+    assert t.request(b"c") == "busy"  # b, of the served run, is still attached
+    s.leave("train", b"b", now=2.0)
+    assert t.request(b"c") == Assignment(0, 0, 0)
+
+
+class Heard:
+    """What :class:`~feedline.exact.succession.Succession` asks the producer table: when
+    each registered producer was last heard from."""
+
+    def __init__(self) -> None:
+        self.at: dict[bytes, float] = {}
+
+    def __call__(self, ident: bytes) -> float | None:
+        return self.at.get(ident)
+
+
+def test_a_changed_shard_list_waits_for_killed_producers_and_is_refused_by_running_ones():
+    """Finding 10 after a ``kill -9`` (issue 53, hole 3): the old list's producer is killed
+    and stays registered until the heartbeat timeout (1.5 s here) drops it. Before: a
+    producer of the new list registering meanwhile was refused ``delivery_mismatch``, for
+    good. Now it is told to wait (one line naming both lists and for how long at most) while
+    the old producer is silent, and starts a fresh table once it is dropped; while an old
+    producer is heard from after the new one first asked (it reads), the new one is
+    refused, in one line, as before."""
+    from feedline.exact.succession import WAIT, Succession
+    from feedline.serving.claims import ClaimStreams
+
+    heard = Heard()
+    s = ClaimStreams(succession=Succession(heard, timeout=1.5))
+    s.join("train", 4, 0, b"old", fingerprint=0xA, now=0.0)
+    heard.at[b"old"] = 0.2  # its last heartbeat; then kill -9
+    with pytest.raises(Refusal) as e:
+        s.join("train", 6, 0, b"new", fingerprint=0xB, now=1.0)
+    line = e.value.detail
+    assert e.value.reason == WAIT and "\n" not in line
+    assert "reads 4 shards (list a)" in line and "(6 shards (list b))" in line, line
+    assert "at most 0.7s more" in line, line
+    with pytest.raises(Refusal) as e:  # it says HELLO again: still silent, still waiting
+        s.join("train", 6, 0, b"new", fingerprint=0xB, now=1.6)
+    assert e.value.reason == WAIT and "at most 0.1s more" in e.value.detail
+    del heard.at[b"old"]
+    s.leave("train", b"old", now=1.8)  # dropped at the timeout
+    t = s.join("train", 6, 0, b"new", fingerprint=0xB, now=2.0)
+    assert t.units == 6 and t.fingerprint == 0xB and t.members == {b"new"}
+
+    # An old producer that reads: heard from after the new one first asked.
+    s.join("val", 4, 0, b"reader", fingerprint=0xA, now=0.0)
+    heard.at[b"reader"] = 0.9
+    with pytest.raises(Refusal) as e:
+        s.join("val", 6, 0, b"other", fingerprint=0xB, now=1.0)
+    assert e.value.reason == WAIT  # it might be dead: the first HELLO waits
+    heard.at[b"reader"] = 1.2  # its heartbeat
+    with pytest.raises(Refusal) as e:
+        s.join("val", 6, 0, b"other", fingerprint=0xB, now=2.0)
+    assert e.value.reason == "delivery_mismatch", e.value
+    assert "stop the stream's other producers first" in e.value.detail
+
+
+def test_a_replaced_exact_pipeline_waits_for_its_killed_producers_too():
+    """The same for an exact stream whose pipeline changed after its producer was killed:
+    told to wait while the old producer is silent, admitted (from epoch 0) once it is
+    dropped; refused while an old producer is heard from."""
+    from feedline.exact.coordinator import ExactPlan
+    from feedline.exact.streams import ExactStreams
+    from feedline.exact.succession import WAIT, Succession
+
+    heard = Heard()
+    s = ExactStreams()
+    s.succession = Succession(heard, timeout=1.5)
+    s.attach("val", True)
+    s.join("val", ExactPlan(8, 4, 1, fingerprint=1), 0.0, b"old", 1)
+    heard.at[b"old"] = 0.2
+    with pytest.raises(Refusal) as e:
+        s.join("val", ExactPlan(16, 4, 1, fingerprint=2), 1.0, b"new", 2)
+    assert e.value.reason == WAIT and "at most 0.7s more" in e.value.detail, e.value
+    s.detach("val", True)
+    s.streams["val"].release(b"old")
+    del heard.at[b"old"]
+    c = s.join("val", ExactPlan(16, 4, 1, fingerprint=2), 2.0, b"new", 2)
+    assert c.plan.dataset_size == 16 and c.epoch == 0
+
+
+def test_a_job_resumed_from_a_checkpoint_of_its_whole_run_is_that_runs_consumer():
+    """Found by tests/exact/test_coordinator_model.py: a job resumes from a checkpoint that holds
+    its whole run (it crashed after its last batch), so the resume finds the run complete.
+    Before: its consumer, registering right after the resume, counted as one that came since
+    the run was served, and a late producer that does not say when it started (an older
+    one) began a run nobody asked for. Now a consumer whose resume was just applied is of the
+    run its job resumed: that producer is told the run is finished."""
+    from feedline.exact.coordinator import ExactPlan
+    from feedline.exact.cursor import Cursor
+    from feedline.exact.streams import ExactStreams
+
+    s = ExactStreams()
+    c = s.join("val", ExactPlan(8, 4, 1, fingerprint=5), 0.0, b"p", 1)
+    for u in range(2):
+        assert c.request(b"p", first=u == 0) == Assignment(0, u, 0)
+        c.accept((0, u, 0))
+        c.unit_done(b"p", 0, u, 1)
+        c.settle((0, u, 0))
+    assert c.finished
+    c.release(b"p")
+    whole = Cursor.of("val", 0, {0: {0}, 1: {0}}, pipeline=5)
+    whole.resume = True
+    s.cursor(b"job", "val", whole.encode(), 1.0)  # its HELLO's cursor, then its registration
+    s.reader("val", b"job", 7)
+    assert c.finished
+    s.join("val", ExactPlan(8, 4, 1, fingerprint=5), 2.0, b"older", 2)  # no start said
+    assert c.request(b"older", first=True) == "finished"

@@ -1,9 +1,9 @@
 """Every refusal reason the product raises or sends is one of :class:`feedline.refusals.Reason`,
 and which of them a peer gives up on is decided there, once (docs/architecture.md, "Errors").
 
-Read from the source: every ``Refusal("...")`` and every ``reason="..."`` of a REFUSED message
-in the package. A reason written anywhere else (a new one, a typo) fails here, naming the file
-and line."""
+Read from the source: every ``Refusal("...")``, every ``reason="..."`` of a REFUSED message
+and every ``Reason.NAME`` in the package. A reason written anywhere else (a new one, a typo)
+fails here, naming the file and line."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def _reasons() -> list[tuple[str, int, str]]:
     out = []
     for mod in modules():
         for node in ast.walk(mod.tree):
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "Reason":
+                out.append((mod.rel, node.lineno, Reason[node.attr].value))
             if not isinstance(node, ast.Call):
                 continue
             name = getattr(node.func, "id", getattr(node.func, "attr", ""))

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import pytest
 import yaml
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from feedline.consumer import RemoteDataZMQ
+from feedline.errors import Refusal
 from feedline.exact.coordinator import Assignment
 from feedline.link import LinkConfig
 from feedline.procs import wait_for
@@ -52,7 +54,8 @@ def test_a_gone_producers_unacknowledged_unit_goes_to_the_next():
 def test_streams_refuse_a_producer_with_other_shards():
     s = ClaimStreams()
     assert isinstance(s.join("train", 8, 0, b"a"), Claims)
-    assert "reads 8 shards" in s.join("train", 9, 0, b"b")  # type: ignore[operator]
+    with pytest.raises(Refusal, match="reads 8 shards"):
+        s.join("train", 9, 0, b"b")
     s.leave("train", b"a")
     assert not s.get("train").members  # type: ignore[union-attr]
 

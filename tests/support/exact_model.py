@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class Producer:
     given: bool = False
     unit: tuple[int, int, int, int] | None = None  # epoch, unit, next index, batches
     empty: list[int] = field(default_factory=list)
+    # When it started (time.monotonic(); None: it does not say, an older producer): with the
+    # job (before any run was served), or when it registers.
+    started: float | None = None
 
 
 class ExactModel(RuleBasedStateMachine):
@@ -86,7 +90,9 @@ class ExactModel(RuleBasedStateMachine):
         self._reads(0)
         self.producers: dict[int, Producer] = {}
         self.ids = 0
-        self._enlist(Producer(b"p0", 0))
+        self.t0 = time.monotonic()  # the job's start: before any run is served
+        self.served_known = False  # this coordinator served its run (not: restored so)
+        self._enlist(Producer(b"p0", 0, started=self.t0))
         self.ids = 1
         self.job: dict[int, set[tuple[int, int]]] = {}  # what the job took, per epoch
         self.ended: set[int] = set()
@@ -131,6 +137,8 @@ class ExactModel(RuleBasedStateMachine):
                 f"epoch {e} ended: lost {sorted(self.keys(e) - self.job.get(e, set()))}, "
                 f"foreign {sorted(self.job.get(e, set()) - self.keys(e))}")
             self.ended.add(e)
+        if epochs and self.coord.finished:  # its run served now, in this coordinator's life
+            self.served_known = True
 
     def _requeue(self, items: list[Key]) -> None:
         self.buffer[:0] = [k for k in items if self.coord.servable(k)]
@@ -178,13 +186,19 @@ class ExactModel(RuleBasedStateMachine):
 
     def _enlist(self, p: Producer) -> None:
         """It registers (a HELLO): the broker enlists it with the stream's coordinator."""
-        self.coord.enlist(p.ident, p.session)
-        p.run = None if self.coord.finished else self.coord.end
+        self.coord.enlist(p.ident, p.session, p.started)
+        # Of the run being served, or, on a served stream, of that run if it started before
+        # it was served (when the coordinator knows when that was); else a newcomer.
+        early = self.served_known and p.started == self.t0
+        p.run = None if self.coord.finished and not early else self.coord.end
+        if self.coord.finished and early:
+            event("a producer started with the job registers once its run was served")
         self.producers[p.session] = p
 
-    def _reads(self, i: int) -> None:
-        """Consumer ``i`` registers (its HELLO): the broker tells the coordinator."""
-        self.coord.read_by(b"c%d" % i, i)
+    def _reads(self, i: int, resumed: bool = False) -> None:
+        """Consumer ``i`` registers (its HELLO; ``resumed``: with the resume cursor the broker
+        just applied): the broker tells the coordinator."""
+        self.coord.read_by(b"c%d" % i, i, resumed)
         if not self.coord.finished:
             self.run_consumers.add(i)
         elif i not in self.run_consumers:
@@ -204,13 +218,16 @@ class ExactModel(RuleBasedStateMachine):
         p = self.producers[i]
         served, end = self.coord.finished, self.coord.end
         late = not self.came_since and bool(self.run_consumers & set(self._registered()))
+        if p.started is not None and self.served_known:
+            late = p.started == self.t0  # it started before the run was served
         got = self.coord.request(p.ident, self.now, first=not p.given)
         if served and not p.given and p.run is None:
             # A producer that came after the run was served is of it exactly when it is late.
             assert (got == "finished") == late, (
-                f"{p.ident!r} told {got!r}; late: {late} (consumers of the run "
-                f"{sorted(self.run_consumers)}, registered {self._registered()}, "
-                f"one came since: {self.came_since})")
+                f"{p.ident!r} (started {p.started}) told {got!r}; late: {late} (consumers of "
+                f"the run {sorted(self.run_consumers)}, registered {self._registered()}, "
+                f"one came since: {self.came_since}; served in this life: "
+                f"{self.served_known})")
             if late:
                 event("a late producer of the served run is told it is finished")
         if served and not self.coord.finished:
@@ -283,10 +300,12 @@ class ExactModel(RuleBasedStateMachine):
         self.coord.release(self.producers.pop(i).ident)
 
     @precondition(lambda self: len(self.producers) < 3)
-    @rule()
-    def producer_starts(self) -> None:
-        """A fresh producer (on a served stream: a second job's)."""
-        self._enlist(Producer(b"p%d" % self.ids, self.ids))
+    @rule(start=st.sampled_from(["now", "with the job", "unsaid"]))
+    def producer_starts(self, start: str) -> None:
+        """A fresh producer (on a served stream: a second job's, or one of the job that was
+        slow to come up), started now, with the job, or not saying when."""
+        started = {"now": time.monotonic(), "with the job": self.t0}.get(start)
+        self._enlist(Producer(b"p%d" % self.ids, self.ids, started=started))
         self.ids += 1
 
     # -- consumers ----------------------------------------------------------------------
@@ -378,6 +397,7 @@ class ExactModel(RuleBasedStateMachine):
         journal = Journal(self.path)
         self.coord = Coordinator("val", self.plan, journal, journal.read("val"), GRACE,
                                  self.now)
+        self.served_known = False  # when it was served is not in the journal
         self._seen = self._stat()
         self.run_consumers, self.came_since = set(), False  # in memory only
         self.buffer, self.orphans = [], {}  # producers go on with their units
@@ -412,7 +432,7 @@ class ExactModel(RuleBasedStateMachine):
         self.consumers[self.ids] = c
         self.inflight[self.ids] = []
         self._run_opens()  # the run is open again (resume), with its consumers
-        self._reads(self.ids)
+        self._reads(self.ids, resumed=True)
         self.ids += 1
         self._wrote()
 
@@ -423,14 +443,14 @@ class ExactModel(RuleBasedStateMachine):
         for u, p in self.coord.units.items():
             assert p.settled & ~p.accepted == 0 and u not in self.coord.done
 
-    @rule(one_more=st.booleans())
-    def served_to_the_end(self, one_more: bool) -> None:
+    @rule(one_more=st.booleans(), start=st.sampled_from(["now", "with the job", "unsaid"]))
+    def served_to_the_end(self, one_more: bool, start: str) -> None:
         """Mid-way, everything woken and run to the epoch's (or the run's) end: so that what
         follows a served run (its producers asking, late ones, a second job's) is drawn too.
         ``one_more``: a producer registers first, as the last units go out (one of the run
         that may never be given a unit)."""
         if one_more and len(self.producers) < 3:
-            self.producer_starts()
+            self.producer_starts(start)
         self.drain()
 
     # -- the end: nothing is stranded ---------------------------------------------------
@@ -443,7 +463,7 @@ class ExactModel(RuleBasedStateMachine):
         if not self.consumers:
             self.consumer_starts()
         if not self.producers:
-            self.producer_starts()
+            self.producer_starts("now")
         goal = self.coord.epoch
         for _ in range(8 * (self.plan.units + 4)):
             if self.coord.finished or goal in self.ended:
