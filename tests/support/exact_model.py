@@ -24,6 +24,8 @@ from hypothesis.stateful import (
 from feedline.exact.coordinator import Assignment, Coordinator, ExactPlan
 from feedline.exact.cursor import Cursor
 from feedline.exact.journal import Journal
+from feedline.exact.keeper import CursorKeeper
+from feedline.exact.keeper import report as keeper_report
 
 Key = tuple[int, int, int]
 WINDOW = 2
@@ -39,8 +41,8 @@ class Consumer:
     restarted: bool = False  # the broker restarted since it last registered
     queue: list[tuple[Key, int]] = field(default_factory=list)  # delivered, not taken
     unacked: list[Key] = field(default_factory=list)  # taken, TAKEN not processed
-    epoch: int = 0  # its cursor: what it took of this epoch
-    cursor: set[tuple[int, int]] = field(default_factory=set)
+    # Its cursor: what it took of its epoch, as a consumer keeps it (feedline.exact.keeper).
+    keeper: CursorKeeper = field(default_factory=lambda: CursorKeeper("val", WINDOW))
 
 
 @dataclass
@@ -342,8 +344,10 @@ class ExactModel(RuleBasedStateMachine):
         c.reg += 1
         self._unreads(i)
         self._reads(i)
-        if c.cursor:
-            report = Cursor.of("val", c.epoch, _units(frozenset(c.cursor)), pipeline=1)
+        if c.keeper.recent:
+            # What its HELLO carries: the batches it took last, as much as a registration
+            # holds (a resume cursor is applied by job_resumes, once, as the broker does).
+            report = Cursor.decode(keeper_report(c.keeper.cursor, list(c.keeper.recent)))
             ended, lost = self.coord.merge(report)
             assert not lost, "a journaled coordinator never loses the position"
             self.buffer = [k for k in self.buffer if self.coord.servable(k)]
@@ -428,7 +432,8 @@ class ExactModel(RuleBasedStateMachine):
         self.buffer = [k for k in self.buffer if self.coord.servable(k)]
         self.coord.holding(set(self.buffer))
         self._ended(ended)
-        c = Consumer(epoch=e, cursor=set(taken))
+        c = Consumer()
+        c.keeper.resume_from(Cursor.of("val", e, _units(taken), pipeline=1))
         self.consumers[self.ids] = c
         self.inflight[self.ids] = []
         self._run_opens()  # the run is open again (resume), with its consumers
@@ -492,11 +497,9 @@ class ExactModel(RuleBasedStateMachine):
             return  # delivered under a registration the broker dropped: it serves it again
         c.unacked.append(key)  # counted taken either way (its credit)
         e, u, j = key
-        if e == c.epoch and (u, j) in c.cursor:
+        if c.keeper.seen(e, u, j):
             return  # taken before (served again after a restart): not given to the model
-        if e != c.epoch:
-            c.epoch, c.cursor = e, set()
-        c.cursor.add((u, j))
+        c.keeper.take(e, u, j, pipeline=1)
         got = self.job.setdefault(e, set())
         assert (u, j) not in got, f"{key} taken twice"
         got.add((u, j))
