@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from typing import Any
 
 from feedline import endpoints, security
 from feedline.errors import FeedlineError
@@ -108,8 +109,6 @@ def step_at(schedule: list[tuple[float, float]], elapsed: float) -> float:
 def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
-    from feedline.consumer import RemoteDataZMQ
-    from feedline.errors import ReceiveTimeout
     from feedline.metrics import serve_metrics
 
     setup_logging(args.log_level)
@@ -126,6 +125,28 @@ def run(args: argparse.Namespace) -> int:
     except FeedlineError as e:  # an address, a key file, CURVE: one line
         raise SystemExit(f"feedline drain: {e}") from None
     stop = stop_on_signals()
+    t0 = time.monotonic()
+    try:
+        count, nbytes, answered = _drain(args, addr, curve, registry, schedule, stop)
+    except FeedlineError as e:  # refused (the ingress given as --broker, a cursor): one line
+        raise SystemExit(f"feedline drain: {e}") from None
+    log.info("drained %d batches (%.1f MB) in %.1fs", count, nbytes / 1e6,
+             time.monotonic() - t0)
+    if not answered:
+        # Nothing to drain is no success: no broker (or trainer) ever accepted us.
+        raise SystemExit(f"feedline drain: no broker at {addr} accepted this consumer in "
+                         f"{time.monotonic() - t0:.0f}s (is it running, and is this its "
+                         "egress?)")
+    return 0
+
+
+def _drain(args: argparse.Namespace, addr: str, curve: Any, registry: Any,
+           schedule: list[tuple[float, float]], stop: Any) -> tuple[int, int, bool]:
+    """Read until the duration ends or a signal; (batches, bytes, whether a broker accepted
+    us)."""
+    from feedline.consumer import RemoteDataZMQ
+    from feedline.errors import ReceiveTimeout
+
     t0 = last = time.monotonic()
     end = None if args.duration is None else t0 + args.duration
     count = nbytes = last_count = last_bytes = 0
@@ -152,9 +173,8 @@ def run(args: argparse.Namespace) -> int:
                         break
             except ReceiveTimeout:
                 continue  # no batch for a while: check stop and the deadline, wait again
-    log.info("drained %d batches (%.1f MB) in %.1fs", count, nbytes / 1e6,
-             time.monotonic() - t0)
-    return 0
+        answered = source._shared.answered or bool(args.bind)
+    return count, nbytes, answered
 
 
 def _where(args: argparse.Namespace) -> tuple[str, security.ClientKeys | security.ServerKeys

@@ -215,3 +215,22 @@ def test_remove_ipc_removes_only_our_own_socket_file(tmp_path):
 def test_producer_data_on_a_source_without_a_path_is_one_line(pipeline):
     r = feedline("producer", "--config", str(pipeline), "--data", "/srv/imagenet")
     one_line_failure(r, "--data /srv/imagenet", "(fake)", "image_folder and lmdb")
+
+
+def test_drain_at_the_ingress_or_at_nothing_fails_in_one_last_line(daemons, tmp_path):
+    """A new user's drain of a broker's ingress ended in a traceback (AddressError from the
+    iterator); one with no broker there exited 0 ("drained 0 batches"). Both end non-zero with
+    one last line that says what to check."""
+    port = free_port()
+    b = daemons("feedline.broker", "--ingress", f"tcp://127.0.0.1:{port}", "--egress",
+                f"ipc://{tmp_path}/e.sock", "--metrics-port", "0", name="b")
+    wait_for(lambda: tcp_ready(port) or not b.alive(), 20, what="broker")
+    r = feedline("drain", "--broker", f"tcp://127.0.0.1:{port}", "--duration", "10", timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("feedline drain:") and "wrong_port" in last and "--egress" in last
+    r = feedline("drain", "--broker", f"tcp://127.0.0.1:{free_port()}", "--duration", "2",
+                 timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("feedline drain: no broker at"), r.stderr
