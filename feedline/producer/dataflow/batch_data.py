@@ -206,7 +206,7 @@ def _describe(kind: Kind) -> str:
 
 
 def _a(word: str) -> str:
-    return f"an {word}" if word[:1] in ("a", "e", "i", "o", "u") else f"a {word}"
+    return f"an {word}" if word[:1] in ("a", "e", "i", "o") else f"a {word}"  # a uint8
 
 
 def sample_name(dp: Any, otherwise: str) -> str:
