@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from feedline.codec import DEFAULT_LIMITS, MAX_DEPTH
+from feedline.errors import DataError
 from feedline.producer.dataflow.image_folder import _file_bytes
 from feedline.producer.shards.records import CorruptRecord
 
@@ -41,14 +42,15 @@ INT64 = (-(2**63), 2**63)  # the integers a field may hold: [lo, hi)
 _TOO_DEEP = object()
 
 
-class _Unsendable(ValueError):
+class _Unsendable(DataError):
     """A JSON value the wire cannot carry (raised inside the parser)."""
 
 
 def check_int(v: int) -> int:
-    """``v`` if it fits int64 (what a batch stacks labels into), else ValueError."""
+    """``v`` if it fits int64 (what a batch stacks labels into), else DataError (a
+    ValueError)."""
     if not INT64[0] <= v < INT64[1]:
-        raise ValueError(f"{v} does not fit int64")
+        raise DataError(f"{v} does not fit int64")
     return v
 
 
