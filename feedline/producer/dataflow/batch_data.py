@@ -142,15 +142,19 @@ def odd_samples(dps: list[Any], last: dict[Any, Kind] | None = None) -> list[tup
     made: dict[Any, Kind] = {_STRUCTURE: ref}
     for k in keys:
         at = [i for i in range(len(dps)) if i not in odd]
-        kinds = [_kind(dps[i][k]) for i in at]
+        values = [dps[i][k] for i in at]
+        kinds = [_kind(v) for v in values]
         kref = _reference(kinds, last.get(k), f"component {k!r}")
         made[k] = kref
-        for i, kind in zip(at, kinds, strict=True):
+        every = kinds.count(kref) == len(kinds)  # the usual batch: nothing odd to look for
+        if every and (kref != ("int",) or _INT64[0] <= min(values) and max(values) < _INT64[1]):
+            continue
+        for i, v, kind in zip(at, values, kinds, strict=True):
             if kind != kref:
                 odd[i] = (f"component {k!r} is {_describe(kind)} where the others in its "
                           f"batch have {_describe(kref)}")
-            elif kind == ("int",) and not _INT64[0] <= int(dps[i][k]) < _INT64[1]:
-                odd[i] = f"component {k!r} is {int(dps[i][k])}, which does not fit int64"
+            elif kind == ("int",) and not _INT64[0] <= int(v) < _INT64[1]:
+                odd[i] = f"component {k!r} is {int(v)}, which does not fit int64"
     if len(odd) < len(dps):
         last.update(made)
     return sorted(odd.items())
@@ -164,9 +168,15 @@ def _structure(dp: Any) -> Kind:
     return ("whole", type(dp).__name__)  # an array as a datapoint: stacked by its rows
 
 
+_SCALARS: dict[type, Kind] = {int: ("int",), float: ("float",), bool: ("bool",)}
+
+
 def _kind(x: Any) -> Kind:
+    kind = _SCALARS.get(type(x))  # the usual labels first: a dict lookup, not isinstance
+    if kind is not None:
+        return kind
     if isinstance(x, np.ndarray):
-        return ("array", x.dtype.str, x.shape)
+        return ("array", x.dtype, x.shape)
     if isinstance(x, (bool, np.bool_)):
         return ("bool",)
     if isinstance(x, (int, np.integer)):
@@ -180,6 +190,8 @@ def _reference(kinds: list[Kind], last: Kind | None, what: str) -> Kind:
     """The kind at least half of ``kinds`` have (of two halves, ``last``); DataError if
     none: ragged data."""
     n = len(kinds)
+    if kinds.count(kinds[0]) == n:
+        return kinds[0]
     held = [k for k, c in Counter(kinds).most_common(2) if 2 * c >= n]
     if len(held) == 2 and last in held:
         return last
