@@ -173,6 +173,11 @@ def test_batch_data_fills_the_batch_again_and_counts_what_it_skipped():
     ragged = DataFromList([[np.zeros(i + 1)] for i in range(4)], shuffle=False)
     with pytest.raises(DataError, match="use_list"):
         list(BatchData(ragged, 4, on_error="skip"))
+    # dicts agree whatever the order of their keys; one without a key is the odd one
+    d = BatchData(DataFromList([{"a": 1, "b": 2}, {"b": 3, "a": 4}, {"a": 5}], shuffle=False),
+                  3, remainder=True, on_error="skip")
+    assert [{k: v.tolist() for k, v in x.items()} for x in d] == [{"a": [1, 4], "b": [2, 3]}]
+    assert d.skipped == 1
     # a tie (one of each in a batch of two) goes to the kind of the batch before
     tie = DataFromList([[1], [2], [3], [None]], shuffle=False)
     t = BatchData(tie, 2, on_error="skip", remainder=True)

@@ -138,7 +138,9 @@ def odd_samples(dps: list[Any], last: dict[Any, Kind] | None = None) -> list[tup
     for i, s in enumerate(structs):
         if s != ref:
             odd[i] = f"has {_describe(s)} where the others in its batch have {_describe(ref)}"
-    keys = ref[1] if ref[0] == "keys" else range(ref[1]) if ref[0] == "length" else ()
+    # a dict's keys in the order of the first datapoint that has them (any order agrees)
+    keys = list(dps[structs.index(ref)]) if ref[0] == "keys" else \
+        range(ref[1]) if ref[0] == "length" else ()
     made: dict[Any, Kind] = {_STRUCTURE: ref}
     for k in keys:
         at = [i for i in range(len(dps)) if i not in odd]
@@ -162,7 +164,7 @@ def odd_samples(dps: list[Any], last: dict[Any, Kind] | None = None) -> list[tup
 
 def _structure(dp: Any) -> Kind:
     if isinstance(dp, dict):
-        return ("keys", tuple(dp))
+        return ("keys", frozenset(dp))
     if isinstance(dp, (list, tuple)):
         return ("length", len(dp))
     return ("whole", type(dp).__name__)  # an array as a datapoint: stacked by its rows
@@ -207,7 +209,7 @@ def _describe(kind: Kind) -> str:
     if kind[0] == "array":
         return f"{_a(np.dtype(kind[1]).name)} array of shape {kind[2]}"
     if kind[0] == "keys":
-        return f"the keys {list(kind[1])}"
+        return f"the keys {sorted(map(str, kind[1]))}"
     if kind[0] == "length":
         return f"{kind[1]} components"
     if kind[0] == "whole":
