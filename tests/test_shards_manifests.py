@@ -189,3 +189,20 @@ def test_a_shard_rewritten_under_an_exact_producer_is_named_stale_not_miscounted
     assert shard.stat().st_size == size
     with pytest.raises(ManifestError, match=STALE):
         _epoch(pipe)
+
+
+def test_the_manifest_info_writes_for_the_smallest_records_reads_back(tmp_path: Path):
+    """The bound is a place per record but the last, which may be cut short: samples of
+    one empty member (512 bytes each) and 100 bytes of a header cut short are 4 places in
+    1,636 bytes, and the manifest `info` writes of them is taken."""
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w") as t:
+        for i in range(3):
+            t.addfile(tarfile.TarInfo(f"{i:04d}.bin"))
+    shard.write_bytes(shard.read_bytes()[:3 * 512] + b"x" * 100)
+    r = feedline("info", str(shard), "--manifest", str(tmp_path / "m.json"))
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["shards"][0]["samples"] == 4 and m["shards"][0]["bytes"] == 3 * 512 + 100
+    r = feedline("info", str(tmp_path / "m.json"))
+    assert r.returncode == 0 and "1 shards, 4 samples" in r.stdout, r.stderr

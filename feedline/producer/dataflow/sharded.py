@@ -526,7 +526,7 @@ class ShardedSource(DataFlow):
             raise self._stale(s, url, f"{size} bytes, not the {known} it had then")
         self._sizes[s] = size
         least = mf.MIN_RECORD_BYTES.get(self.format, 0)
-        if least and total * least > size:
+        if least and total > mf.most_records(size, least):
             where = self.manifest_url or "the count"
             raise mf.ManifestError(
                 f"shard {url}: {total} samples ({where}) in its {size} bytes: a {self.format} "

@@ -183,7 +183,7 @@ def parse(text: str, where: str) -> Manifest:
                    f"{MAX_SHARD_SAMPLES}", None, at, hi=MAX_SHARD_SAMPLES)
         size = _field(item, "bytes", where, int, "the shard's size in bytes, an int >= 0", 0, at)
         sha = _field(item, "sha256", where, str, "the shard's sha256 in hex", "", at)
-        if size and least and n * least > size:
+        if size and least and n > most_records(size, least):
             raise ManifestError(
                 f"{where}: {at}.samples: {n} samples in the {size} bytes it says the shard "
                 f"has: a {fmt} record takes at least {least}; the manifest does not describe "
@@ -204,6 +204,12 @@ def parse(text: str, where: str) -> Manifest:
                                 f"with `{_REWRITE}`")
         seen.add(key)
     return m
+
+
+def most_records(size: int, least: int) -> int:
+    """The places a shard of ``size`` bytes can hold at ``least`` bytes a record: every one
+    whole but the last (a record cut short by the shard's end is a place too)."""
+    return -(-size // least)
 
 
 def _field(d: dict[str, Any], key: str, where: str, kind: type, allowed: str, default: Any,
