@@ -75,6 +75,13 @@ def unpackb(buf: Any, **kwargs: Any) -> Any:
     return _unpackb(buf, **kwargs)
 
 
+# Containers inside each other in one datapoint (a batch: its list of components is level 0),
+# at most: what every decoder refuses past and every encoder checks before it sends. The
+# shard readers bound what they decode by it (a ``.json`` field nests at most this less the
+# levels a batch puts above a field: feedline.producer.dataflow.shard_fields).
+MAX_DEPTH = 16
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds every decoder enforces on what it receives, and every encoder before it sends
@@ -84,7 +91,7 @@ class Limits:
     max_arrays: int = 1024
     max_ndim: int = 32
     max_message_bytes: int = 1 << 30  # total array bytes in one message (1 GiB)
-    max_depth: int = 16  # nesting of containers in a datapoint
+    max_depth: int = MAX_DEPTH  # nesting of containers in a datapoint
     max_id_len: int = 256  # producer and consumer ids
     # Entries of one msgpack list or map. msgpack preallocates what a list *claims*: without
     # this, 3 bytes per level of nesting claim 64 K slots each (a 60 KB header took 80 MB).

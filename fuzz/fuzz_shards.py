@@ -18,7 +18,15 @@ else escaping is a finding, and so is a result that breaks a contract:
 
 - the reader and ``info`` count the same places (a manifest's count is the reader's);
 - a WebDataset datapoint holds at most ``max_sample_bytes`` of member data;
-- a TFRecord datapoint is one per record, none larger than ``max_sample_bytes``.
+- a TFRecord datapoint is one per record, none larger than ``max_sample_bytes``;
+- what the readers yield goes through the batch step as a producer runs it
+  (:class:`~feedline.producer.dataflow.BatchData`, ``on_error="skip"``, batches of
+  :data:`BATCH` consecutive datapoints, with ``use_list`` and without): it raises nothing but
+  the DataError of ragged data, and not even that where more than half of a batch agree on
+  each component's kind (:func:`_agree`); every datapoint is batched or skipped; and every
+  batch it yields encodes for the wire (:func:`~feedline.encode.prepare_batch`), but for a
+  stacked component of strings or objects, which only ``use_list`` can send. Modes 4 and 5
+  batch their one datapoint between two ordinary ones.
 
 Input layout: byte 0 picks the mode, byte 1 the limits (``max_sample_bytes`` 1 MiB, or 300
 bytes so that the budget is reached by small inputs), the rest is the payload.
@@ -35,11 +43,16 @@ bytes so that the budget is reached by small inputs), the rest is the payload.
   features;
 - mode 5: byte 2 picks a field extension, the payload is the member -> ``wds_field``;
 - mode 6: a valid seed Parquet file, edited as in mode 1 -> the Parquet source.
+
+Seeds named ``odd-*`` are the samples issue 53's second round found passing the readers and
+killing a producer at the batch step: a ``.cls`` past int64, a ``.json`` deeper than the
+wire carries, a TFRecord label of another shape than the others, a Parquet null.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import struct
 import sys
 import tarfile
@@ -53,14 +66,16 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 with atheris.instrument_imports(include=["feedline.producer.shards",
+                                         "feedline.producer.dataflow.batch_data",
                                          "feedline.producer.dataflow.shard_fields",
                                          "feedline.producer.dataflow.webdataset",
                                          "feedline.producer.dataflow.tfrecord",
                                          "feedline.producer.dataflow.parquet",
                                          "feedline.producer.info_cli"]):
-    from feedline.errors import DataError
+    from feedline.encode import prepare_batch
+    from feedline.errors import DataError, EncodeError
     from feedline.producer import info_cli
-    from feedline.producer.dataflow import shard_fields
+    from feedline.producer.dataflow import BatchData, DataFromList, shard_fields
     from feedline.producer.dataflow.tfrecord import TFRecord
     from feedline.producer.dataflow.webdataset import WebDataset
     from feedline.producer.shards.records import CorruptRecord
@@ -75,6 +90,7 @@ with atheris.instrument_imports(include=["feedline.producer.shards",
 import numpy as np
 
 MODES = 7
+BATCH = 3  # datapoints per batch (two agree: a majority)
 LIMITS = [1 << 20, 300]  # max_sample_bytes
 EXTS = ["cls", "json", "txt", "bin", "jpg", "id", "seg.json", "text"]
 _EDIT = struct.Struct(">HB")
@@ -150,7 +166,44 @@ def _parquet_seeds() -> list[bytes]:
     return out
 
 
+def _odd_tar_seeds() -> list[bytes]:
+    """A ``.cls`` past int64; a ``.json`` 20 deep (the reader took 64, the wire carries 16)."""
+    def sample(i: int, cls: bytes, js: bytes) -> list[tuple[str, bytes]]:
+        return [(f"{i:04d}.bin", bytes(range(20))), (f"{i:04d}.cls", cls),
+                (f"{i:04d}.json", js)]
+    big = [m for i in range(3) for m in sample(i, b"%d" % (2**70 if i == 1 else i), b"[]")]
+    deep = [m for i in range(3) for m in sample(i, b"1", b"[" * 20 + b"]" * 20 if i == 1
+                                                else b"[1]")]
+    return [_tar(tarfile.USTAR_FORMAT, big), _tar(tarfile.USTAR_FORMAT, deep)]
+
+
+def _odd_tfrecord_seeds() -> list[bytes]:
+    """Three records; the middle one's label two ints, the others' one."""
+    return [b"".join(frame(encode_example({"image/encoded": bytes(range(i, i + 20)),
+                                           "image/class/label": [i, i] if i == 1 else i}))
+                     for i in range(3))]
+
+
+def _odd_parquet_seeds() -> list[bytes]:
+    """A null in the label column."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return []
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"image": [bytes([i]) * 10 for i in range(5)],
+                             "label": [None if i == 2 else i for i in range(5)]}), buf,
+                   row_group_size=5)
+    return [buf.getvalue()]
+
+
 TAR_SEEDS, TF_SEEDS, PQ_SEEDS = _tar_seeds(), _tfrecord_seeds(), _parquet_seeds()
+# the odd seeds go after the others: the edited modes pick a seed by index (byte 2)
+ODD_TAR, ODD_TF, ODD_PQ = len(TAR_SEEDS), len(TF_SEEDS), len(PQ_SEEDS)
+TAR_SEEDS += _odd_tar_seeds()
+TF_SEEDS += _odd_tfrecord_seeds()
+PQ_SEEDS += _odd_parquet_seeds()
 EXAMPLE_SEEDS = [encode_example({"image/encoded": b"abc", "image/class/label": 3}),
                  encode_example({"image/encoded": [b"p", b"q"], "f": [0.5, -1.0],
                                  "image/class/label": [1, -(2**63)]})]
@@ -242,22 +295,104 @@ def _drain(items: Iterator[Any], limit: int) -> tuple[int, int]:
     return n, bad
 
 
+def _kind(x: Any) -> tuple[Any, ...]:
+    """What must agree for values to stack: an array's dtype and shape, a scalar's type."""
+    if isinstance(x, np.ndarray):
+        return ("array", x.dtype.str, x.shape)
+    for name, types in (("bool", (bool, np.bool_)), ("int", (int, np.integer)),
+                        ("float", (float, np.floating))):
+        if isinstance(x, types):
+            return (name,)
+    return (type(x).__name__,)
+
+
+def _agree(window: list[Any]) -> bool:
+    """More than half of ``window`` have one structure, and on each component one kind."""
+    from collections import Counter
+
+    def most(values: list[Any]) -> tuple[Any, int]:
+        return Counter(values).most_common(1)[0]
+
+    n = len(window)
+    lengths, k = most([len(dp) for dp in window])
+    if 2 * k <= n:
+        return False
+    rows = [dp for dp in window if len(dp) == lengths]
+    return all(2 * most([_kind(dp[c]) for dp in rows])[1] > n for c in range(lengths))
+
+
+def _sendable(batch: Any) -> bool:
+    """A stacked batch the wire can carry as arrays (a stacked str, bytes or object array
+    is what use_list is for: not a finding)."""
+    return all(not isinstance(c, np.ndarray) or c.dtype.kind in "biufc" for c in batch)
+
+
+def _batched(items: list[Any], use_list: bool) -> int:
+    """Run ``items`` (datapoints, no CorruptRecords) through the batch step in batches of
+    BATCH, as a producer under ``on_error: skip`` does; returns how many it skipped. Raises
+    (a finding) where it breaks the module docstring's contract."""
+    logging.disable(logging.WARNING)  # each skip is logged: not a line per input here
+    try:
+        return _batched_quietly(items, use_list)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _batched_quietly(items: list[Any], use_list: bool) -> int:
+    skipped = 0
+    for at in range(0, len(items), BATCH):
+        window = items[at:at + BATCH]
+        b = BatchData(DataFromList(window, shuffle=False), BATCH, remainder=True,
+                      use_list=use_list, on_error="skip")
+        try:
+            batches = list(b)
+        except DataError as e:
+            if use_list or _agree(window):
+                raise AssertionError(f"the batch step refused a batch that agrees: {e}") \
+                    from None
+            continue  # ragged data: one line saying use_list
+        rows = sum(len(batch[0]) for batch in batches)
+        assert rows + b.skipped == len(window), \
+            f"{len(window)} datapoints, {rows} batched and {b.skipped} skipped"
+        skipped += b.skipped
+        for batch in batches:
+            if use_list or _sendable(batch):
+                try:
+                    prepare_batch(batch)
+                except EncodeError as e:
+                    raise AssertionError(f"a batch the wire cannot carry: {e}") from None
+    return skipped
+
+
+def _through_batches(items: list[Any], use_lists: tuple[bool, ...]) -> str:
+    """" skipped:N" for what the batch step skipped (with use_list False), else ""."""
+    good = [x for x in items if not isinstance(x, CorruptRecord)]
+    n = 0
+    for use_list in use_lists:
+        k = _batched(good, use_list)
+        n = n if use_list else k
+    return f" skipped:{n}" if n else ""
+
+
 def _tar_input(data: bytes, limit: int) -> str:
     counted, _, corrupt = info_cli.places(Bytes(data), "fuzz.tar", "webdataset")
     out = []
-    for wds in _sources(limit)[0]:
-        n, bad = _drain(wds.read_stream(Bytes(data), "fuzz.tar"), limit)
+    # bytes and a label stack (or go as lists); JSON and text go as lists only
+    for wds, use_lists in zip(_sources(limit)[0], ((False, True), (True,)), strict=True):
+        items = list(wds.read_stream(Bytes(data), "fuzz.tar"))
+        n, bad = _drain(iter(items), limit)
         assert counted == n, f"info counts {counted} samples, the reader {n}"
-        out.append("corrupt" if bad else "ok")
+        out.append(("corrupt" if bad else "ok") + _through_batches(items, use_lists))
     return out[0] if not corrupt else "corrupt"
 
 
 def _tfrecord_input(data: bytes, limit: int) -> str:
     _, tfr = _sources(limit)
-    n, bad = _drain(tfr.read_stream(Bytes(data), "fuzz.tfrecord"), limit)
+    items = list(tfr.read_stream(Bytes(data), "fuzz.tfrecord"))
+    n, bad = _drain(iter(items), limit)
     counted, _, corrupt = info_cli.places(Bytes(data), "fuzz.tfrecord", "tfrecord")
     assert counted == n, f"info counts {counted} records, the reader {n}"
-    return "corrupt" if bad or corrupt else "ok"
+    return ("corrupt" if bad or corrupt else "ok") + _through_batches(items, (False, True))
 
 
 def _example_input(data: bytes, limit: int) -> str:
@@ -270,15 +405,22 @@ def _example_input(data: bytes, limit: int) -> str:
     _, tfr = _sources(limit)
     item = tfr._example(data, "fuzz.tfrecord#0")
     assert isinstance(item, (list, CorruptRecord)), type(item)
-    return out
+    usual = tfr._example(EXAMPLE_SEEDS[0], "fuzz.tfrecord#1")
+    return out + _through_batches([usual, item, usual], (False, True))
+
+
+USUAL = {"cls": b"7", "id": b"12", "json": b'{"a": [1, "b"]}', "seg.json": b"[1]",
+         "txt": b"text", "text": b"text"}  # a field's ordinary value (else: bytes)
 
 
 def _field_input(ext: str, data: bytes) -> str:
     try:
-        shard_fields.wds_field(ext, data, f"fuzz.tar#k.{ext}")
+        value = shard_fields.wds_field(ext, data, f"fuzz.tar#k.{ext}")
     except CorruptRecord:
         return "corrupt"
-    return "ok"
+    usual = shard_fields.wds_field(ext, USUAL.get(ext, b"bytes"), f"fuzz.tar#u.{ext}")
+    dps = [[usual], [value], [usual]]
+    return "ok" + _through_batches(dps, (False, True))
 
 
 def _parquet_input(data: bytes, limit: int) -> str:
@@ -292,8 +434,14 @@ def _parquet_input(data: bytes, limit: int) -> str:
             return pq.ParquetFile(f), f
 
     src = InMemory(["fuzz.parquet"], max_sample_bytes=limit, retry=RetryPolicy(attempts=1))
-    n, _ = _drain(src._read("fuzz.parquet"), 1 << 62)
-    return f"rows:{n}"
+    items: list[Any] = []
+    try:
+        for item in src._read("fuzz.parquet"):
+            items.append(item)
+    except ShardError:
+        return "shard-error"  # the rows before it were served: batched below only whole
+    n, _ = _drain(iter(items), 1 << 62)
+    return f"rows:{n}" + _through_batches(items, (False, True))
 
 
 def one_input(data: bytes) -> str:
@@ -331,18 +479,26 @@ def seeds() -> dict[str, bytes]:
     """Valid shards in every mode, under both limits (name -> bytes)."""
     out: dict[str, bytes] = {}
     for lim in range(len(LIMITS)):
-        for i, t in enumerate(TAR_SEEDS):
+        for i, t in enumerate(TAR_SEEDS[:ODD_TAR]):
             out[f"tar-{i}-{lim}"] = bytes([0, lim]) + t
             out[f"tar-edit-{i}-{lim}"] = bytes([1, lim, i, 0, 0])
-        for i, t in enumerate(TF_SEEDS):
+        for i, t in enumerate(TF_SEEDS[:ODD_TF]):
             out[f"tfrecord-{i}-{lim}"] = bytes([2, lim]) + t
             out[f"tfrecord-edit-{i}-{lim}"] = bytes([3, lim, i, 0, 0])
         for i, ex in enumerate(EXAMPLE_SEEDS):
             out[f"example-{i}-{lim}"] = bytes([4, lim]) + ex
-        for i in range(len(PQ_SEEDS)):
+        for i in range(ODD_PQ):
             out[f"parquet-{i}-{lim}"] = bytes([6, lim, i, 0, 0])
     for i, ext in enumerate(EXTS):
         out[f"field-{ext}"] = bytes([5, 0, i]) + b'{"a": [1, "b"]}'
+    for i in range(ODD_TAR, len(TAR_SEEDS)):
+        out[f"odd-tar-{i - ODD_TAR}"] = bytes([1, 0, i, 0, 0])
+    for i in range(ODD_TF, len(TF_SEEDS)):
+        out[f"odd-tfrecord-{i - ODD_TF}"] = bytes([3, 0, i, 0, 0])
+    for i in range(ODD_PQ, len(PQ_SEEDS)):
+        out[f"odd-parquet-{i - ODD_PQ}"] = bytes([6, 0, i, 0, 0])
+    out["odd-field-cls"] = bytes([5, 0, EXTS.index("cls")]) + b"%d" % 2**64
+    out["odd-field-json"] = bytes([5, 0, EXTS.index("json")]) + b"[" * 20 + b"]" * 20
     return out
 
 

@@ -13,12 +13,19 @@ does not write are removed once the new manifest is in place (only those: never 
 old manifest does not name). A ``PREFIX-*.tar`` there that no manifest names (not written by
 the conversion being replaced) is refused before anything is written, as it would be read
 with the new shards by a glob such as ``OUT_DIR/shard-*.tar``.
+
+A shard is written as ``.PREFIX-000000.tar.partial-PID`` and renamed when whole. A conversion
+killed on the way leaves such files; the next one into ``OUT_DIR`` removes them (and says
+so), unless process ``PID`` still runs: then it is refused in one line naming the file (a
+conversion writing the folder now). A glob of the shards never reads them (it skips hidden
+names).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -148,10 +155,16 @@ def run(args: argparse.Namespace) -> int:
     jobs = [ShardJob(str(out / f"{args.prefix}-{k:06d}.tar"), r)
             for k, r in enumerate(plan_shards(_sizes(_SOURCE), target))]
     try:
+        partials = _interrupted(out, args.prefix)
         stale = _previous_conversion(out, args.prefix, {Path(j.path).name for j in jobs},
                                      args.overwrite)
     except ConfigError as e:
         return fail(str(e))
+    for p in partials:  # refused by nothing above: a conversion killed on its way left them
+        p.unlink(missing_ok=True)
+    if partials:
+        print(f"removed {len(partials)} partial shards an interrupted conversion left "
+              f"({partials[0].name}{', ...' if len(partials) > 1 else ''})")
     write = partial(write_shard, read=partial(_read, prepare=prepare))
     total = sum(len(j.samples) for j in jobs)
     infos = []
@@ -177,6 +190,31 @@ def run(args: argparse.Namespace) -> int:
           f"({sum(i.bytes for i in infos) / 1e6:.1f} MB), manifest {out / 'manifest.json'}"
           f"{removed}")
     return 0
+
+
+def _interrupted(out: Path, prefix: str) -> list[Path]:
+    """The partial shards (``.PREFIX-*.tar.partial-PID``, what :func:`~feedline.producer.
+    shards.writer.write_shard` writes before its rename) a conversion killed on its way left
+    in ``out``: to remove. ConfigError naming one whose process still runs (a conversion
+    writing this folder now)."""
+    found = sorted(p for p in out.glob(f".{prefix}-*.tar.partial-*") if p.is_file())
+    for p in found:
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and _running(int(pid)):
+            raise ConfigError(f"{p}: a shard process {pid} is writing (a conversion into "
+                              f"{out} now?): wait for it to end or stop it; if no conversion "
+                              f"runs, remove {p.name}")
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it runs
+        return True
+    return True
 
 
 def _previous_conversion(out: Path, prefix: str, writing: set[str],

@@ -38,10 +38,12 @@ from typing import Any
 
 import numpy as np
 
+from feedline.errors import DataError
 from feedline.messages import DEFAULT_STREAM
 from feedline.producer.dataflow import BatchData
 from feedline.producer.dataflow.autotune import cpu_budget
 from feedline.producer.dataflow.base import Indexable, UnitSource
+from feedline.producer.dataflow.batch_data import odd_samples, sample_name
 from feedline.producer.dataflow.map_data import ComponentFunc, apply, reseed
 from feedline.producer.dataflow.worker import WorkerInfo, set_worker
 from feedline.producer.outbox import ExactSpec
@@ -78,6 +80,7 @@ class ExactPipeline:
     epochs: int = 0
     shuffle: bool = True
     stream: str = DEFAULT_STREAM
+    skipped: int = 0  # samples the batch step left out (on_error: skip), over the run
 
     @property
     def spec(self) -> ExactSpec:
@@ -143,14 +146,39 @@ class ExactPipeline:
             for j, part in enumerate(parts, start):
                 # One thread: no pool (a future per sample costs ~30 us).
                 done = list(pool.map(one, part)) if pool is not None else [one(i) for i in part]
-                kept = [dp for dp, _ in done if dp is not None]
-                yield j, (BatchData.aggregate(kept) if kept else None)
+                kept = [(i, dp) for (i, _), (dp, _) in zip(part, done, strict=True)
+                        if dp is not None]
+                yield j, self._batch(kept)
                 nxt = j + 1
         finally:
             if pool is not None:
                 pool.shutdown()
         for k in range(nxt, self.slots(epoch, unit)):  # a shard that ended early: empty
             yield k, None
+
+    def _batch(self, kept: list[tuple[int, Any]]) -> Any | None:
+        """The batch of ``kept`` (``(sample id, datapoint)``); a datapoint that does not
+        stack with the others (:func:`~feedline.producer.dataflow.batch_data.odd_samples`,
+        with no tie-break by an earlier batch: a unit's batches are a function of the unit
+        alone) is a DataError naming it, or under ``on_error: skip`` left out and logged;
+        None when none is left."""
+        dps = [dp for _, dp in kept]
+        odd = odd_samples(dps) if len(dps) > 1 else []
+        if odd:
+            def name(k: int) -> str:
+                return sample_name(dps[k], f"sample {kept[k][0]}")
+
+            if self.on_error != "skip":
+                k, why = odd[0]
+                raise DataError(f"batch: {name(k)} {why}: it does not stack with them; fix "
+                                "it, or set on_error: skip to skip such samples")
+            for k, why in odd:
+                log.warning("skipped a datapoint: %s %s: it does not stack with them",
+                            name(k), why)
+            self.skipped += len(odd)
+            gone = {k for k, _ in odd}
+            dps = [dp for k, dp in enumerate(dps) if k not in gone]
+        return BatchData.aggregate(dps) if dps else None
 
     def _parts(self, epoch: int, unit: int, start: int) -> Iterator[list[tuple[int, Any]]]:
         """The unit's batches from ``start`` on, as ``(sample id, datapoint or _LOAD)``."""

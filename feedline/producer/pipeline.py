@@ -67,6 +67,7 @@ from feedline.producer.pipeline_spec import (
     STEPS,
     Args,
     ConfigError,
+    batch_step,
     call_with_args,
     guarded,
     load_object,
@@ -352,7 +353,11 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
             ds = _runner(ds, par)
             runner_done = True
         try:
-            ds = CountData(STEPS[step](ds, a, step_seed), f"{i}:{step}")
+            if step == "batch":  # the pipeline's on_error: a sample that does not stack
+                batch = batch_step(ds, a, step_seed, on_error)
+                ds = CountData(batch, f"{i}:{step}", skips=[batch])
+            else:
+                ds = CountData(STEPS[step](ds, a, step_seed), f"{i}:{step}")
         except (ValueError, TypeError) as e:
             raise located(where, e) from None
         a.done()

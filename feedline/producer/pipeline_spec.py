@@ -377,10 +377,11 @@ MAP_STEPS: dict[str, Callable[[Args, int], Any]] = {
 # -- other steps: (ds, args, seed) -> DataFlow ----------------------------------------------
 
 
-def _batch(ds: DataFlow, a: Args, seed: int) -> DataFlow:
+def batch_step(ds: DataFlow, a: Args, seed: int, on_error: str = "raise") -> BatchData:
     a.expect("batch_size", "remainder", "use_list")
     return BatchData(ds, a.integer("batch_size", required=True, lo=1),
-                     remainder=a.flag("remainder", False), use_list=a.flag("use_list", False))
+                     remainder=a.flag("remainder", False), use_list=a.flag("use_list", False),
+                     on_error=on_error)
 
 
 def _local_shuffle(ds: DataFlow, a: Args, seed: int) -> DataFlow:
@@ -401,5 +402,5 @@ def _filter(ds: DataFlow, a: Args, seed: int) -> DataFlow:
 
 
 STEPS: dict[str, Callable[[DataFlow, Args, int], DataFlow]] = {
-    "batch": _batch, "local_shuffle": _local_shuffle, "repeat": _repeat, "filter": _filter,
+    "batch": batch_step, "local_shuffle": _local_shuffle, "repeat": _repeat, "filter": _filter,
 }

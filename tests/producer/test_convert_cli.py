@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import cv2
 import numpy as np
 import pytest
 
+from feedline.procs import wait_for
 from feedline.producer.dataflow import ImageFolder, LMDBSerializer
 from feedline.producer.dataflow.webdataset import WebDataset
 from feedline.producer.image import ImageNetTrain, is_prepared, turbo
@@ -191,3 +193,55 @@ def test_bad_arguments_are_one_line(tmp_path: Path):
     assert r.returncode == 1 and "--shard-size 'big'" in r.stderr
     r = feedline("info", str(tmp_path / "none-*.tar"))
     assert r.returncode == 1 and "matches no file" in r.stderr
+
+
+def _killed_mid_shard(args: list[str], out: Path) -> list[Path]:
+    """Run ``feedline convert ARGS`` and kill -9 it while it writes a shard (a partial file
+    there); the partial files it left. Tries again (a fresh OUT_DIR content) where the
+    shard was renamed before the kill landed."""
+    for _ in range(5):
+        p = subprocess.Popen([sys.executable, "-m", "feedline.commands", "convert", *args],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda p=p: p.poll() is not None or any(out.glob(".shard-*.partial-*")),
+                     60, interval=0.001, what="a partial shard")
+        finally:
+            p.kill()
+            p.wait(10)
+        left = sorted(out.glob(".shard-*.partial-*"))
+        if left:
+            return left
+    raise AssertionError("never killed convert while a shard was partial")
+
+
+def test_an_interrupted_overwrite_leaves_partials_the_next_removes_and_globs_skip(tmp_path):
+    """Issue 53, round 2, finding 6: ``convert --overwrite`` killed mid-shard left
+    ``.shard-000000.tar.partial-PID``; ``feedline info 'OUT/*.tar*'`` (fsspec's glob takes
+    hidden names) read it as a shard, and the next conversion left it there for ever. Now
+    the glob skips hidden names, the next conversion removes what a dead one left (and says
+    so), and refuses in one line one whose process still runs."""
+    images = tmp_path / "images"
+    for c in range(2):  # many small files in one shard: seconds of writing to land a kill in
+        (images / f"c{c}").mkdir(parents=True)
+        for i in range(1500):
+            (images / f"c{c}" / f"{i:05d}.jpg").write_bytes(b"\xff\xd8\xff" + bytes(1500))
+    out = tmp_path / "out"
+    args = [str(images), str(out), "--shard-size", "1GB", "--no-progress"]
+    assert feedline("convert", *args).returncode == 0
+    left = _killed_mid_shard([*args, "--overwrite"], out)
+    info = feedline("info", str(out / "*.tar*"), "--format", "webdataset")
+    assert info.returncode == 0, info.stderr
+    assert "partial" not in info.stdout and "1 shards, 3000 samples" in info.stdout, info.stdout
+    # one whose process runs (this one's pid): refused, nothing removed
+    running = out / f".shard-000000.tar.partial-{os.getpid()}"
+    running.write_bytes(b"being written")
+    r = feedline("convert", *args, "--overwrite")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{running}: a shard process {os.getpid()} is writing" in r.stderr, r.stderr
+    assert running.exists() and all(p.exists() for p in left)
+    running.unlink()
+    r = feedline("convert", *args, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert f"removed {len(left)} partial shards an interrupted conversion left" in r.stdout
+    assert not list(out.glob(".*partial*")), sorted(p.name for p in out.iterdir())
+    assert samples_of_glob(str(out / "*.tar*")) == sorted(samples_of_glob(str(out / "*.tar")))

@@ -64,8 +64,8 @@ def test_every_stage_of_a_yaml_pipeline_is_counted_exactly(mode: str) -> None:
     assert len(batches) == 6
     assert series(registry, STAGES) == {"source:list": 40, "0:map": 40, "1:filter": 20,
                                         "2:batch": 6}
-    # Only the map stage can skip; it skipped nothing.
-    assert series(registry, SKIPPED) == {"0:map": 0}
+    # The map and batch stages can skip (a batch: a sample that does not stack); none did.
+    assert series(registry, SKIPPED) == {"0:map": 0, "2:batch": 0}
 
 
 def test_fused_map_steps_are_one_stage_and_contracts_hold() -> None:
@@ -111,7 +111,7 @@ def test_skipped_corrupt_jpegs_are_exported_from_every_mode(
         df.reset_state()
         batches = list(df)
     assert sum(len(b[1]) for b in batches) == 15
-    assert series(registry, SKIPPED) == {"0:imagenet_val": CORRUPT}
+    assert series(registry, SKIPPED) == {"0:imagenet_val": CORRUPT, "1:batch": 0}
     assert series(registry, STAGES) == {"source:image_folder": 15 + CORRUPT,
                                         "0:imagenet_val": 15, "1:batch": 3}
 
@@ -173,7 +173,7 @@ def test_a_producer_daemon_serves_stage_series_and_logs_skips(
     wait_for(a_whole_pass, 60, interval=0.1, what="a pass of the pipeline scraped")
     got = scrape(port)
     assert set(got[STAGES]) == {"source:image_folder", "0:imagenet_val", "1:batch"}
-    assert set(got[SKIPPED]) == {"0:imagenet_val"}
+    assert set(got[SKIPPED]) == {"0:imagenet_val", "1:batch"}
     st, sk = got[STAGES], got[SKIPPED]["0:imagenet_val"]
     # Every datapoint read came out of the map or was skipped (results in flight aside).
     assert st["0:imagenet_val"] + sk <= st["source:image_folder"]

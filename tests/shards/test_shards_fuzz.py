@@ -2,7 +2,8 @@
 that found the harness's first findings stay fixed, and a time-boxed libFuzzer run finds
 nothing (only CorruptRecord and ShardError escape the tar, TFRecord, Example, field and
 Parquet readers; the reader and ``feedline info`` count the same samples; no datapoint holds
-more than ``max_sample_bytes``)."""
+more than ``max_sample_bytes``; what they yield goes through the batch step under ``on_error:
+skip`` batched or skipped, never a crash, and its batches encode for the wire)."""
 
 from __future__ import annotations
 
@@ -43,15 +44,34 @@ def _harness() -> ModuleType:
 def test_seeds_read_and_edits_reach_the_corrupt_paths() -> None:
     fs = _harness()
     results = {name: fs.one_input(data) for name, data in fs.seeds().items()}
-    readers = {k: v for k, v in results.items() if not k.startswith(("field", "parquet"))}
+    readers = {k: v for k, v in results.items()
+               if not k.startswith(("field", "parquet", "odd", "example-1"))}
     assert readers and set(readers.values()) == {"ok"}, results
     if fs.PQ_SEEDS:
         assert {v for k, v in results.items() if k.startswith("parquet")} == {"rows:5"}
     assert results["field-cls"] == "corrupt" and results["field-json"] == "ok"
+    # a list of two byte strings where the others have one: skipped at the batch step
+    assert results["example-1-0"] == "ok skipped:1"
     # a tar header's checksum broken (0xFF is left unfixed), a TFRecord length cut short
     assert fs.one_input(bytes([1, 0, 0, 0, 0, 0, 150, 0xFF])) == "corrupt"
     assert fs.one_input(bytes([2, 0]) + bytes(11)) == "corrupt"
     assert fs.one_input(bytes([4, 0, 0x0A, 0x05])) == "rejected"  # an Example cut short
+
+
+def test_odd_samples_are_corrupt_or_skipped_at_the_batch_step_never_a_crash() -> None:
+    """Issue 53, round 2, finding 4, through the harness: each seed made the batch step (or
+    the wire after it) raise OverflowError, TypeError, EncodeError or "cannot stack"."""
+    fs = _harness()
+    results = {k: fs.one_input(v) for k, v in fs.seeds().items() if k.startswith("odd")}
+    assert results["odd-tar-0"] == "corrupt"  # the .cls past int64: the reader's
+    assert results["odd-field-cls"] == results["odd-field-json"] == "corrupt"
+    assert results["odd-tar-1"] == "ok"  # the deep .json is not among the first fields...
+    deep = fs._sources(1 << 20)[0][1]  # ... but among the second source's: corrupt there
+    items = list(deep.read_stream(fs.Bytes(fs.TAR_SEEDS[fs.ODD_TAR + 1]), "fuzz.tar"))
+    assert [type(x).__name__ for x in items] == ["Named", "CorruptRecord", "Named"]
+    assert results["odd-tfrecord-0"] == "ok skipped:1"  # a label of another shape
+    if fs.PQ_SEEDS:
+        assert results["odd-parquet-0"] == "rows:5 skipped:1"  # a null
 
 
 # Inputs the harness found on its first runs, each a bug fixed with it:

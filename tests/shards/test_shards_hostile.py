@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from feedline.producer.dataflow.shard_fields import MAX_JSON_DEPTH
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.dataflow.tfrecord import TFRecord
 from feedline.producer.dataflow.webdataset import WebDataset
@@ -104,11 +105,15 @@ def test_json_nested_50000_deep_is_a_corrupt_record(tmp_path: Path):
     ds.reset_state()
     assert [dp[0]["i"] for dp in ds] == [0, 1, 2, 4, 5]
     assert list(ds.stats.corrupt) == [f"{tmp_path}/j.tar#0003.json"]
-    ok = b"[" * 64 + b"]" * 64  # the documented depth parses
-    _shard(tmp_path / "ok.tar", 1, {0: [_member("0000.json", ok)]})
+    # The documented depth parses (what the wire carries in a batch: issue 53 round 2,
+    # finding 4); one level more is corrupt too.
+    ok = b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH
+    over = b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1)
+    _shard(tmp_path / "ok.tar", 2, {0: [_member("0000.json", ok)],
+                                    1: [_member("0001.json", over)]})
     ds = WebDataset(str(tmp_path / "ok.tar"), fields=["json"])
     ds.reset_state()
-    assert len(list(ds)) == 1 and ds.stats.corrupt_records == 0
+    assert len(list(ds)) == 1 and list(ds.stats.corrupt) == [f"{tmp_path}/ok.tar#0001.json"]
 
 
 def test_info_counts_a_tfrecord_as_the_reader_does_and_exact_serves_every_record(tmp_path):

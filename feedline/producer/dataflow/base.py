@@ -17,6 +17,10 @@ What some stages offer besides are Protocols, checked with ``isinstance``:
 what its skip policy dropped), :class:`Reseedable` (a random map function),
 :class:`Indexable` (a source exact delivery cuts into work units), :class:`UnitSource` (a
 source that cuts its own units: a sharded one).
+
+A datapoint may say where it was read (:class:`Named`, as the shard readers yield them), so
+that a later stage that refuses it (``batch``: a sample that does not stack with the
+others) names it; :func:`name_of` finds that name.
 """
 
 from __future__ import annotations
@@ -194,6 +198,35 @@ class ProxyDataFlow(DataFlow):
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.ds)
+
+
+class Named(list):  # type: ignore[type-arg]
+    """A datapoint (a list of components) that remembers where it was read (``where``:
+    ``shard#key``, ``file#offset``), as a corrupt record names its place. A list in every
+    other respect; the map steps that replace a component keep the name
+    (:class:`~feedline.producer.dataflow.map_data.ComponentFunc`); pickles with it."""
+
+    __slots__ = ("where",)
+
+    def __init__(self, items: Iterable[Any] = (), where: str = "") -> None:
+        super().__init__(items)
+        self.where = where
+
+
+def name_of(dp: Any) -> str | None:
+    """Where datapoint ``dp`` was read: its :class:`Named` ``where``, else the ``path`` of a
+    component that carries one (an image file's bytes:
+    :class:`~feedline.producer.dataflow.image_folder.FileBytes`); None if nothing says."""
+    where = getattr(dp, "where", None)
+    if where:
+        return str(where)
+    parts = dp.values() if isinstance(dp, dict) else dp if isinstance(dp, (list, tuple)) \
+        else ()
+    for x in parts:
+        path = getattr(x, "path", None)
+        if isinstance(path, str) and path:
+            return path
+    return None
 
 
 def stages(df: DataFlow) -> Iterator[DataFlow]:

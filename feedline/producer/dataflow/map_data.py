@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from feedline.producer.dataflow.base import DataFlow, ProxyDataFlow, Reseedable
+from feedline.producer.dataflow.base import DataFlow, Named, ProxyDataFlow, Reseedable
 from feedline.producer.dataflow.errors import SampleError, check_policy
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,12 @@ class ComponentFunc:
         r = self.func(dp[self.index])
         if r is None:
             return None
-        dp = dict(dp) if isinstance(dp, dict) else list(dp)
-        dp[self.index] = r
-        return dp
+        out: Any = dict(dp) if isinstance(dp, dict) else list(dp)
+        out[self.index] = r
+        # Where the datapoint was read goes on with it: the batch step names a sample that
+        # does not stack with the others by it.
+        where = getattr(dp, "where", None)
+        return out if where is None else Named(out, where)
 
 
 class MapDataComponent(MapData):

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from feedline.errors import ConfigError, Unavailable
+from feedline.producer.dataflow.base import Named
 from feedline.producer.dataflow.shard_fields import column_value
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.shards.retry import ShardError, is_transient
@@ -97,7 +98,7 @@ class Parquet(ShardedSource):
                     raise ShardError(url, f"row group {i}: {type(e).__name__}: {e}") from None
                 for r in range(table.num_rows):
                     where = f"{url}#{i}:{r}"
-                    yield [column_value(col[r], where) for col in cols]
+                    yield Named([column_value(col[r], where) for col in cols], where)
         finally:
             if "f" in state:
                 state["f"].close()

@@ -45,10 +45,12 @@ import logging
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import closing
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from feedline.cursor import MAX_UNITS
 from feedline.errors import ConfigError, DataError
 from feedline.logs import RateLimitedLog
 from feedline.producer.dataflow.base import DataFlow, UnknownLength
@@ -120,6 +122,11 @@ class ShardedSource(DataFlow):
         # exact: per shard, where its units start: record position -> byte offset, as reads
         # found them (so a unit starts reading at its own first record, not at byte 0)
         self._starts: dict[int, dict[int, int]] = {}
+        # exact: per shard, its size in bytes when those starts were found; and per url, the
+        # size its last opened stream found (both bounded by the shard list)
+        self._sizes: dict[int, int] = {}
+        self._opened: dict[str, int] = {}
+        self._order: tuple[int, list[int]] | None = None  # exact: (epoch, its unit order)
         # shard index -> why, for the shards that failed since one was last read to its end
         self._failing: dict[int, str] = {}
         # A shard that fails every epoch (a stale urls list) is named once at WARNING; its
@@ -163,7 +170,7 @@ class ShardedSource(DataFlow):
                chunk: int | None = None) -> ChunkStream:
         return ChunkStream(self.location(url), url, chunk_size=chunk or self.chunk_size,
                            prefetch=self.prefetch, retry=self.retry, stats=self.stats,
-                           start=start, end=end)
+                           start=start, end=end, on_size=partial(self._opened.__setitem__, url))
 
     def memory_bound(self) -> int:
         """The bytes this source's reads hold at most (the module docstring's formula)."""
@@ -350,8 +357,20 @@ class ShardedSource(DataFlow):
         ``unit_size`` samples of each."""
         counts = self._counts()
         assert counts is not None
+        # The units are counted before they are cut: the table is one entry per unit, and a
+        # count of 10**15 (a hostile manifest) must not become 10**12 of them.
+        units = sum(-(-max(n, 1) // (unit_size or max(n, 1))) for n in counts)
+        if units > MAX_UNITS:
+            total = sum(counts)
+            fit = -(-total // max(MAX_UNITS - len(counts), 1))
+            raise ConfigError(
+                f"exact.unit_size: {unit_size} cuts the {total} samples of {len(counts)} "
+                f"shards into {units} units, more than the {MAX_UNITS} an exact stream "
+                f"takes: " + (f"use a unit_size of at least {fit}" if unit_size and
+                              len(counts) < MAX_UNITS else "use fewer, larger shards"))
         self._shard_counts, self._unit_size, self._starts = counts, unit_size, {}
-        self._offsets = list(np.cumsum([0, *counts[:-1]])) if counts else []
+        self._sizes, self._order = {}, None
+        self._offsets = [int(x) for x in np.cumsum([0, *counts[:-1]])] if counts else []
         table = []
         for s, n in enumerate(counts):
             step = unit_size or max(n, 1)
@@ -371,10 +390,12 @@ class ShardedSource(DataFlow):
         order shuffled per epoch (the coordinator numbers them the same every epoch)."""
         self.units()
         assert self._table is not None
-        order = list(range(len(self._table)))
-        if self.shuffle:
-            np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, _UNIT_ORDER]).shuffle(order)
-        return self._table[order[unit]]
+        if self._order is None or self._order[0] != epoch:  # one shuffle per epoch, not unit
+            order = list(range(len(self._table)))
+            if self.shuffle:
+                np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, _UNIT_ORDER]).shuffle(order)
+            self._order = (epoch, order)
+        return self._table[self._order[1][unit]]
 
     def unit_length(self, epoch: int, unit: int) -> int:
         return self._slice(epoch, unit)[2]
@@ -400,30 +421,50 @@ class ShardedSource(DataFlow):
         # full chunk (and the chunks fetched ahead) would mostly be past its end.
         chunk = None if stop is not None else self._guess_chunk(s, count)
 
+        # Read from where earlier reads found records: a rewritten shard's records are
+        # elsewhere, and its miscount says so (not that the manifest is wrong).
+        learnt = first > 0 or stop is not None
+
         def in_place() -> Iterator[tuple[int, Any]]:
             n, lost = first, False  # records up to here; lost: one the reader cannot pass
+            self._opened.pop(url, None)
             reads = self._read_from(url, starts[first], stop, chunk)
             with closing(reads) as records:  # type: ignore[type-var]
                 for pos, (at, item) in enumerate(records, first):
+                    if pos == first:  # the stream is open: its size is known (if it says)
+                        self._check_size(s, url, total)
                     if at is not None and pos % step == 0 and not lost:
                         starts[pos] = at
                     if pos >= start + count:
+                        if stop is not None:  # a record past the byte the next unit starts at
+                            raise self._stale(s, url, f"a record at byte {at}, past the "
+                                              f"{stop} where the next slice started")
                         if start + count < total:
                             return  # the next unit's first record: its start is known now
                         # One record more than the count, in the shard's last unit: samples
                         # no unit would ever serve.
-                        raise self._miscounted(url, f"more than the {total} records")
+                        raise self._miscounted(url, f"more than the {total} records", learnt)
                     n = pos + 1
                     if isinstance(item, CorruptRecord):
                         lost = lost or not item.resumable
+                        if lost and stop is not None:
+                            # An earlier read passed this slice whole (it found the next
+                            # one's start): a record it cannot pass now was rewritten.
+                            raise self._stale(s, url, f"a record it cannot pass ({item.why})")
                         if pos >= start:
                             self._corrupt(item)
                     if pos >= start:
                         yield base + pos, None if isinstance(item, CorruptRecord) else item
+            if n == first:  # not a record read: the size is checked now
+                self._check_size(s, url, total)
             if n < start + count and not lost:
                 # The shard ended before its count without a corrupt record that cut it
                 # short (that one is logged, and the places after it left empty).
-                raise self._miscounted(url, f"{n} records, not the {total}")
+                if stop is not None:
+                    raise self._stale(s, url, f"{n - first} records between the bytes "
+                                      f"{starts[first]} and {stop}, not the "
+                                      f"{start + count - first}")
+                raise self._miscounted(url, f"{n} records, not the {total}", learnt)
         items = in_place()
         if shuffle:
             rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, unit])
@@ -448,16 +489,49 @@ class ShardedSource(DataFlow):
             return None
         return max(64 << 10, min(self.chunk_size, int(per * count / 4)))
 
-    def _miscounted(self, url: str, holds: str) -> mf.ManifestError:
+    def _miscounted(self, url: str, holds: str, learnt: bool = False) -> mf.ManifestError:
         """A shard whose records are not its count: exact delivery would lose or never
-        serve samples, silently; the error says what to rebuild."""
+        serve samples, silently; the error says what to rebuild. ``learnt``: the read began
+        at a record an earlier read found (the shard may have changed since, instead)."""
+        since = (" (or it changed since this producer learnt where its slices start: "
+                 "restart the producers)") if learnt else ""
         if self.manifest is None:
             return mf.ManifestError(f"shard {url} holds {holds} it had when the producer "
                                     "started: it changed; restart the producers")
         return mf.ManifestError(
             f"shard {url} holds {holds} that {self.manifest_url} says: it changed since the "
-            f"manifest was written; rebuild it (feedline info URLS --manifest OUT.json) and "
-            f"point manifest: at it")
+            f"manifest was written{since}; rebuild it (feedline info URLS --manifest "
+            f"OUT.json) and point manifest: at it")
+
+    def _stale(self, s: int, url: str, found: str) -> mf.ManifestError:
+        """Shard ``s`` is not where this producer learnt its slices start: it was rewritten
+        while the producer ran. What was learnt of it is dropped (a restarted producer
+        learns it again); the error says so, and what to do."""
+        self._starts[s] = {0: 0}
+        self._sizes.pop(s, None)
+        return mf.ManifestError(
+            f"shard {url} changed since this producer learnt where its slices start (it "
+            f"found {found}): a shard must not be rewritten while exact delivery reads it; "
+            f"restart the producers, and if its sample count changed, rebuild the manifest "
+            f"(feedline info URLS --manifest OUT.json)")
+
+    def _check_size(self, s: int, url: str, total: int) -> None:
+        """ManifestError where shard ``s`` (``url``, just opened) changed size since its
+        slices' starts were learnt, or is too small for its ``total`` records."""
+        size = self._opened.get(url)
+        if size is None:
+            return  # the store did not say (a stream without a length)
+        known = self._sizes.setdefault(s, size)
+        if known != size and len(self._starts.get(s, {})) > 1:
+            raise self._stale(s, url, f"{size} bytes, not the {known} it had then")
+        self._sizes[s] = size
+        least = mf.MIN_RECORD_BYTES.get(self.format, 0)
+        if least and total > mf.most_records(size, least):
+            where = self.manifest_url or "the count"
+            raise mf.ManifestError(
+                f"shard {url}: {total} samples ({where}) in its {size} bytes: a {self.format} "
+                f"record takes at least {least}; the manifest does not describe this shard: "
+                f"rebuild it (feedline info URLS --manifest OUT.json)")
 
     def fingerprint(self) -> list[str]:
         """What identifies the dataset for exact delivery: the shard names, in order."""

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from feedline.errors import ConfigError, DataError
+from feedline.producer.dataflow.base import Named
 from feedline.producer.dataflow.shard_fields import feature
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.shards.records import CorruptRecord, Readable
@@ -65,8 +66,8 @@ class TFRecord(ShardedSource):
         except DataError as e:
             return CorruptRecord(where, f"not a tf.train.Example: {e}", True)
         try:
-            return [feature(ex[k], k, where) if k in ex else _missing(k, ex, where)
-                    for k in self.fields]
+            return Named([feature(ex[k], k, where) if k in ex else _missing(k, ex, where)
+                          for k in self.fields], where)
         except CorruptRecord as e:
             return e
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from feedline.errors import ConfigError
+from feedline.producer.dataflow.base import Named
 from feedline.producer.dataflow.shard_fields import pick, wds_field
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.shards.records import CorruptRecord, Readable
@@ -38,9 +39,9 @@ class WebDataset(ShardedSource):
         self._alts = [spec.split(";") for spec in self.fields]
         self._wanted = frozenset(ext for alts in self._alts for ext in alts)
 
-    def _sample(self, url: str, key: str, members_: dict[str, bytes | None]) -> list[Any]:
+    def _sample(self, url: str, key: str, members_: dict[str, bytes | None]) -> Named:
         where = f"{url}#{key}"
-        out = []
+        out = Named(where=where)
         for alts, spec in zip(self._alts, self.fields, strict=True):
             for ext in alts:
                 data = members_.get(ext)

@@ -3,6 +3,9 @@
 ``expand`` turns the ``urls`` of a pipeline file into the ordered list of shards:
 ``shards-{000000..000127}.tar`` (brace expansion, no listing), ``/data/train-*.tar`` or
 ``s3://bucket/train-*.tar`` (a glob: one listing of the store, sorted), or a list of either.
+A glob matches no hidden name (one that starts with ``.``) unless its own last part does, as
+in a shell: ``feedline convert`` writes a shard as ``.NAME.partial-PID`` before renaming it,
+and fsspec's glob alone would read one an interrupted conversion left.
 A :class:`Location` is the filesystem those names live on (local, ``http(s)://``, ``s3://``,
 ``gs://``, anything fsspec knows), made in the process that reads (after a fork, a fresh
 one: an fsspec client holds sockets and an event loop).
@@ -54,6 +57,8 @@ def expand(spec: str | Sequence[str], storage_options: Mapping[str, Any] | None 
             if _GLOB & set(name.split("://", 1)[-1]):
                 loc = Location(protocol_of(name), dict(storage_options or {}))
                 found = sorted(loc.fs().glob(name))
+                if not basename(name).startswith("."):
+                    found = [f for f in found if not basename(f).startswith(".")]
                 if not found:
                     raise LocationError(f"{name}: matches no file")
                 out += [loc.unstrip(f) for f in found]

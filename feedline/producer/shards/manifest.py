@@ -29,6 +29,14 @@ from feedline.errors import DataError
 from feedline.producer.shards.locations import Location, protocol_of
 
 VERSION = 1
+# A shard's sample count, at most (2**40: a TFRecord file of that many empty records is 16
+# TB): keeps the sums and offsets of every count far inside int64.
+MAX_SHARD_SAMPLES = 1 << 40
+# The bytes one record takes at least, by format: a tar member's header (a sample is at
+# least one), a TFRecord record's length and CRCs. A count its shard's bytes cannot hold is
+# refused (Parquet: none, a column's values can take less than a byte each).
+MIN_RECORD_BYTES = {"webdataset": 512, "tfrecord": 16}
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest's size, at most (about 400,000 shards)
 
 
 class ManifestError(DataError):
@@ -137,33 +145,111 @@ def relative_name(shard_url: str, manifest_path: str) -> str:
 
 
 def parse(text: str, where: str) -> Manifest:
+    """The manifest ``text`` (read from ``where``); ManifestError in one line naming the
+    field and what it may be. Hostile text is refused, not followed: any nesting (a
+    manifest is a map of a list of maps), a count that is not an int from 0 to
+    :data:`MAX_SHARD_SAMPLES`, or more samples than the shard's ``bytes`` can hold
+    (:data:`MIN_RECORD_BYTES` each)."""
     try:
         d = json.loads(text)
-        shards = [ShardInfo(str(s["name"]), int(s["samples"]), int(s.get("bytes", 0)),
-                            str(s.get("sha256", ""))) for s in d["shards"]]
-        if any(s.samples < 0 for s in shards):
-            raise ManifestError("a negative sample count")
-        m = Manifest(str(d.get("format", "")), shards, int(d.get("version", VERSION)), where)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ManifestError(f"{where}: not a feedline shard manifest ({type(e).__name__}: "
-                            f"{e})") from None
+    except RecursionError:
+        raise ManifestError(f"{where}: not a feedline shard manifest (JSON nested deeper than "
+                            "Python parses; a manifest is a map with a list of shards)") from None
+    except ValueError as e:
+        raise ManifestError(f"{where}: not a feedline shard manifest (not JSON: {e})") from None
+    if not isinstance(d, dict):
+        raise ManifestError(f"{where}: not a feedline shard manifest (a JSON map with "
+                            f"\"shards\" is, not {_what(d)})")
+    fmt = _field(d, "format", where, str, "a format name (webdataset, tfrecord, parquet)", "")
+    version = _field(d, "version", where, int, f"the manifest version, {VERSION}", VERSION)
+    if version != VERSION:
+        raise ManifestError(f"{where}: version: {version!r}; this feedline reads manifests of "
+                            f"version {VERSION} (write it again with `{_REWRITE}`)")
+    items = d.get("shards")
+    if not isinstance(items, list):
+        raise ManifestError(f"{where}: shards: expected a list of shards ({{\"name\": ..., "
+                            f"\"samples\": ...}}), got {_what(items)}")
+    least = MIN_RECORD_BYTES.get(fmt, 0)
+    shards = []
+    for i, item in enumerate(items):
+        at = f"shards[{i}]"
+        if not isinstance(item, dict):
+            raise ManifestError(f"{where}: {at}: expected a map with name and samples, got "
+                                f"{_what(item)}")
+        name = _field(item, "name", where, str, "the shard's name", None, at)
+        if not name:
+            raise ManifestError(f"{where}: {at}.name: expected the shard's name, got \"\"")
+        n = _field(item, "samples", where, int, f"the shard's sample count, an int from 0 to "
+                   f"{MAX_SHARD_SAMPLES}", None, at, hi=MAX_SHARD_SAMPLES)
+        size = _field(item, "bytes", where, int, "the shard's size in bytes, an int >= 0", 0, at)
+        sha = _field(item, "sha256", where, str, "the shard's sha256 in hex", "", at)
+        if size and least and n > most_records(size, least):
+            raise ManifestError(
+                f"{where}: {at}.samples: {n} samples in the {size} bytes it says the shard "
+                f"has: a {fmt} record takes at least {least}; the manifest does not describe "
+                f"its shards: write it again with `{_REWRITE}`")
+        shards.append(ShardInfo(name, n, size, sha))
+    total = sum(s.samples for s in shards)
+    said = _field(d, "samples", where, int, f"the shards' samples in all ({total})", total)
+    if said != total:
+        raise ManifestError(f"{where}: samples: {said}, but its shards' add up to {total}: "
+                            f"write it again with `{_REWRITE}`")
+    m = Manifest(fmt, shards, version, where)
     seen: set[str] = set()
     for s in m.shards:
-        name = _norm(s.name)
-        if name in seen:
+        key = _norm(s.name)
+        if key in seen:
             raise ManifestError(f"{where}: names the shard {s.name} twice (a manifest's names "
                                 f"are paths relative to it, one per shard): write it again "
                                 f"with `{_REWRITE}`")
-        seen.add(name)
+        seen.add(key)
     return m
 
 
+def most_records(size: int, least: int) -> int:
+    """The places a shard of ``size`` bytes can hold at ``least`` bytes a record: every one
+    whole but the last (a record cut short by the shard's end is a place too)."""
+    return -(-size // least)
+
+
+def _field(d: dict[str, Any], key: str, where: str, kind: type, allowed: str, default: Any,
+           at: str = "", hi: int | None = None) -> Any:
+    """``d[key]``, of type ``kind`` (an int: not a bool, not a float; >= 0, <= ``hi``);
+    ``default`` where it is missing (None: required); else ManifestError naming it."""
+    name = f"{at}.{key}" if at else key
+    if key not in d:
+        if default is None:
+            raise ManifestError(f"{where}: {name}: missing ({allowed})")
+        return default
+    v = d[key]
+    ok = isinstance(v, kind) and not isinstance(v, bool)
+    if ok and kind is int:
+        ok = v >= 0 and (hi is None or v <= hi)
+    if not ok:
+        raise ManifestError(f"{where}: {name}: expected {allowed}, got {_what(v)}")
+    return v
+
+
+def _what(v: Any) -> str:
+    """A value as an error shows it: short, with its JSON type."""
+    kinds = {bool: "true/false", int: "a number", float: "a number with a fraction",
+             str: "a string", list: "a list", dict: "a map", type(None): "null"}
+    text = json.dumps(v)[:40] if not isinstance(v, (list, dict)) else ""
+    return f"{text} ({kinds.get(type(v), type(v).__name__)})" if text else \
+        kinds.get(type(v), type(v).__name__)
+
 
 def read(url: str, options: dict[str, Any] | None = None) -> Manifest:
+    """The manifest at ``url``; ManifestError if it cannot be read, is larger than
+    :data:`MAX_MANIFEST_BYTES` or is not one (:func:`parse`)."""
     loc = Location(protocol_of(url), dict(options or {}))
     try:
         with loc.fs().open(url, "rb") as f:
-            return parse(f.read().decode("utf-8"), url)
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{url}: larger than a manifest may be ({MAX_MANIFEST_BYTES} "
+                                "bytes): is it one?")
+        return parse(data.decode("utf-8"), url)
     except (OSError, UnicodeDecodeError) as e:
         raise ManifestError(f"{url}: cannot read the manifest: {e}") from None
 

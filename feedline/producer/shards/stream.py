@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,7 +50,8 @@ class ChunkStream:
 
     def __init__(self, loc: Location, url: str, *, chunk_size: int = 2 << 20, prefetch: int = 2,
                  retry: RetryPolicy | None = None, stats: ShardStats | None = None,
-                 start: int = 0, end: int | None = None) -> None:
+                 start: int = 0, end: int | None = None,
+                 on_size: Callable[[int], None] | None = None) -> None:
         if chunk_size < 1 or prefetch < 1:
             raise ConfigError(f"chunk_size and prefetch must be >= 1, got {chunk_size}, "
                              f"{prefetch}")
@@ -58,6 +60,7 @@ class ChunkStream:
         self.end = end  # the bytes from ``start`` to ``end`` only (None: to the shard's end)
         self.stats = stats if stats is not None else ShardStats()
         self.size: int | None = None
+        self._on_size = on_size  # told the shard's size once the fetch thread knows it
         # The server answers no byte ranges (found by this stream or an earlier one of
         # the location): read without them.
         self._host = urlsplit(url).netloc
@@ -80,6 +83,8 @@ class ChunkStream:
         if self.size is None:
             size = getattr(f, "size", None)
             self.size = int(size) if isinstance(size, int) else None
+            if self.size is not None and self._on_size is not None:
+                self._on_size(self.size)  # before the first chunk: the reader sees it first
         if offset:
             f.seek(offset)
         return f
