@@ -37,6 +37,7 @@ the worker processes and the runner adds their counts to this process's stages.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
@@ -286,7 +287,9 @@ def build_pipeline(cfg: Mapping[str, Any]) -> DataFlow:
     """Build the DataFlow a pipeline map describes (workers start at ``reset_state()``)."""
     for k in cfg:
         if k not in TOP_LEVEL:
-            raise ConfigError(f"{k}: unknown key (known: {list(TOP_LEVEL)})")
+            near = difflib.get_close_matches(str(k), list(TOP_LEVEL), n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"{k}: unknown key ({hint}known: {list(TOP_LEVEL)})")
     _check_stream(cfg)
     if "factory" in cfg:
         return _factory(cfg)

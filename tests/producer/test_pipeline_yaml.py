@@ -349,3 +349,11 @@ def test_a_misspelt_required_key_is_reported_as_the_unknown_key(cfg, said: str) 
     with pytest.raises(ConfigError) as e:
         build_pipeline(cfg)
     assert str(e.value) == said
+
+
+def test_a_misspelt_top_level_key_names_the_key_it_is_near() -> None:
+    """A new user's ``stram:`` was refused with the list of keys only (a nested key named its
+    near miss)."""
+    with pytest.raises(ConfigError) as e:
+        build_pipeline({"stram": "train", "source": {"fake": {"shapes": [[1]]}}})
+    assert str(e.value).startswith("stram: unknown key (did you mean 'stream'? known: [")
