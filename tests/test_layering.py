@@ -6,7 +6,8 @@ module names in the lazy-export tables of ``feedline/__init__.py`` and
 ``feedline/consumer/__init__.py``. Then:
 
 - the kernel (``feedline/*.py`` but ``__init__``/``__main__``) imports no component;
-- ``feedline.exact`` (exact delivery) and ``feedline.producer`` import only the kernel;
+- ``feedline.exact`` (exact delivery) imports only the kernel, ``feedline.producer`` the
+  kernel and ``exact``;
 - ``feedline.serving`` imports only ``exact`` and the kernel;
 - ``feedline.broker`` imports only ``serving``, ``exact`` and the kernel;
 - ``feedline.consumer`` imports ``serving``, ``producer``, ``exact`` and the kernel, never
@@ -37,7 +38,7 @@ ALLOWED = {
     KERNEL: {KERNEL},
     "exact": {KERNEL},
     "serving": {KERNEL, "exact"},
-    "producer": {KERNEL},
+    "producer": {KERNEL, "exact"},
     "broker": {KERNEL, "serving", "exact"},
     "consumer": {KERNEL, "serving", "producer", "exact"},
     "commands": {KERNEL, *COMPONENTS},

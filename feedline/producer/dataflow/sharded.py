@@ -50,7 +50,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from feedline.cursor import MAX_UNITS
+from feedline.exact import MAX_UNITS
 from feedline.errors import ConfigError, DataError
 from feedline.logs import RateLimitedLog
 from feedline.producer.dataflow.base import DataFlow, UnknownLength
