@@ -33,5 +33,6 @@ from feedline.exact.plan import Assignment, ExactPlan
 from feedline.exact.streams import Applied, ExactConfig, ExactStreams
 from feedline.exact.succession import WAIT, Succession
 
-__all__ = ["MAX_CURSOR_BYTES", "MAX_UNITS", "RECORDS_PER_COMMIT", "WAIT", "Applied", "Assignment", "Coordinator",
-           "Cursor", "CursorKeeper", "ExactConfig", "ExactPlan", "ExactStreams", "Succession"]
+__all__ = ["MAX_CURSOR_BYTES", "MAX_UNITS", "RECORDS_PER_COMMIT", "WAIT", "Applied",
+           "Assignment", "Coordinator", "Cursor", "CursorKeeper", "ExactConfig", "ExactPlan",
+           "ExactStreams", "Succession"]

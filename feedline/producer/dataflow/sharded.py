@@ -50,8 +50,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from feedline.exact import MAX_UNITS
 from feedline.errors import ConfigError, DataError
+from feedline.exact import MAX_UNITS
 from feedline.logs import RateLimitedLog
 from feedline.producer.dataflow.base import DataFlow, UnknownLength
 from feedline.producer.dataflow.shard import check_shard, shard_positions
