@@ -258,30 +258,35 @@ class Broker:
           (issue 53, finding 1).
 
         An evicted batch is dropped and counted (an exact stream's is produced again
-        later)."""
+        later). What a consumer that is gone left in flight on a training stream is taken
+        back last, by cutting its connection (:meth:`ConsumerSide.reclaim`)."""
         held = self.buffer.by_stream()
-        if not held:
+        orphaned = self.egress.reclaimable() != (0, 0)
+        if not held and not orphaned:
             return
         known = held.keys() | {p.stream for p in self.ingress.producers}
         unread = {s for s in known if not self.egress.demand(s)}
         over = unread & held.keys()  # unread streams with something buffered
-        if not over:
+        if not over and not orphaned:
             return
-        by_stream = self._sink.held_by_stream()
-        shares = self.ingress.planner.shares(by_stream, unread)
-        for s in over:
-            b, y = held[s]
-            share = shares.get(s)
-            if share is None or (b <= share.batches and y <= share.nbytes):
-                continue
-            self._evict(s, share.batches, share.nbytes)
+        if over:
+            by_stream = self._sink.held_by_stream()
+            shares = self.ingress.planner.shares(by_stream, unread)
+            for s in over:
+                b, y = held[s]
+                share = shares.get(s)
+                if share is None or (b <= share.batches and y <= share.nbytes):
+                    continue
+                self._evict(s, share.batches, share.nbytes)
         self._room_for_read(unread)
 
     def _room_for_read(self, unread: set[str]) -> None:
         """Evict the oldest batches of the ``unread`` streams (those that hold most first)
         until the budget in force has room for what the read streams that are produced lack
-        of their floor. A read stream counts while one of its producers may ask for credit
-        (not one that gave its credit back and has not asked again: a finished one)."""
+        of their floor; then, if that was not enough, take back what consumers that are gone
+        left in flight on training streams. A read stream counts while one of its producers
+        may ask for credit (not one that gave its credit back and has not asked again: a
+        finished one)."""
         planner = self.ingress.planner
         floor = planner.budget.stream_floor  # the count in force: shares() rescaled it
         need_b = need_y = 0
@@ -331,6 +336,8 @@ class Broker:
                 "(read; its floor is %d batches, %s, of a budget of %d batches counted for "
                 "its batches)", s, gone_b, _size(gone_y), ", ".join(sorted(needy)),
                 floor.batches, _size(floor.nbytes), planner.budget.max_batches)
+        if short_b > 0 or short_y > 0:
+            self.egress.reclaim(max(0, short_b), max(0, short_y), needy)
 
     def _evict(self, stream: str, batches: int, nbytes: int) -> tuple[int, int]:
         """Drop the oldest batches of ``stream`` until it holds at most ``batches`` and
