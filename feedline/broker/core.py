@@ -375,6 +375,23 @@ class Broker:
             m.stream_label.release(label)
         self._exact_labelled = set(self.exact.streams)
 
+    def summary(self) -> str:
+        """What it served since it started, and what it holds (lost with it when it stops):
+        the broker's last line."""
+        kb, ky = self.leftovers.held()
+        buf_b, buf_y = self.buffer.batches + kb, self.buffer.nbytes + ky
+        in_b, in_y = self.egress.inflight()
+        out_b, _ = self.ingress.planner.outstanding()
+        exact = ""
+        if self.exact.streams:
+            exact = (f"; exact streams' progress is in {self.cfg.state_dir}: a broker "
+                     "started on it serves the rest" if self.cfg.state_dir else
+                     "; exact streams' progress was in memory only (--exact-ephemeral)")
+        return (f"served {self.stats.forwarded} batches to consumers; dropped what it held: "
+                f"{buf_b} batches buffered ({_size(buf_y)}), {in_b} delivered to consumers "
+                f"and not reported taken ({_size(in_y)}), credit for {out_b} granted to "
+                f"producers{exact}")
+
     # --------------------------------------------------------------------------- close
     def close(self) -> None:
         """Close the sockets (bounded linger), stop the authenticator, remove our ipc files."""
