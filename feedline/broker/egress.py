@@ -37,7 +37,7 @@ from feedline.exact import Applied, ExactStreams
 from feedline.logs import RateLimitedLog
 from feedline.serving.budget import Budget
 from feedline.serving.held import Held
-from feedline.serving.metrics import BrokerMetrics
+from feedline.serving.metrics import DEPARTED, BrokerMetrics
 from feedline.serving.peers import HELLO_RATE, HelloRate, PeerTable, connection, cut_off
 
 log = logging.getLogger(__name__)
@@ -424,12 +424,13 @@ class ConsumerSide:
             ring.remove(ident)
             if not ring:
                 del self._rr[c.stream]
-        self._info.info("consumer %s dropped (%s)", c.name, reason)
+        self._info.info("consumer %s %s (%s)", c.name,
+                        "left" if reason in DEPARTED else "dropped", reason)
         self.metrics.dropped_peers.labels("consumer", reason).inc()
         self.exact.unread(ident)
         self.exact.forget(ident, gone=reason in ("bye", "unreachable"))
         unacked = c.delivered - c.taken
-        if reason not in ("bye", "registered_again"):
+        if reason not in DEPARTED:
             self.metrics.unconfirmed.labels("consumer").inc(max(0, unacked))
         if c.inflight_bytes or c.inflight:
             o = self.orphans.setdefault(ident, Orphan(0, 0, c.fd, c.fd_ino, c.stream,

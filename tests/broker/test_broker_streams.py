@@ -114,6 +114,8 @@ def test_top_and_the_help_say_what_the_batch_count_bounds(
     assert lines[at + 1].strip().startswith(
         "over it: granted while only smaller batches were produced"), lines[at + 1]
     assert not re.search(r"\b(1\d\d|[2-9]\d\d+)%", screen), screen
+    # tiny said goodbye: that is no drop (before: "dropped peers 1").
+    assert "dropped peers 0 (1 left cleanly)" in screen, screen
 
     with urllib.request.urlopen(url, timeout=5) as r:
         page = r.read().decode()
