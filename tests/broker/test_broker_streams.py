@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -152,12 +153,19 @@ def test_a_paused_consumers_batches_leave_another_stream_its_floor(
     def lines() -> int:
         return sum(1 for ln in ledger.read_text().splitlines() if not ln.startswith("#")) \
             if ledger.exists() else 0
-    wait_for(lambda: lines() >= 1000, 30, what="the small stream's trainer reading")
+
+    def until(what: str, predicate: Callable[[], bool]) -> None:
+        try:
+            wait_for(predicate, 60, what=what)
+        except TimeoutError as e:  # what each side said, to tell a hang from a slow machine
+            raise AssertionError(f"{e}: {lines()} batches taken; the trainer's log:\n"
+                                 f"{paused.log_text()[-2000:]}\nthe broker's:\n"
+                                 f"{broker.log_text()[-3000:]}") from None
+    until("the small stream's trainer reading", lambda: lines() >= 1000)
     paused.signal(signal.SIGSTOP)
     try:
-        wait_for(lambda: metrics.value("feedline_broker_dropped_peers_total", role="consumer",
-                                       reason="timeout") >= 1, 20,
-                 what="the paused trainer dropped")
+        until("the paused trainer dropped", lambda: metrics.value(
+            "feedline_broker_dropped_peers_total", role="consumer", reason="timeout") >= 1)
         held = metrics.value("feedline_broker_inflight_batches")
         start_producer(daemons, endpoints.ingress, fake_yaml(
             tmp_path, "train", [[600, 1000]], ["float32"]), "train", "--stream", "train")
@@ -174,7 +182,7 @@ def test_a_paused_consumers_batches_leave_another_stream_its_floor(
         before = lines()
     finally:
         paused.signal(signal.SIGCONT)
-    wait_for(lambda: lines() >= before + 1000, 30, what="the woken trainer served again")
+    until("the woken trainer served again", lambda: lines() >= before + 1000)
     assert paused.alive(), paused.log_text()
     assert metrics.value("feedline_broker_cut_off_connections_total", role="consumer",
                          reason="silent") == 1
