@@ -70,13 +70,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-def stop_on_signals() -> threading.Event:
+class StopEvent(threading.Event):
+    """Set by a signal: ``signum`` says which (None until then), for the daemon's last line."""
+
+    signum: int | None = None
+
+    @property
+    def signame(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "its caller"
+
+
+def stop_on_signals() -> StopEvent:
     """An event set by SIGTERM or SIGINT (a second SIGINT raises KeyboardInterrupt)."""
-    stop = threading.Event()
+    stop = StopEvent()
 
     def handler(signum: int, _frame: object) -> None:
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if stop.signum is None:
+            stop.signum = signum
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)

@@ -195,4 +195,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"feedline broker: cannot bind {config.ingress} / {config.egress}: "
                          f"{e.strerror}; check the addresses") from None
     broker.run(stop)
+    # One line, so that a stop is told from a crash and its cost is known (before: silence).
+    log.info("broker stopped by %s: %s", stop.signame, broker.summary())
     return 0

@@ -77,3 +77,4 @@ class Orphan:
     fd_ino: int
     stream: str = ""
     items: list[Held] = field(default_factory=list)  # exact streams: served again when freed
+    name: str = ""  # the consumer's id, for the line that says its connection was cut

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from feedline.broker.buffer import Buffer
 from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
+from feedline.broker.pipelines import Leftovers
 from feedline.broker.sizing import BrokerSizing
 from feedline.bundle import JOIN_FORWARDED, MAX_BUNDLE
 from feedline.exact import ExactConfig
@@ -43,23 +44,6 @@ from feedline.wire import Batch
 log = logging.getLogger(__name__)
 
 PLAN_EVERY = 0.05  # seconds: the longest a credit plan waits (leases run on the clock)
-
-
-@dataclass
-class _Session:
-    """A producer session whose batches the buffer may hold: who, of which pipeline, and
-    when it was seen to come and to leave (by the loop's tick)."""
-
-    name: str
-    stream: str
-    pipeline: int  # its HELLO's fingerprint (0: not said)
-    joined: float
-    left: float | None = None
-    told: bool = False  # its leftovers being served was logged
-
-
-def _fp(pipeline: int) -> str:
-    return f"pipeline {pipeline:016x}" if pipeline else "a pipeline that says no fingerprint"
 
 
 @dataclass
@@ -77,19 +61,24 @@ class _Sink:
 
     def held(self) -> tuple[int, int]:
         b, y = self._b.egress.inflight()
-        return self._b.buffer.batches + b, self._b.buffer.nbytes + y
+        kb, ky = self._b.leftovers.held()
+        return self._b.buffer.batches + b + kb, self._b.buffer.nbytes + y + ky
 
     def read(self, stream: str) -> bool:
         return self._b.egress.demand(stream)
 
     def held_by_stream(self) -> dict[str, tuple[int, int]]:
         out = {s: (b, y) for s, (b, y) in self._b.buffer.by_stream().items()}
-        for s, (b, y) in self._b.egress.inflight_by_stream().items():
-            b0, y0 = out.get(s, (0, 0))
-            out[s] = (b0 + b, y0 + y)
+        for part in (self._b.egress.inflight_by_stream(), self._b.leftovers.held_by_stream()):
+            for s, (b, y) in part.items():
+                b0, y0 = out.get(s, (0, 0))
+                out[s] = (b0 + b, y0 + y)
         return out
 
     def accept(self, stream: str, item: Held) -> bool:
+        held_back = self._b.leftovers.held_back
+        if held_back and item.session in held_back:
+            self._b.leftovers.heard(item.session)  # it produces: what it held is served
         ok = self._b.buffer.push(stream, item)
         if ok and not item.broadcast:
             self._b.stats.received += item.count
@@ -130,12 +119,6 @@ class Broker:
         self._exact_labelled: set[str] = set()  # exact streams with series last tick
         self._gauged: set[str] = set()  # streams with peers or buffered batches last tick
         self._evict_log = RateLimitedLog(log, interval=10.0, burst=4)
-        # Producer sessions seen, and departed ones whose batches may still be buffered
-        # (bounded: the registered producers, and departed ones with something buffered).
-        self._sessions: dict[int, _Session] = {}
-        self._pipeline_log = RateLimitedLog(log, interval=10.0, burst=8)
-        self._registered = 0  # producers registered when _leftovers last looked
-        self._departed = False  # ... and whether departed ones' batches were held then
         self.server: Server | None = None
         try:
             self.server = server = Server(self.ctx, ServingConfig(
@@ -163,6 +146,7 @@ class Broker:
             raise
         self.stats.rejected = server.refusals.counts
         self.exact = server.exact
+        self.leftovers = Leftovers(self.buffer, self.metrics, self.exact)
         self.ingress = server.producers
         self.egress = ConsumerSide(egress.send, self.buffer, self.metrics, config.limits,
                                    self.budget, config.max_peers, self.instance,
@@ -200,8 +184,8 @@ class Broker:
                 if events:
                     server.on_ready([s for s in events if isinstance(s, zmq.Socket)])
                 now = time.monotonic()
-                if len(self.ingress.producers) != self._registered or (
-                        self.egress.freed and self._departed):
+                if len(self.ingress.producers) != self.leftovers.registered or (
+                        self.egress.freed and self.leftovers.departed):
                     # A producer came or left, or a consumer came while departed ones' batches
                     # are held: what they left is judged before anything of it is sent.
                     self._leftovers(now)
@@ -258,30 +242,35 @@ class Broker:
           (issue 53, finding 1).
 
         An evicted batch is dropped and counted (an exact stream's is produced again
-        later)."""
+        later). What a consumer that is gone left in flight on a training stream is taken
+        back last, by cutting its connection (:meth:`ConsumerSide.reclaim`)."""
         held = self.buffer.by_stream()
-        if not held:
+        orphaned = self.egress.reclaimable() != (0, 0)
+        if not held and not orphaned:
             return
         known = held.keys() | {p.stream for p in self.ingress.producers}
         unread = {s for s in known if not self.egress.demand(s)}
         over = unread & held.keys()  # unread streams with something buffered
-        if not over:
+        if not over and not orphaned:
             return
-        by_stream = self._sink.held_by_stream()
-        shares = self.ingress.planner.shares(by_stream, unread)
-        for s in over:
-            b, y = held[s]
-            share = shares.get(s)
-            if share is None or (b <= share.batches and y <= share.nbytes):
-                continue
-            self._evict(s, share.batches, share.nbytes)
+        if over:
+            by_stream = self._sink.held_by_stream()
+            shares = self.ingress.planner.shares(by_stream, unread)
+            for s in over:
+                b, y = held[s]
+                share = shares.get(s)
+                if share is None or (b <= share.batches and y <= share.nbytes):
+                    continue
+                self._evict(s, share.batches, share.nbytes)
         self._room_for_read(unread)
 
     def _room_for_read(self, unread: set[str]) -> None:
         """Evict the oldest batches of the ``unread`` streams (those that hold most first)
         until the budget in force has room for what the read streams that are produced lack
-        of their floor. A read stream counts while one of its producers may ask for credit
-        (not one that gave its credit back and has not asked again: a finished one)."""
+        of their floor; then, if that was not enough, take back what consumers that are gone
+        left in flight on training streams. A read stream counts while one of its producers
+        may ask for credit (not one that gave its credit back and has not asked again: a
+        finished one)."""
         planner = self.ingress.planner
         floor = planner.budget.stream_floor  # the count in force: shares() rescaled it
         need_b = need_y = 0
@@ -331,6 +320,8 @@ class Broker:
                 "(read; its floor is %d batches, %s, of a budget of %d batches counted for "
                 "its batches)", s, gone_b, _size(gone_y), ", ".join(sorted(needy)),
                 floor.batches, _size(floor.nbytes), planner.budget.max_batches)
+        if short_b > 0 or short_y > 0:
+            self.egress.reclaim(max(0, short_b), max(0, short_y), needy)
 
     def _evict(self, stream: str, batches: int, nbytes: int) -> tuple[int, int]:
         """Drop the oldest batches of ``stream`` until it holds at most ``batches`` and
@@ -347,100 +338,10 @@ class Broker:
         return gone_b, gone_y
 
     def _leftovers(self, now: float) -> None:
-        """What departed producers left in a (training) stream's buffer, against what
-        produces the stream now:
-
-        - batches of a departed pipeline whose fingerprint differs from those the producers
-          of the stream now say, one of which registered since it left, are dropped, counted
-          (``feedline_broker_replaced_batches_total``) and logged once, naming both: a
-          consumer of the stream expects the batches of what produces it (before, a Keras
-          ``fit`` got the last run's, of another shape, minutes later);
-        - a departed producer's end and error messages are dropped as soon as a producer
-          of the stream has registered since it left (its run was replaced: a trainer
-          started now must not get the old run's ``ProducerError``);
-        - leftovers that stay (the same pipeline, or no producer now, or one that says no
-          fingerprint) are served, and logged once a departed session (WARNING unless the
-          same pipeline produces the stream now) when a consumer reads them.
-
-        Exact streams are left alone: their coordinator knows their pipeline and units."""
-        self._registered = len(self.ingress.producers)
-        live: dict[str, list[_Session]] = {}
-        keys = set()
-        for p in self.ingress.producers:
-            keys.add(p.session)
-            s = self._sessions.get(p.session)
-            if s is None or s.stream != p.stream:
-                s = self._sessions[p.session] = _Session(p.name, p.stream, p.pipeline, now)
-            s.left = None  # (back, if it had left)
-            live.setdefault(p.stream, []).append(s)
-        gone: dict[str, dict[int, _Session]] = {}
-        for key, s in self._sessions.items():
-            if s.left is None and key not in keys:
-                s.left = now
-            if s.left is not None:
-                gone.setdefault(s.stream, {})[key] = s
-        for stream, departed in gone.items():
-            if self.exact.get(stream) is None:
-                self._drop_leftovers(stream, departed, live.get(stream, []))
-            held = {h.session for h in self.buffer.items(stream)}
-            for key in departed:
-                if key not in held:
-                    del self._sessions[key]
-        self._departed = any(s.left is not None for s in self._sessions.values())
-
-    def _drop_leftovers(self, stream: str, departed: dict[int, _Session],
-                        current: list[_Session]) -> None:
-        """:meth:`_leftovers` for one stream: ``departed`` sessions, by key, and those of the
-        producers registered on it ``current``."""
-        fps = {s.pipeline for s in current if s.pipeline}
-        # Replaced: a producer registered since it left (of another pipeline, for its
-        # batches). One of another pipeline that produced beside it (two pipelines feeding
-        # one stream on purpose) replaces nothing: what it left is served.
-        replaced = {k for k, s in departed.items()
-                    if s.left is not None and any(n.joined >= s.left for n in current)}
-        stale = {k for k, s in departed.items()
-                 if k in replaced and s.pipeline and fps and s.pipeline not in fps
-                 and any(n.pipeline and n.joined >= (s.left or 0.0) for n in current)}
-        if stale or replaced:
-            dropped: dict[int, list[int]] = {}  # session -> [batches, end/error messages]
-
-            def void(h: Held) -> bool:
-                if h.session in stale or (h.broadcast and h.session in replaced):
-                    n = dropped.setdefault(h.session, [0, 0])
-                    n[h.broadcast] += 1 if h.broadcast else h.count
-                    return True
-                return False
-
-            if self.buffer.discard(stream, void):
-                self.ingress.dirty = True  # room freed: a plan
-                label = self.metrics.stream_label.label(stream)
-                currentnames = ", ".join(sorted({n.name for n in current}))
-                for key, (n, controls) in dropped.items():
-                    s = departed[key]
-                    self.metrics.replaced.labels(label).inc(n)
-                    self._pipeline_log.warning(
-                        "stream %s: dropped %d batches%s left by producer %s (%s), which "
-                        "left: producer %s (%s) produces the stream now", stream, n,
-                        f" and {controls} end/error message(s)" if controls else "",
-                        s.name, _fp(s.pipeline), currentnames,
-                        ", ".join(_fp(f) for f in sorted(fps)) or _fp(0))
-        if not self.egress.demand(stream):
-            return
-        left = {h.session for h in self.buffer.items(stream) if not h.broadcast}
-        for key in left & departed.keys():
-            s = departed[key]
-            if s.told:
-                continue
-            s.told = True
-            same = bool(s.pipeline) and fps == {s.pipeline}
-            self._pipeline_log.log(
-                logging.INFO if same else logging.WARNING,
-                "stream %s: serving batches left by producer %s (%s), which left; %s",
-                stream, s.name, _fp(s.pipeline),
-                "the same pipeline produces the stream now" if same else
-                "no producer of the stream is registered now" if not current else
-                "its producers now say no fingerprint to compare" if not fps else
-                "it says no fingerprint to compare with the producers' now")
+        """What producers that left, or went silent, have buffered, against what produces
+        each stream now (:mod:`feedline.broker.pipelines`)."""
+        if self.leftovers.judge(now, self.ingress.producers, self.egress.demand):
+            self.ingress.dirty = True  # room freed: a plan
 
     def _stream_gauges(self) -> None:
         """Per-stream series: buffered batches, peers, and exact streams' progress."""
@@ -473,6 +374,23 @@ class Broker:
                                                   and c.journal.error is None)
             m.stream_label.release(label)
         self._exact_labelled = set(self.exact.streams)
+
+    def summary(self) -> str:
+        """What it served since it started, and what it holds (lost with it when it stops):
+        the broker's last line."""
+        kb, ky = self.leftovers.held()
+        buf_b, buf_y = self.buffer.batches + kb, self.buffer.nbytes + ky
+        in_b, in_y = self.egress.inflight()
+        out_b, _ = self.ingress.planner.outstanding()
+        exact = ""
+        if self.exact.streams:
+            exact = (f"; exact streams' progress is in {self.cfg.state_dir}: a broker "
+                     "started on it serves the rest" if self.cfg.state_dir else
+                     "; exact streams' progress was in memory only (--exact-ephemeral)")
+        return (f"served {self.stats.forwarded} batches to consumers; dropped what it held: "
+                f"{buf_b} batches buffered ({_size(buf_y)}), {in_b} delivered to consumers "
+                f"and not reported taken ({_size(in_y)}), credit for {out_b} granted to "
+                f"producers{exact}")
 
     # --------------------------------------------------------------------------- close
     def close(self) -> None:

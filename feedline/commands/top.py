@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from feedline.flags import HelpFormatter, stop_on_signals
 from feedline.scrape import Labels, Scrape, normalize_url, scrape
+from feedline.serving.metrics import DEPARTED
 from feedline.verdict import WINDOW_SECONDS, VerdictTracker
 from feedline.verdict import verdict as _verdict  # the dashboard's thresholds too
 
@@ -161,10 +162,13 @@ def render(prev: Snapshot, cur: Snapshot, width: int = 120,
             f"{b.get('feedline_broker_peers', role='producer') or 0:.0f} producers, "
             f"{b.get('feedline_broker_peers', role='consumer') or 0:.0f} consumers")
         lines += _budget_lines(b, direct)
+        ended = b.series("feedline_broker_dropped_peers_total")
+        left = sum(v for lab, v in ended.items() if dict(lab).get("reason") in DEPARTED)
         lines.append(
             f"        lost {b.total('feedline_broker_lost_batches_total'):.0f}   rejected "
             f"{b.total('feedline_broker_rejected_messages_total'):.0f}   dropped peers "
-            f"{b.total('feedline_broker_dropped_peers_total'):.0f}")
+            f"{sum(ended.values()) - left:.0f}" + (f" ({left:.0f} left cleanly)"
+                                                  if left else ""))
         lines += _streams(p, b, who)
         lines += _sizing(b)
 

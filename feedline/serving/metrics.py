@@ -7,6 +7,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from feedline.metrics import BoundedLabel, OwnedCounter, OwnedCounters
 from feedline.serving.sizing import VERDICTS
 
+# Reasons a registration ends that lose nothing: the peer said goodbye, or registered again
+# on its connection. feedline_broker_dropped_peers_total counts them beside the drops, by
+# reason; what speaks of "dropped peers" leaves them out.
+DEPARTED = ("bye", "registered_again")
+
 
 class BrokerMetrics:
     def __init__(self, registry: CollectorRegistry, max_producer_labels: int = 64) -> None:
@@ -59,7 +64,11 @@ class BrokerMetrics:
             "CURVE handshakes refused: the client's public key is not in --curve-allowed.",
             registry=r)
         self.dropped_peers = Counter(
-            "feedline_broker_dropped_peers", "Peers dropped, by role and reason.",
+            "feedline_broker_dropped_peers",
+            "Registrations that ended, by role and reason. bye (the peer said goodbye) and "
+            "registered_again (replaced by its own next registration) lose nothing: they are "
+            "departures, not drops; every other reason is a drop (timeout: silent past the "
+            "heartbeat timeout, no_credit, over_credit, revoke_unanswered, unreachable, ...).",
             ["role", "reason"], registry=r)
         self.buffer_batches = Gauge(
             "feedline_broker_buffer_batches",

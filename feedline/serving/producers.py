@@ -33,7 +33,7 @@ from feedline.serving.claims import ClaimStreams, admit
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
 from feedline.serving.held import Held, Send, Sink
-from feedline.serving.metrics import BrokerMetrics
+from feedline.serving.metrics import DEPARTED, BrokerMetrics
 from feedline.serving.peers import HELLO_RATE, HelloRate, PeerTable, Producer, connection
 from feedline.serving.units import Units
 
@@ -401,9 +401,10 @@ class ProducerSide:
                                "timeout); what it had in flight is counted lost if it comes "
                                "back", p.name)
         else:
-            self._info.info("producer %s dropped (%s)", p.name, reason)
+            self._info.info("producer %s %s (%s)", p.name,
+                            "left" if reason in DEPARTED else "dropped", reason)
         self.metrics.dropped_peers.labels("producer", reason).inc()
-        if reason not in ("bye", "registered_again") and credit is not None:
+        if reason not in DEPARTED and credit is not None:
             # What it may have sent that will never arrive here.
             self.metrics.unconfirmed.labels("producer").inc(credit.outstanding)
 

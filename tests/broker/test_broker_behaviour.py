@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,7 @@ from feedline.errors import ProducerError, ReceiveTimeout
 from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender, send_dataflow
+from feedline.scrape import scrape
 from feedline.serving.budget import SMALL_BATCH
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
@@ -361,3 +363,37 @@ def test_a_producer_says_when_it_waits_long_for_credit_and_why(thread_broker, en
         wait_for(lambda: "no credit" in caplog.text, 10, what="the warning")
     line = next(r.getMessage() for r in caplog.records if "no credit" in r.getMessage())
     assert "waiting" in line and "training side" in line and endpoints.ingress in line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_broker_stopped_by_a_signal_says_so_and_what_it_held(tmp_path, endpoints,
+                                                                  sig) -> None:
+    """A broker process serves 5 batches of ``default`` to a trainer and buffers 5 of
+    ``idle``, which nobody reads; stopped by SIGTERM (or SIGINT), it exits 0 and its last
+    stderr line names the signal, what it served and the 5 batches it drops (before: it
+    exited without a word)."""
+    port = free_port()
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "feedline.broker", "--ingress", endpoints.ingress, "--egress",
+         endpoints.egress, "--metrics-port", str(port), "--heartbeat-interval", "0.2",
+         "--heartbeat-timeout", "1.5"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for stream in ("default", "idle"):
+            send_dataflow(([np.full(4, i, np.int32)] for i in range(5)), endpoints.ingress,
+                          epochs=1, producer_id=stream, link=FAST, stream=stream)
+        with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+            assert len(list(itertools.islice(src, 5))) == 5
+        wait_for(lambda: scrape(port).total("feedline_broker_inflight_batches") == 0 and
+                 scrape(port).total("feedline_broker_buffer_batches") == 5, 20,
+                 what="the trainer's batches reported taken, idle's buffered")
+        broker.send_signal(sig)
+        _, err = broker.communicate(timeout=20)
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+            broker.communicate()
+    assert broker.returncode == 0, err
+    last = err.strip().splitlines()[-1]
+    assert f"INFO feedline.broker.cli: broker stopped by {signal.Signals(sig).name}: served 5 " \
+           "batches to consumers; dropped what it held: 5 batches buffered" in last, err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -124,8 +125,9 @@ def test_two_pipelines_feeding_one_stream_lose_nothing_when_one_ends(
         tmp_path: Path, broker_proc, daemons, endpoints) -> None:
     """Two pipelines feed the default stream on purpose; one ends (5 batches) while nobody
     reads, the other goes on: a trainer that starts then gets the ended one's 5 batches too
-    (the other did not replace it: it produced beside it)."""
-    _, metrics = start_broker(broker_proc)
+    (the other did not replace it: it produced beside it), and the broker's line says so
+    (before: "it says no fingerprint to compare", of a producer that said one)."""
+    broker, metrics = start_broker(broker_proc)
     paced = tmp_path / "b.yaml"  # 20 batches a second: room for a's beside them
     paced.write_text(yaml.safe_dump({"factory": "tests.support.ledger_data:make",
                                      "args": {"nbytes": 64, "rate": 20}}))
@@ -143,3 +145,63 @@ def test_two_pipelines_feeding_one_stream_lose_nothing_when_one_ends(
                 break
     assert counts.get("a") == 5, counts
     assert metrics.value("feedline_broker_replaced_batches_total") == 0
+    said = log_lines(broker.log_text(), "WARNING", "serving batches left by producer a ")
+    assert len(said) == 1 and "produced the stream beside it" in said[0] \
+        and "no pipeline fingerprint" not in said[0], said
+
+
+def test_a_killed_pipelines_leftovers_do_not_reach_the_next_pipelines_trainer(
+        tmp_path: Path, broker_proc, daemons, endpoints) -> None:
+    """A producer of one pipeline is killed (``kill -9``) while nobody reads its stream; within
+    the broker's heartbeat timeout (6 s here), so that the broker still counts it registered,
+    a producer of another pipeline registers and its trainer starts: every batch the trainer
+    gets is the new pipeline's, and at the timeout the killed one's are dropped and counted
+    (before: its leftovers were served first, as it had not left yet)."""
+    broker, metrics = start_broker(broker_proc, "--heartbeat-timeout", "6")
+    paced = tmp_path / "old.yaml"  # 100 batches a second: a few hundred buffered
+    paced.write_text(yaml.safe_dump({"factory": "tests.support.ledger_data:make",
+                                     "args": {"nbytes": 64, "rate": 100}}))
+    old = start_producer(daemons, endpoints.ingress, paced, "old")
+    wait_for(lambda: _buffered(metrics) >= 20, 30, what="the old pipeline's batches")
+    old.kill9()
+    left = _buffered(metrics)
+    start_producer(daemons, endpoints.ingress, fake_yaml(
+        tmp_path, "new", [[16]], ["float32"]), "new")
+    wait_for(lambda: metrics.value("feedline_broker_peers", role="producer") == 2, 20,
+             what="the new pipeline's producer, beside the killed one not yet dropped")
+    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST, return_meta=True) as src:
+        got = list(itertools.islice(src, TAKE))
+    shapes = {(b.producer, b.datapoint[0].shape, str(b.datapoint[0].dtype)) for b in got}
+    assert shapes == {("new", (16,), "float32")}, shapes
+    replaced = wait_for(lambda: metrics.value("feedline_broker_replaced_batches_total",
+                                              stream="default"), 20,
+                        what="the killed producer's batches dropped at its timeout")
+    assert replaced >= left >= 20, (replaced, left)
+    lines = log_lines(broker.log_text(), "WARNING", "stream default: dropped", "producer old",
+                      "producer new")
+    assert len(lines) == 1 and lines[0].count("pipeline ") == 2, lines
+
+
+def test_a_quiet_live_producers_batches_are_served_beside_another_pipeline(
+        tmp_path: Path, broker_proc, daemons, endpoints) -> None:
+    """A producer of one pipeline sends 5 batches while nobody reads and stays connected,
+    sending nothing more (its link still heartbeats); a producer of another pipeline
+    registers: the quiet one's batches may be held back until it is next heard from, never
+    dropped: a trainer gets all 5 (two pipelines feeding one stream together)."""
+    broker, metrics = start_broker(broker_proc)
+    with Sender(endpoints.ingress, producer_id="quiet", link=FAST, pipeline=7) as quiet:
+        for i in range(5):
+            quiet.send([np.full(4, i, np.int32)])
+        wait_for(lambda: _buffered(metrics) == 5, 20, what="the quiet producer's batches")
+        start_producer(daemons, endpoints.ingress, fake_yaml(
+            tmp_path, "new", [[16]], ["float32"]), "new")
+        wait_for(lambda: metrics.value("feedline_broker_peers", role="producer") == 2, 20,
+                 what="the other pipeline's producer")
+        counts: dict[str, int] = {}
+        with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST, return_meta=True) as src:
+            for b in itertools.islice(src, 5000):
+                counts[b.producer] = counts.get(b.producer, 0) + 1
+                if counts.get("quiet") == 5:
+                    break
+    assert counts.get("quiet") == 5, counts
+    assert metrics.value("feedline_broker_replaced_batches_total") == 0, broker.log_text()

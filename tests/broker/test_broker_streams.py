@@ -9,19 +9,29 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from feedline.commands import top
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.procs import wait_for
-from tests.support.flow_support import FAST, fake_yaml, run_script, start_broker, start_producer
+from tests.support.flow_support import (
+    FAST,
+    fake_yaml,
+    log_lines,
+    run_script,
+    start_broker,
+    start_producer,
+)
 
 TRAIN = 20  # batches of 2.4 MB the trainer must get
 
@@ -105,6 +115,8 @@ def test_top_and_the_help_say_what_the_batch_count_bounds(
     assert lines[at + 1].strip().startswith(
         "over it: granted while only smaller batches were produced"), lines[at + 1]
     assert not re.search(r"\b(1\d\d|[2-9]\d\d+)%", screen), screen
+    # tiny said goodbye: that is no drop (before: "dropped peers 1").
+    assert "dropped peers 0 (1 left cleanly)" in screen, screen
 
     with urllib.request.urlopen(url, timeout=5) as r:
         page = r.read().decode()
@@ -119,3 +131,61 @@ def test_top_and_the_help_say_what_the_batch_count_bounds(
                     .split("\n  --max-bytes")[0].split())
     assert "counted for batches of 8 MiB or more" in flag and "111 of 2.4 MB" in flag, flag
     assert "(default: 32)" in flag, flag
+
+
+def test_a_paused_consumers_batches_leave_another_stream_its_floor(
+        tmp_path: Path, broker_proc, daemons, endpoints) -> None:
+    """A trainer of stream ``small`` (tiny batches, hundreds in flight to it) is SIGSTOPped
+    past the heartbeat timeout while a producer of 2.4 MB batches serves ``train``: a trainer
+    of ``train`` gets its batches while the paused one is away, and the paused one, woken,
+    registers again and is served again (before: what was in flight to it stayed counted,
+    against a budget counted for 2.4 MB batches, for as long as it was away: 0 batches)."""
+    broker, metrics = start_broker(broker_proc)
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump({"factory": "tests.support.ledger_data:make",
+                                     "args": {"nbytes": 64}}))
+    start_producer(daemons, endpoints.ingress, small, "small", "--stream", "small")
+    ledger = tmp_path / "paused.ledger"
+    paused = daemons("tests.support.ledger_consumer", "--broker", endpoints.egress,
+                     "--ledger", ledger, "--stream", "small", "--heartbeat-interval", "0.2",
+                     "--heartbeat-timeout", "1.5", name="paused")
+
+    def lines() -> int:
+        return sum(1 for ln in ledger.read_text().splitlines() if not ln.startswith("#")) \
+            if ledger.exists() else 0
+
+    def until(what: str, predicate: Callable[[], bool]) -> None:
+        try:
+            wait_for(predicate, 60, what=what)
+        except TimeoutError as e:  # what each side said, to tell a hang from a slow machine
+            raise AssertionError(f"{e}: {lines()} batches taken; the trainer's log:\n"
+                                 f"{paused.log_text()[-2000:]}\nthe broker's:\n"
+                                 f"{broker.log_text()[-3000:]}") from None
+    until("the small stream's trainer reading", lambda: lines() >= 1000)
+    paused.signal(signal.SIGSTOP)
+    try:
+        until("the paused trainer dropped", lambda: metrics.value(
+            "feedline_broker_dropped_peers_total", role="consumer", reason="timeout") >= 1)
+        held = metrics.value("feedline_broker_inflight_batches")
+        start_producer(daemons, endpoints.ingress, fake_yaml(
+            tmp_path, "train", [[600, 1000]], ["float32"]), "train", "--stream", "train")
+        got = 0
+        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=20, link=FAST) as src:
+            try:
+                for got, _ in enumerate(src, 1):
+                    if got >= TRAIN:
+                        break
+            except ReceiveTimeout:
+                pass
+        assert got == TRAIN, f"{got} of {TRAIN} batches of train ({held:.0f} in flight to " \
+                             "the paused trainer)"
+        before = lines()
+    finally:
+        paused.signal(signal.SIGCONT)
+    until("the woken trainer served again", lambda: lines() >= before + 1000)
+    assert paused.alive(), paused.log_text()
+    assert metrics.value("feedline_broker_cut_off_connections_total", role="consumer",
+                         reason="silent") == 1
+    said = log_lines(broker.log_text(), "WARNING", "consumer ", "of stream small", "in flight",
+                     "cut to make room for train")
+    assert len(said) == 1, broker.log_text()

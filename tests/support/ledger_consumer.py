@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--broker", required=True)
     ap.add_argument("--ledger", required=True)
     ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--stream", default="default")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--heartbeat-timeout", type=float, default=5.0)
     a = ap.parse_args()
@@ -40,7 +41,7 @@ def main() -> None:
                       heartbeat_timeout=a.heartbeat_timeout)
     with open(a.ledger, "a", buffering=1) as out, \
             RemoteDataZMQ(a.broker, window=a.window, timeout=0.2, return_meta=True,
-                          link=link) as src:
+                          link=link, stream=a.stream) as src:
 
         def stats() -> None:
             st = {k: dataclasses.asdict(v) for k, v in src.stats().items()}
