@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, default=None,
                    help="MCUs per index entry within a row (default 4: see "
                    "docs/performance.md)")
-    p.add_argument("--workers", type=int, default=1, help="processes building indexes")
+    p.add_argument("--workers", type=int, default=1, help="processes building indexes (default: 1)")
     p.add_argument("--overwrite", action="store_true",
                    help="rebuild indexes that are already there and fit their files")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
