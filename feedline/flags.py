@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -104,7 +105,13 @@ def standalone(add_parser: Callable[[argparse._SubParsersAction], None], name: s
     parser = argparse.ArgumentParser(prog="feedline", formatter_class=HelpFormatter)
     add_parser(parser.add_subparsers(dest="command", metavar="COMMAND"))
     args = parser.parse_args([name, *argv])
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # A second Ctrl-C (stop_on_signals): the user wants it gone now, not a traceback.
+        print(f"feedline {name}: interrupted again while stopping; stopped at once, without "
+              "finishing its shutdown", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------- flags several daemons share

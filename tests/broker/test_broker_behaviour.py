@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -397,3 +398,28 @@ def test_a_broker_stopped_by_a_signal_says_so_and_what_it_held(tmp_path, endpoin
     last = err.strip().splitlines()[-1]
     assert f"INFO feedline.broker.cli: broker stopped by {signal.Signals(sig).name}: served 5 " \
            "batches to consumers; dropped what it held: 5 batches buffered" in last, err
+
+
+def test_a_second_sigint_while_stopping_ends_the_broker_without_a_traceback(tmp_path,
+                                                                           endpoints) -> None:
+    """Ctrl-C in a terminal (or ``timeout`` and the shell) can deliver SIGINT twice: a new
+    user got a KeyboardInterrupt traceback from zmq_poll. The second one ends it at once, in
+    one line, status 130 (or, if it came after the broker had stopped, 0)."""
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "feedline.broker", "--ingress", endpoints.ingress, "--egress",
+         endpoints.egress, "--metrics-port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: Path(endpoints.egress[len("ipc://"):]).exists(), 30, what="broker")
+        broker.send_signal(signal.SIGINT)
+        time.sleep(0.02)  # the second while the first's shutdown runs (a broker takes ~0.1 s)
+        broker.send_signal(signal.SIGINT)
+        _, err = broker.communicate(timeout=20)
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+            broker.communicate()
+    assert "Traceback" not in err, err
+    assert broker.returncode in (0, 130), (broker.returncode, err)
+    if broker.returncode == 130:
+        assert err.strip().splitlines()[-1].startswith("feedline broker: interrupted again"), err
