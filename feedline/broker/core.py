@@ -119,6 +119,9 @@ class Broker:
         self._exact_labelled: set[str] = set()  # exact streams with series last tick
         self._gauged: set[str] = set()  # streams with peers or buffered batches last tick
         self._evict_log = RateLimitedLog(log, interval=10.0, burst=4)
+        # Batches evicted per stream to make room for read ones, for the log line (bounded:
+        # the streams a broker has state for); the metric counts every eviction.
+        self._evicted: dict[str, int] = {}
         self.server: Server | None = None
         try:
             self.server = server = Server(self.ctx, ServingConfig(
@@ -315,11 +318,14 @@ class Broker:
             b, y = held[s]
             gone_b, gone_y = self._evict(s, b - max(0, short_b), y - max(0, short_y))
             short_b, short_y = short_b - gone_b, short_y - gone_y
+            self._evicted[s] = self._evicted.get(s, 0) + gone_b
             self._evict_log.info(
                 "stream %s: %d batches (%s) that nobody reads evicted to make room for %s "
                 "(read; its floor is %d batches, %s, of a budget of %d batches counted for "
-                "its batches)", s, gone_b, _size(gone_y), ", ".join(sorted(needy)),
-                floor.batches, _size(floor.nbytes), planner.budget.max_batches)
+                "its batches); %d evicted from it so far (feedline_broker_evicted_batches_"
+                "total)", s, gone_b, _size(gone_y), ", ".join(sorted(needy)),
+                floor.batches, _size(floor.nbytes), planner.budget.max_batches,
+                self._evicted[s])
         if short_b > 0 or short_y > 0:
             self.egress.reclaim(max(0, short_b), max(0, short_y), needy)
 
