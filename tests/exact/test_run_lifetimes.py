@@ -136,7 +136,7 @@ def test_a_late_producer_of_a_served_run_ends_with_it_after_its_trainer_left(
         batches = list(src.epoch())
     assert_exactly_once([s for b in batches for s in samples(b)], cfg, batches[0].epoch)
     wait_for(lambda: not first.alive(), 20, what="the first producer to exit")
-    wait_for(lambda: re.search(r"consumer \S+ dropped", broker.log_text()), 20,
+    wait_for(lambda: re.search(r"consumer \S+ (dropped|left)", broker.log_text()), 20,
              what="the broker to see the trainer leave")
     gate.touch()
     wait_for(lambda: not late.alive(), 30,
