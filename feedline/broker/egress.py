@@ -210,7 +210,7 @@ class ConsumerSide:
         coord = a.coordinator
         if a.resumed or a.settled is not None:
             self.buffer.discard(stream, lambda h: h.batch is not None
-                                and not coord.servable(h.batch.key))
+                                and not coord.servable(h.batch.key, h.batch.pipeline))
         if a.resumed:
             coord.holding(self._held_keys(stream))
         for epoch in a.ended:
@@ -280,6 +280,14 @@ class ConsumerSide:
                     self.buffer.pop(stream)
                     for ident in list(ring):
                         self._send(ident, [item.frames[0]])
+                    continue
+                if coord is not None and item.batch is not None \
+                        and not coord.of_plan(item.batch.pipeline):
+                    # A replaced pipeline's batch (buffered, or served again from a consumer
+                    # that had it): never a trainer's of the new one. Dropped, counted.
+                    self.buffer.pop(stream)
+                    self.metrics.replaced.labels(self.metrics.stream_label.label(stream)).inc(
+                        item.count)
                     continue
                 unit = item.nbytes - item.array_bytes + item.array_bytes // item.count
                 if item.count > 1 and self._split(stream, ring, item, unit, True):
@@ -411,7 +419,8 @@ class ConsumerSide:
         consumer took them and reported so, or a resume said they were taken): never twice."""
         coord = self.exact.get(stream)
         for item in reversed(items):
-            if coord is None or item.batch is None or coord.servable(item.batch.key):
+            if coord is None or item.batch is None or coord.servable(item.batch.key,
+                                                                     item.batch.pipeline):
                 self.buffer.requeue(stream, item)
 
     def drop(self, ident: bytes, reason: str) -> None:

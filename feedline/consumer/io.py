@@ -143,6 +143,12 @@ class Shared:
             self.queued_bytes -= item.nbytes
             if b.unit >= 0 and not self.collect_keys and item.registration != self.registration:
                 return False
+            if b.unit >= 0:
+                # Before it is counted: a batch of another pipeline than the one this process
+                # took from raises here, and, not reported taken, is served again to a
+                # consumer of the new pipeline once this one closes (before, it was settled:
+                # lost to the new job's epoch).
+                self.exact.check(b.pipeline)
             if item.registration == self.registration:
                 self.taken += 1
             if b.unit >= 0 and self.exact.seen(b.epoch, b.unit, b.index):

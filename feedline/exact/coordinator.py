@@ -382,8 +382,18 @@ class Coordinator:
         p.accepted |= 1 << i
         return True
 
-    def servable(self, key: Key) -> bool:
-        """This batch may be served: of the epoch being served and not settled."""
+    def of_plan(self, pipeline: int) -> bool:
+        """A batch made by ``pipeline`` (its fingerprint; 0: not said) is of this plan's
+        pipeline. One of a replaced pipeline has keys of the same shape, (epoch, unit, index),
+        as this one's: served as this one's, it would settle a batch of the new dataset that a
+        consumer never got, and hand a trainer the old dataset's samples."""
+        return not (pipeline and self.plan.fingerprint and pipeline != self.plan.fingerprint)
+
+    def servable(self, key: Key, pipeline: int = 0) -> bool:
+        """This batch may be served: of the epoch being served, of the plan's pipeline
+        (:meth:`of_plan`), and not settled."""
+        if not self.of_plan(pipeline):
+            return False
         epoch, u, i = key
         if epoch != self.epoch or self.finished or u in self.done:
             return False

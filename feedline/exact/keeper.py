@@ -53,9 +53,9 @@ class CursorKeeper:
         reached it): to be acknowledged, not given to the model twice."""
         return epoch == self.cursor.epoch and self.cursor.has(unit, index)
 
-    def take(self, epoch: int, unit: int, index: int, pipeline: int) -> None:
-        """Count a batch the model takes. A batch of another pipeline than the one taken from
-        (the stream's producers were replaced) is an error: the cursor could not say it."""
+    def check(self, pipeline: int) -> None:
+        """A batch of another pipeline than the one taken from (the stream's producers were
+        replaced) is an error: the cursor could not say it. Call before the batch counts."""
         c = self.cursor
         if c.pipeline and pipeline != c.pipeline and c.bits:
             raise FeedlineError(
@@ -63,6 +63,11 @@ class CursorKeeper:
                 f"{pipeline:x}) than the one this process took batches of "
                 f"({c.pipeline:x}): its producers were replaced; start the job "
                 "again (with a new RemoteDataZMQ)")
+
+    def take(self, epoch: int, unit: int, index: int, pipeline: int) -> None:
+        """Count a batch the model takes (:meth:`check` first)."""
+        self.check(pipeline)
+        c = self.cursor
         if epoch != c.epoch or not c.pipeline:
             if epoch != c.epoch:
                 self.cursor = c = Cursor(self.stream, epoch)
