@@ -208,13 +208,22 @@ def _interrupted(out: Path, prefix: str) -> list[Path]:
 
 
 def _running(pid: int) -> bool:
+    """Process ``pid`` is a feedline conversion running now. Not this one (a container that
+    runs each conversion as the same PID, or ``exec``, reuses the killed one's), and, where
+    /proc says what a process is, not an unrelated process that took the PID."""
+    if pid == os.getpid():
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's: it runs
         return True
-    return True
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc here: it runs, whatever it is
+    return b"feedline" in cmdline and b"convert" in cmdline
 
 
 def _previous_conversion(out: Path, prefix: str, writing: set[str],

@@ -232,12 +232,19 @@ def test_an_interrupted_overwrite_leaves_partials_the_next_removes_and_globs_ski
     info = feedline("info", str(out / "*.tar*"), "--format", "webdataset")
     assert info.returncode == 0, info.stderr
     assert "partial" not in info.stdout and "1 shards, 3000 samples" in info.stdout, info.stdout
-    # one whose process runs (this one's pid): refused, nothing removed
-    running = out / f".shard-000000.tar.partial-{os.getpid()}"
-    running.write_bytes(b"being written")
-    r = feedline("convert", *args, "--overwrite")
+    # one whose process runs (a conversion: its command line says so): refused, nothing
+    # removed
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                               "feedline", "convert"])
+    try:
+        running = out / f".shard-000000.tar.partial-{writer.pid}"
+        running.write_bytes(b"being written")
+        r = feedline("convert", *args, "--overwrite")
+    finally:
+        writer.kill()
+        writer.wait()
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert f"{running}: a shard process {os.getpid()} is writing" in r.stderr, r.stderr
+    assert f"{running}: a shard process {writer.pid} is writing" in r.stderr, r.stderr
     assert running.exists() and all(p.exists() for p in left)
     running.unlink()
     r = feedline("convert", *args, "--overwrite")
@@ -245,3 +252,19 @@ def test_an_interrupted_overwrite_leaves_partials_the_next_removes_and_globs_ski
     assert f"removed {len(left)} partial shards an interrupted conversion left" in r.stdout
     assert not list(out.glob(".*partial*")), sorted(p.name for p in out.iterdir())
     assert samples_of_glob(str(out / "*.tar*")) == sorted(samples_of_glob(str(out / "*.tar")))
+
+
+def test_a_partial_of_a_reused_pid_is_removed_not_refused(tmp_path: Path) -> None:
+    """The attack review: a partial shard named after this conversion's own PID (a container
+    that runs each conversion as the same PID), or after PID 1, was refused as 'a shard
+    process N is writing'; the killed conversion's partial stayed for ever. A PID that is
+    this process, or a process that is no feedline conversion, is no writer."""
+    from feedline.producer import convert_cli
+
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / f".shard-000000.tar.partial-{os.getpid()}"
+    init = out / ".shard-000001.tar.partial-1"
+    for p in (mine, init):
+        p.write_bytes(b"\0" * 512)
+    assert sorted(convert_cli._interrupted(out, "shard")) == sorted([mine, init])

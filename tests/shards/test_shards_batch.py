@@ -229,3 +229,14 @@ def test_exact_delivery_leaves_an_odd_sample_out_of_its_batch_or_names_it(tmp_pa
     with pytest.raises(DataError, match=f"sample {tmp_path}/t.tfrecord#{at} component 1"):
         for u in range(2):
             list(pipe.batches(0, u))
+
+
+def test_a_tie_with_no_earlier_batch_says_why_it_cannot_choose() -> None:
+    """The attack review: an exact producer with ``batch_size: 2`` and one sample a byte
+    longer stopped with "cannot stack ... use use_list=True for ragged data", though the data
+    is not ragged. The error now says it is a tie and what to do."""
+    from feedline.errors import DataError
+    from feedline.producer.dataflow.batch_data import odd_samples
+
+    with pytest.raises(DataError, match="half of its 2 values are .* no earlier batch says"):
+        odd_samples([[np.zeros(4, np.uint8)], [np.zeros(5, np.uint8)]], None)

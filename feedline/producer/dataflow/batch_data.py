@@ -199,6 +199,13 @@ def _reference(kinds: list[Kind], last: Kind | None, what: str) -> Kind:
         return last
     if len(held) == 1:
         return held[0]
+    if len(held) == 2:
+        a, b = held
+        raise DataError(f"BatchData: cannot stack {what}: half of its {n} values are "
+                        f"{_describe(a)} and half {_describe(b)}, and no earlier batch says "
+                        "which is the odd one (a batch of 2, or the first batch): fix the "
+                        "odd samples, use a batch_size of 3 or more, or use_list=True "
+                        "(batch: {use_list: true}) if the data is ragged")
     seen = ", ".join(_describe(k) for k, _ in Counter(kinds).most_common(3))
     raise DataError(f"BatchData: cannot stack {what}: its {n} values agree on no shape "
                     f"(e.g. {seen}); use use_list=True (batch: {{use_list: true}}) for ragged "
