@@ -228,7 +228,8 @@ def _run(args: argparse.Namespace, cfg: dict, df: DataFlow) -> int:
                               log_interval=args.log_interval,
                               skipped=lambda: sum(s.skipped for s in stages),
                               fleet=(args.fleet, args.fleet_max, args.join_run),
-                              pipeline=training_fingerprint(cfg), started=process_started())
+                              pipeline=training_fingerprint(cfg), started=process_started(),
+                              skip_unsendable=cfg.get("on_error") == "skip")
     except FeedlineError as e:
         # What the operator must change (a batch larger than the broker's --max-bytes, a
         # datapoint over the protocol's limits): one line, not a traceback.
@@ -262,9 +263,11 @@ def log_summary(stats: SendStats, brokers: list[str]) -> None:
                     stats.batches)
         return
     left = stats.batches - stats.sent
-    log.info("sent %d batches (%.1f MB) in %.1fs%s%s", stats.sent, stats.sent_bytes / 1e6,
+    log.info("sent %d batches (%.1f MB) in %.1fs%s%s%s", stats.sent, stats.sent_bytes / 1e6,
              stats.seconds,
              f"; {left} more made that no broker took" if left > 0 else "",
+             f"; {stats.unsendable} skipped that the wire cannot carry" if stats.unsendable
+             else "",
              f"; {stats.bye_unanswered} broker(s) of {', '.join(brokers)} did not answer our "
              "BYE: what went there last may not have arrived" if stats.bye_unanswered else "")
 

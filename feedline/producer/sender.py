@@ -29,8 +29,9 @@ from prometheus_client import CollectorRegistry
 from feedline import endpoints, wire
 from feedline import messages as m
 from feedline.client import ClientLoop, Waker
-from feedline.errors import ConfigError, DataError, FeedlineError, Stopped
+from feedline.errors import ConfigError, DataError, EncodeError, FeedlineError, Stopped
 from feedline.link import LinkConfig
+from feedline.logs import RateLimitedLog
 from feedline.producer.channel import ProducerIO
 from feedline.producer.claims import SenderClaims, claim_spec, claiming_source
 from feedline.producer.dataflow.base import DataFlow, as_dataflow, stages
@@ -79,6 +80,7 @@ class SendStats:
     credit_wait_seconds: float = 0.0
     sent: int = 0
     sent_bytes: int = 0
+    unsendable: int = 0  # batches the wire could not carry, skipped (``skip_unsendable``)
     unreached: list[str] = field(default_factory=list)
     bye_unanswered: int = 0
 
@@ -344,6 +346,9 @@ class Sender:
         self.close()
 
 
+_UNSENDABLE = RateLimitedLog(log, interval=10.0, burst=4)
+
+
 def _nothing_in_an_epoch(df: DataFlow) -> str:
     """The error of an epoch without a batch, with its cause where a stage knows it (a
     batch step that dropped, as its remainder, every sample the source gave)."""
@@ -396,6 +401,7 @@ def send_dataflow(
     fleet: tuple[str, int] | tuple[str, int, bool] = ("", 0),
     pipeline: int = 0,
     started: float | None = None,
+    skip_unsendable: bool = False,
 ) -> SendStats:
     """Send every datapoint of ``df`` to the broker at ``addr`` (or to several), ``epochs``
     times.
@@ -409,7 +415,10 @@ def send_dataflow(
     the id and ``--max`` of the supervisor that started this producer, and whether it joins
     a run under way (``feedline fleet``; :class:`~feedline.producer.outbox.Fleet`).
     ``pipeline``: its fingerprint, and ``started``: when this producer started, as
-    :class:`Sender` takes them.
+    :class:`Sender` takes them. ``skip_unsendable`` (a pipeline's ``on_error: skip``): a
+    batch the wire cannot carry (an :class:`~feedline.errors.EncodeError`: a header over
+    its limit, of long strings batched with ``use_list``) is skipped, logged and counted
+    (``unsendable``), not the end of the producer.
     """
     df = as_dataflow(df)
     df.reset_state()
@@ -430,7 +439,18 @@ def send_dataflow(
                 ready = time.monotonic()  # when we started waiting for the pipeline
                 for dp in df:
                     sender.metrics.pipeline_seconds.inc(time.monotonic() - ready)
-                    stats.bytes += sender.send(dp, epoch=epoch, stop=stop)
+                    try:
+                        stats.bytes += sender.send(dp, epoch=epoch, stop=stop)
+                    except EncodeError as e:
+                        if not skip_unsendable:
+                            raise
+                        stats.unsendable += 1
+                        _UNSENDABLE.warning("skipped batch %d of epoch %d, which the wire "
+                                            "cannot carry (%s); %d skipped so far "
+                                            "(on_error: skip)", stats.batches, epoch, e,
+                                            stats.unsendable)
+                        ready = time.monotonic()
+                        continue
                     stats.batches += 1
                     rate.maybe(stats)
                     ready = time.monotonic()

@@ -240,3 +240,37 @@ def test_a_tie_with_no_earlier_batch_says_why_it_cannot_choose() -> None:
 
     with pytest.raises(DataError, match="half of its 2 values are .* no earlier batch says"):
         odd_samples([[np.zeros(4, np.uint8)], [np.zeros(5, np.uint8)]], None)
+
+
+def test_a_batch_the_wire_cannot_carry_is_skipped_under_skip(broker_proc, daemons, endpoints,
+                                                              tmp_path):
+    """The attack review: one 80 KB ``.json`` caption among 24 samples, batched with
+    ``use_list: true`` as the docs say for JSON: the batch's header is over the wire's 64 KiB
+    and the producer stopped (``EncodeError``), the trainer got ``ProducerError``. Under
+    ``on_error: skip`` the batch is skipped, named and counted; the others are served."""
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w") as t:
+        for i in range(24):
+            caption = "x" * (80_000 if i == 7 else 20)
+            write_sample(t, f"{i:04d}", {"json": b'{"c": "%s"}' % caption.encode(),
+                                         "cls": b"%d" % i})
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "source": {"webdataset": {"urls": str(shard), "fields": ["json", "cls"]}},
+        "on_error": "skip", "epochs": 1,
+        "steps": [{"batch": {"batch_size": 4, "use_list": True}}]}))
+    broker_proc()
+    p = daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress,
+                *LIVENESS, name="p")
+    labels: list[int] = []
+    with RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST) as src:
+        for batch in src:
+            labels += [int(x) for x in batch[1]]
+            if len(labels) >= 20:
+                break
+    wait_for(lambda: not p.alive(), 30, what="the producer to end its epoch")
+    assert p.proc.returncode == 0, p.log_text()[-3000:]
+    assert sorted(labels) == sorted(set(range(24)) - {4, 5, 6, 7}), labels
+    text = p.log_text()
+    assert "which the wire cannot carry" in text and "1 skipped that the wire cannot carry" \
+        in text, text[-3000:]

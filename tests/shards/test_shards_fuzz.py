@@ -10,15 +10,13 @@ from __future__ import annotations
 import base64
 import functools
 import importlib.util
-import re
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from tests.support import ROOT
+from tests.support.fuzzing import time_boxed_fuzz
 
 pytest.importorskip(
     "atheris", reason="atheris is not installed (pip install atheris; the test extra has it "
@@ -94,22 +92,6 @@ def test_what_the_fuzzer_found_stays_fixed(name: str) -> None:
 
 
 def test_time_boxed_fuzz_run_finds_nothing(tmp_path: Path) -> None:
-    corpus, artifacts = tmp_path / "corpus", tmp_path / "artifacts"
-    artifacts.mkdir()
+    corpus = tmp_path / "corpus"
     assert _harness().make_corpus(corpus) > 0  # in this process: one instrumented start
-    run = subprocess.run(
-        [sys.executable, str(HARNESS), str(corpus), f"-max_total_time={FUZZ_SECONDS}",
-         "-rss_limit_mb=2048", "-timeout=10", "-print_final_stats=1",
-         f"-artifact_prefix={artifacts}/"],
-        capture_output=True, text=True, timeout=FUZZ_SECONDS + 120, cwd=tmp_path)
-    out = run.stdout + run.stderr
-    findings = sorted(p.name for p in artifacts.iterdir())
-    assert run.returncode == 0 and not findings, (
-        f"the fuzzer found something (inputs in {artifacts}: {findings}; replay with "
-        f"python {HARNESS} FILE):\n{out[-6000:]}")
-    m = re.search(r"stat::number_of_executed_units:\s*(\d+)", out)
-    assert m, out[-3000:]
-    runs = int(m.group(1))
-    assert runs >= MIN_RUNS, f"only {runs} runs:\n{out[-3000:]}"
-    rate = re.search(r"stat::average_exec_per_sec:\s*(\d+)", out)
-    print(f"fuzzed {runs} inputs in ~{FUZZ_SECONDS}s ({rate.group(1) if rate else '?'}/s)")
+    time_boxed_fuzz(HARNESS, corpus, tmp_path, FUZZ_SECONDS, MIN_RUNS)
