@@ -29,10 +29,10 @@ from __future__ import annotations
 from feedline.exact.coordinator import RECORDS_PER_COMMIT, Coordinator
 from feedline.exact.cursor import MAX_CURSOR_BYTES, MAX_UNITS, Cursor
 from feedline.exact.keeper import CursorKeeper
-from feedline.exact.plan import Assignment, ExactPlan
+from feedline.exact.plan import Assignment, ExactPlan, NoUnit
 from feedline.exact.streams import Applied, ExactConfig, ExactStreams
 from feedline.exact.succession import WAIT, Succession
 
 __all__ = ["MAX_CURSOR_BYTES", "MAX_UNITS", "RECORDS_PER_COMMIT", "WAIT", "Applied",
            "Assignment", "Coordinator", "Cursor", "CursorKeeper", "ExactConfig", "ExactPlan",
-           "ExactStreams", "Succession"]
+           "ExactStreams", "NoUnit", "Succession"]

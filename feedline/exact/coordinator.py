@@ -42,7 +42,7 @@ import time
 
 from feedline.exact.cursor import Cursor, from_runs, runs
 from feedline.exact.journal import Journal, Record
-from feedline.exact.plan import Assignment, ExactPlan, Key, UnitProgress
+from feedline.exact.plan import Assignment, ExactPlan, Key, NoUnit, UnitProgress
 
 __all__ = ["RECORDS_PER_COMMIT", "Assignment", "Coordinator", "ExactPlan", "Key",
            "UnitProgress"]
@@ -288,7 +288,7 @@ class Coordinator:
             log.info("stream %s: a producer registered after its run was served, and %s: it "
                      "is of that run, and told it is finished", self.stream, why)
 
-    def request(self, owner: bytes, now: float = 0.0, first: bool = False) -> Assignment | str:
+    def request(self, owner: bytes, now: float = 0.0, first: bool = False) -> Assignment | NoUnit:
         """A unit for ``owner``, or why not: ``busy`` (the epoch's remaining units are being
         produced, or the broker is recovering, or, on a finished stream, the served run's
         producers are still attached: ask again) or ``finished``. ``first``: the producer was
@@ -297,21 +297,21 @@ class Coordinator:
         it starts the next run once the run's producers are gone."""
         if self.finished:
             if not first or self.attached.get(owner) in self.members:
-                return "finished"
+                return NoUnit.FINISHED
             why = self.of_served_run(owner)
             if why:
                 session = self.attached.get(owner)
                 if session is not None:  # it stays of the run: asked again, the same answer
                     self._member(session)
                 self._said_late(why)
-                return "finished"
+                return NoUnit.FINISHED
             waiting = self._run_attached()
             if waiting:
                 if not self._waits_logged:
                     self._waits_logged = True
                     log.info("stream %s: a producer of a new run waits for the %d producer(s) "
                              "of the run just served to leave", self.stream, waiting)
-                return "busy"
+                return NoUnit.BUSY
             self._new_run()
         for u, p in self.units.items():
             if p.owner == owner and u not in self.done:
@@ -319,7 +319,7 @@ class Coordinator:
                 # same unit, from where we are: a producer works on one unit at a time.
                 return Assignment(self.epoch, u, p.first_missing())
         if self.recovering(now):
-            return "busy"
+            return NoUnit.BUSY
         for u in sorted(self.units):  # units given back first (their owner is gone)
             p = self.units[u]
             if u not in self.done and p.owner is None and u < self._next and not p.produced():
@@ -335,7 +335,7 @@ class Coordinator:
                 continue
             p.owner = owner
             return Assignment(self.epoch, u, p.first_missing())
-        return "busy"
+        return NoUnit.BUSY
 
     def _new_run(self) -> None:
         readers = ("a consumer that came since" if self.read_since else

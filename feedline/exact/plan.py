@@ -1,10 +1,11 @@
 """What an exact stream is made of, apart from its coordinator: the plan (the pipeline's
 sizes, its runs and its fingerprint, as the journal keeps it), a unit's progress (bitmasks of
-the batches here and settled) and a unit handed to a producer."""
+the batches here and settled), a unit handed to a producer, and why a producer gets none."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from feedline.exact.journal import Record
 
@@ -65,6 +66,14 @@ class UnitProgress:
 
     def produced(self) -> bool:
         return self.total is not None and self.accepted & _full(self.total) == _full(self.total)
+
+
+class NoUnit(str, Enum):
+    """Why a producer that asked for a unit gets none (the UNIT_WAIT message's reason: the
+    value is its wire string)."""
+
+    BUSY = "busy"  # the epoch's last units are made elsewhere, or recovering: ask again
+    FINISHED = "finished"  # the run is served: the producer ends
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from feedline import messages as m
 from feedline.errors import Refusal
-from feedline.exact import WAIT, Assignment, ExactPlan, Succession
+from feedline.exact import WAIT, Assignment, ExactPlan, NoUnit, Succession
 
 if TYPE_CHECKING:
     from feedline.exact import ExactStreams
@@ -74,19 +74,19 @@ class Claims:
         """Every epoch of its run was handed out."""
         return bool(self.epochs) and self.epoch >= self.epochs
 
-    def request(self, owner: bytes) -> Assignment | str:
+    def request(self, owner: bytes) -> Assignment | NoUnit:
         """A unit for ``owner``, ``finished`` once every epoch was handed out; ``busy`` for a
         producer of the next run while the served run's producers are still attached."""
         got = self.handed.get(owner)
         if got is None and owner in self.next_run:
             if self.members - self.next_run:
-                return "busy"
+                return NoUnit.BUSY
             self._next_run()
         if got is None and self.returned:
             got = self.returned.pop(0)
         if got is None:
             if self.finished:
-                return "finished"
+                return NoUnit.FINISHED
             got = (self.epoch, self.next)
             self.next += 1
             if self.next >= self.units:

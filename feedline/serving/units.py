@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from feedline import messages as m
 from feedline.errors import Refusal
-from feedline.exact import Coordinator, ExactStreams
+from feedline.exact import Coordinator, ExactStreams, NoUnit
 from feedline.serving.claims import ClaimStreams
 from feedline.serving.peers import Peer
 
@@ -66,16 +66,16 @@ class Units:
         """Answer request ``ask`` with a unit or why not (``pushed``: a try for one told
         ``busy``, which is not told so again)."""
         got = c.request(p.ident, now, first)
-        if got == "busy":
+        if got is NoUnit.BUSY:
             if ask:
                 self._waiting[p.ident] = (c.progress, ask, first)
             if not pushed:
-                self._control(p.ident, m.UnitWait(broker=self.instance, reason=got,
+                self._control(p.ident, m.UnitWait(broker=self.instance, reason=got.value,
                                                   registration=p.registration, ask=ask))
             return
         self._waiting.pop(p.ident, None)
-        if isinstance(got, str):
-            self._control(p.ident, m.UnitWait(broker=self.instance, reason=got,
+        if isinstance(got, NoUnit):
+            self._control(p.ident, m.UnitWait(broker=self.instance, reason=got.value,
                                               registration=p.registration, ask=ask))
         else:
             self._control(p.ident, m.Unit(broker=self.instance, epoch=got.epoch, unit=got.unit,
