@@ -274,3 +274,17 @@ def test_a_batch_the_wire_cannot_carry_is_skipped_under_skip(broker_proc, daemon
     text = p.log_text()
     assert "which the wire cannot carry" in text and "1 skipped that the wire cannot carry" \
         in text, text[-3000:]
+
+
+def test_a_list_of_another_length_is_an_odd_sample() -> None:
+    """The attack review: JSON boxes of 4 numbers, one of 5, without ``use_list``, under
+    ``on_error: skip``: the batch step stopped the producer ("cannot stack ...
+    inhomogeneous shape"), every list being of one kind whatever its length. The one of
+    another length is now the odd sample, skipped and named."""
+    from feedline.producer.dataflow.batch_data import odd_samples
+
+    boxes = [[[1.0, 2.0, 3.0, 4.0]] for _ in range(4)]
+    boxes[2] = [[1.0, 2.0, 3.0, 4.0, 5.0]]
+    odd = odd_samples(boxes, {})
+    assert [i for i, _ in odd] == [2]
+    assert "a list of 5 values where the others in its batch have a list of 4" in odd[0][1]

@@ -185,6 +185,9 @@ def _kind(x: Any) -> Kind:
         return ("int",)
     if isinstance(x, (float, np.floating)):
         return ("float",)
+    if isinstance(x, list):
+        # a list (of JSON numbers, say: a box) stacks with those of its length only
+        return ("list", len(x))
     return (type(x).__name__,)
 
 
@@ -223,6 +226,8 @@ def _describe(kind: Kind) -> str:
         return _a(str(kind[1]))
     if kind[0] == "NoneType":
         return "None (a missing value)"
+    if kind[0] == "list":
+        return f"a list of {kind[1]} values"
     return _a(kind[0])
 
 
