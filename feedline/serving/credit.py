@@ -54,7 +54,7 @@ from __future__ import annotations
 from typing import Any
 
 from feedline.serving.budget import TOP_UP, Budget, Share, depth, top_up
-from feedline.serving.producer_credit import Plan, ProducerCredit, fits_fresh
+from feedline.serving.producer_credit import Plan, ProducerCredit
 
 
 class CreditPlanner:
@@ -398,3 +398,15 @@ class CreditPlanner:
         """Producers that did not answer a REVOKE within ``timeout``: they break the rules."""
         return [k for k, p in self.producers.items()
                 if p.revoking_since is not None and now - p.revoking_since > timeout]
+
+
+def fits_fresh(p: ProducerCredit, fresh: list[int], batches: int, nbytes: int) -> bool:
+    """Take ``batches``/``nbytes`` from ``fresh`` (the room left to producers that have not
+    sent yet: [batches, bytes, holds nothing]) if ``p`` has not sent yet; one batch of any
+    size fits while no fresh producer holds anything."""
+    if p.received > 0:
+        return True
+    if batches > fresh[0] or (nbytes > fresh[1] and not fresh[2]):
+        return False
+    fresh[0], fresh[1], fresh[2] = fresh[0] - batches, fresh[1] - nbytes, 0
+    return True

@@ -52,18 +52,6 @@ class ProducerCredit:
         return self.short_bytes > 0 or self.short_batch
 
 
-def fits_fresh(p: ProducerCredit, fresh: list[int], batches: int, nbytes: int) -> bool:
-    """Take ``batches``/``nbytes`` from ``fresh`` (the room left to producers that have not
-    sent yet: [batches, bytes, holds nothing]) if ``p`` has not sent yet; one batch of any
-    size fits while no fresh producer holds anything."""
-    if p.received > 0:
-        return True
-    if batches > fresh[0] or (nbytes > fresh[1] and not fresh[2]):
-        return False
-    fresh[0], fresh[1], fresh[2] = fresh[0] - batches, fresh[1] - nbytes, 0
-    return True
-
-
 @dataclass(frozen=True)
 class Plan:
     grants: list[bytes]  # producers whose totals grew: send them GRANT
