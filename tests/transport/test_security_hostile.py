@@ -25,6 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from feedline import messages as m
 from feedline import wire
 from feedline.procs import free_port, wait_for
+from tests.support.hand_protocol import zmtp_dealer
 from tests.support.hosts import KINDS, Host, honest_round
 
 ARRAY = msgpack.ExtType(1, b"\0\0\0\0")
@@ -90,29 +91,6 @@ def header(**over) -> dict:
          "a": [["<f4", [4]]]}
     h.update(over)
     return h
-
-
-def zmtp_connect(port: int) -> socket.socket:
-    """A raw TCP connection that completes a ZMTP 3.0 NULL handshake as a DEALER."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
-              + b"\x00" + b"\0" * 31)
-    _recv_exact(s, 64)  # the broker's greeting
-    ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-    s.sendall(bytes([0x04, len(ready)]) + ready)
-    flags, size = _recv_exact(s, 2)
-    assert flags == 0x04, "expected the broker's READY command"
-    _recv_exact(s, size)
-    return s
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        assert chunk, "connection closed during the handshake"
-        buf += chunk
-    return buf
 
 
 def _frame(body: bytes, more: bool) -> bytes:
@@ -187,13 +165,14 @@ def test_garbage_flood_is_counted_and_honest_peers_are_served(host):
 def test_half_multipart_and_truncated_frames_are_dropped(host):
     d = host()
     h = wire.packb(header())
-    s = zmtp_connect(d.port)  # a header frame with MORE, then the connection ends
+    # a header frame with MORE, then the connection ends
+    s = zmtp_dealer(f"tcp://127.0.0.1:{d.port}")
     s.sendall(_frame(h, more=True))
     s.close()
-    s = zmtp_connect(d.port)  # a frame that announces 200 bytes and sends 20
+    s = zmtp_dealer(f"tcp://127.0.0.1:{d.port}")  # a frame that announces 200 bytes and sends 20
     s.sendall(bytes([0x00, 200]) + b"x" * 20)
     s.close()
-    s = zmtp_connect(d.port)  # a complete header, then half of the array frame
+    s = zmtp_dealer(f"tcp://127.0.0.1:{d.port}")  # a complete header, then half of the array frame
     s.sendall(_frame(h, more=True) + bytes([0x00, 16]) + b"\0" * 8)
     s.close()
     s = socket.create_connection(("127.0.0.1", d.port), timeout=10)
