@@ -29,12 +29,12 @@ ONE = """
 import sys, time
 import numpy as np, zmq
 from prometheus_client import CollectorRegistry
-from feedline import messages as m
-from feedline.bundle import bundle_frames
-from feedline.codec import DEFAULT_LIMITS, packb
+from feedline.protocol import messages as m
+from feedline.protocol.bundle import bundle_frames
+from feedline.protocol.codec import DEFAULT_LIMITS, packb
 from feedline.consumer.direct import _LocalSink
 from feedline.consumer.io import Shared
-from feedline.encode import prepare_batch
+from feedline.protocol.encode import prepare_batch
 from feedline.serving.budget import Budget
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.producers import IngressConfig, ProducerSide

@@ -7,8 +7,8 @@ touches (its bytecode, objects, dicts) comes from memory again. This times one b
 per-batch Python, the same code and data every time, with N MB copied between two calls
 (``np.copyto``, standing in for the kernel's copies), against none:
 
-- ``prepare``: a producer's :func:`feedline.wire.prepare_batch` and the batch's frames;
-- ``decode``: a consumer's :func:`feedline.wire.decode_batch` of those frames;
+- ``prepare``: a producer's :func:`feedline.protocol.wire.prepare_batch` and the batch's frames;
+- ``decode``: a consumer's :func:`feedline.protocol.wire.decode_batch` of those frames;
 - ``raw``: what the raw PULL consumer of benchmarks/transport.py does with a message (two
   ``np.frombuffer`` views and a reshape).
 
@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from feedline import wire  # noqa: E402
-from feedline.codec import packb  # noqa: E402
+from feedline.protocol import wire  # noqa: E402
+from feedline.protocol.codec import packb  # noqa: E402
 
 BATCH = [np.zeros((7, 224, 224, 3), np.uint8), np.zeros(7, np.int32)]  # 1 MB, as transport's
 PRODUCER = packb("producer-0")

@@ -25,8 +25,8 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from feedline import messages as m  # noqa: E402
 from feedline.procs import Child, free_port, wait_for  # noqa: E402
+from feedline.protocol import messages as m  # noqa: E402
 
 
 def cpu(proc: psutil.Process, seconds: float) -> float:

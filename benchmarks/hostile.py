@@ -64,8 +64,8 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from feedline import messages as m  # noqa: E402
 from feedline.procs import Child, free_port, wait_for  # noqa: E402
+from feedline.protocol import messages as m  # noqa: E402
 from feedline.scrape import Scrape, scrape  # noqa: E402
 from tests.support.hand_protocol import (  # noqa: E402
     ARRAY,

@@ -65,7 +65,7 @@ def pairs() -> list[tuple[str, float, float]]:
     sys.path.insert(0, str(ROOT))
     from prometheus_client import CollectorRegistry
 
-    from feedline import messages as m
+    from feedline.protocol import messages as m
     from feedline.serving.metrics import BrokerMetrics
 
     def best(f: Callable[[], object]) -> float:

@@ -38,7 +38,8 @@ Two more live next to the code whose protocol they are part of: ``UnknownLength`
 to OpenCV; :mod:`feedline.producer.image.turbo`).
 
 Kernel module: it imports nothing, so every component can raise these (the components' own
-modules re-export the ones they raise under their old names, e.g. ``feedline.codec.DecodeError``).
+modules re-export the ones they raise under their old names, e.g.
+``feedline.protocol.codec.DecodeError``).
 """
 
 from __future__ import annotations

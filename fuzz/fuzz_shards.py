@@ -24,7 +24,7 @@ else escaping is a finding, and so is a result that breaks a contract:
   :data:`BATCH` consecutive datapoints, with ``use_list`` and without): it raises nothing but
   the DataError of ragged data, and not even that where more than half of a batch agree on
   each component's kind (:func:`_agree`); every datapoint is batched or skipped; and every
-  batch it yields encodes for the wire (:func:`~feedline.encode.prepare_batch`), but for a
+  batch it yields encodes for the wire (:func:`~feedline.protocol.encode.prepare_batch`), but for a
   stacked component of strings or objects, which only ``use_list`` can send. Modes 4 and 5
   batch their one datapoint between two ordinary ones.
 
@@ -72,7 +72,6 @@ with atheris.instrument_imports(include=["feedline.producer.shards",
                                          "feedline.producer.dataflow.tfrecord",
                                          "feedline.producer.dataflow.parquet",
                                          "feedline.producer.info_cli"]):
-    from feedline.encode import prepare_batch
     from feedline.errors import DataError, EncodeError
     from feedline.producer import info_cli
     from feedline.producer.dataflow import BatchData, DataFromList, shard_fields
@@ -86,6 +85,7 @@ with atheris.instrument_imports(include=["feedline.producer.shards",
         masked_crc,
         parse_example,
     )
+    from feedline.protocol.encode import prepare_batch
 
 import numpy as np
 

@@ -5,7 +5,7 @@ Run (see fuzz/README.md)::
     python fuzz/fuzz_wire.py --make-corpus fuzz/corpus   # seeds from valid messages
     python fuzz/fuzz_wire.py fuzz/corpus -max_total_time=600
 
-Any other exception escaping :func:`feedline.wire.decode_header`, :func:`decode_batch` or
+Any other exception escaping :func:`feedline.protocol.wire.decode_header`, :func:`decode_batch` or
 :func:`decode_tensorpack` is a finding: libFuzzer stops, prints the traceback and writes the
 input to ``crash-*``. So is a decoded batch that breaks the decoder's contract (an array
 that is not a numeric/bool view of exactly its frame's bytes).
@@ -23,7 +23,7 @@ the rest is the payload.
 - mode 4: structure-aware tensorpack datapoint (msgpack-numpy array maps, nested)
 - mode 5: payload is a multipart message as in mode 2, read as a direct-mode trainer reads
   what a producer sends: header first, then ``decode_bundle`` for a BUNDLE (several
-  batches in one message, :mod:`feedline.bundle`), ``decode_batch`` for anything else
+  batches in one message, :mod:`feedline.protocol.bundle`), ``decode_batch`` for anything else
 
 The seed corpus is written by ``--make-corpus`` from messages the encoder produced; nothing
 binary is committed.
@@ -40,7 +40,7 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports(include=["feedline"]):
-    from feedline import bundle, messages, wire
+    from feedline.protocol import bundle, messages, wire
 
 import msgpack
 import numpy as np

@@ -5,9 +5,11 @@ functions, under ``TYPE_CHECKING``), every ``importlib.import_module("feedline..
 module names in the lazy-export tables of ``feedline/__init__.py`` and
 ``feedline/consumer/__init__.py``. Then:
 
-- the kernel (``feedline/*.py`` but ``__init__``/``__main__``) imports no component;
-- ``feedline.exact`` (exact delivery) imports only the kernel, ``feedline.producer`` the
-  kernel and ``exact``;
+- the kernel's base (``feedline/*.py`` but ``__init__``/``__main__``) imports no room;
+  ``feedline.protocol`` (the wire) imports only the base, ``feedline.transport`` (link,
+  client loop, hand-over) the base and the protocol;
+- ``feedline.exact`` (exact delivery) imports only the base and the protocol,
+  ``feedline.producer`` the kernel (base, protocol, transport) and ``exact``;
 - ``feedline.serving`` imports only ``exact`` and the kernel;
 - ``feedline.broker`` imports only ``serving``, ``exact`` and the kernel;
 - ``feedline.consumer`` imports ``serving``, ``producer``, ``exact`` and the kernel, never
@@ -32,17 +34,22 @@ from tests.support import ROOT
 from tests.support.package_source import Module, extension_modules, modules
 
 KERNEL, FACADE = "kernel", "facade"
+# The kernel's own rooms: the protocol above its base, the transport above the protocol.
+KERNEL_ROOMS = ("protocol", "transport")
 COMPONENTS = ("exact", "serving", "producer", "broker", "consumer", "commands")
+LOW = {KERNEL, *KERNEL_ROOMS}
 # What each room may import besides itself.
 ALLOWED = {
     KERNEL: {KERNEL},
-    "exact": {KERNEL},
-    "serving": {KERNEL, "exact"},
-    "producer": {KERNEL, "exact"},
-    "broker": {KERNEL, "serving", "exact"},
-    "consumer": {KERNEL, "serving", "producer", "exact"},
-    "commands": {KERNEL, *COMPONENTS},
-    FACADE: {KERNEL, *COMPONENTS},
+    "protocol": {KERNEL},
+    "transport": {KERNEL, "protocol"},
+    "exact": {KERNEL, "protocol"},
+    "serving": {*LOW, "exact"},
+    "producer": {*LOW, "exact"},
+    "broker": {*LOW, "serving", "exact"},
+    "consumer": {*LOW, "serving", "producer", "exact"},
+    "commands": {*LOW, *COMPONENTS},
+    FACADE: {*LOW, *COMPONENTS},
 }
 # name -> module tables whose string values are imports (resolved on first use)
 LAZY_TABLES = {"feedline": "_EXPORTS", "feedline.consumer": "_LAZY",
@@ -64,7 +71,7 @@ def room(name: str) -> str:
     parts = name.split(".")
     if name in ("feedline", "feedline.__main__"):
         return FACADE
-    if len(parts) > 1 and parts[1] in COMPONENTS:
+    if len(parts) > 1 and parts[1] in (*KERNEL_ROOMS, *COMPONENTS):
         return parts[1]
     return KERNEL
 
@@ -125,7 +132,7 @@ def test_the_reader_sees_the_imports_it_must_judge() -> None:
     """Claim: the reader finds imports of every kind (top level, in a function, under
     TYPE_CHECKING, lazy tables), so the rules below judge real edges."""
     edges = {(i.source.name, i.target) for i in all_imports()}
-    assert ("feedline.producer.sender", "feedline.wire") in edges  # top level
+    assert ("feedline.producer.sender", "feedline.protocol.wire") in edges  # top level
     assert ("feedline", "feedline.consumer.remote") in edges  # _EXPORTS, and TYPE_CHECKING
     assert ("feedline.consumer", "feedline.consumer.queue_input") in edges  # _LAZY
     assert ("feedline.__main__", "feedline.commands.main") in edges

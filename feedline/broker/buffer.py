@@ -2,7 +2,7 @@
 
 A batch is held as the frames it arrived in (forwarded as they are: ``copy=False``) and its
 wire size (header included: bytes inline in a header are memory too); a bundle of batches
-(:mod:`feedline.bundle`) as one item that counts as the batches it holds. End-of-stream and
+(:mod:`feedline.protocol.bundle`) as one item that counts as the batches it holds. End-of-stream and
 error messages wait in line behind the batches their producer sent before them, and go to every
 consumer of the stream; there are at most ``control_slack`` of them.
 """

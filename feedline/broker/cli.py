@@ -7,7 +7,7 @@ import logging
 
 import zmq
 
-from feedline import endpoints, security, wire
+from feedline import endpoints, security
 from feedline.broker.config import BrokerConfig
 from feedline.broker.core import Broker
 from feedline.errors import FeedlineError
@@ -24,6 +24,7 @@ from feedline.flags import (
 from feedline.heap import keep_freed_memory
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
+from feedline.protocol import wire
 from feedline.serving.server import check_exposure
 
 log = logging.getLogger(__name__)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from feedline import wire
 from feedline.errors import ConfigError
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
-from feedline.messages import DEFAULT_STREAM
+from feedline.protocol import wire
+from feedline.protocol.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.server import CREDIT_LEASE, MAX_PEERS, PRODUCER_WINDOW

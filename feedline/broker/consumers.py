@@ -34,7 +34,7 @@ class Consumer(Peer):
     # by their bytes for it (budget.depth): the count only shrinks, and the consumer,
     # counting the same batches, never finds more than its window.
     largest: int = 0
-    bundle: int = 0  # the most batches it takes in one delivery (feedline.bundle)
+    bundle: int = 0  # the most batches it takes in one delivery (feedline.protocol.bundle)
     head_taken: int = 0  # batches it took of the bundle first in ``inflight``
 
     @property

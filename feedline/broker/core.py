@@ -32,14 +32,14 @@ from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
 from feedline.broker.pipelines import Leftovers
 from feedline.broker.sizing import BrokerSizing
-from feedline.bundle import JOIN_FORWARDED, MAX_BUNDLE
 from feedline.exact import ExactConfig
 from feedline.logs import RateLimitedLog
+from feedline.protocol.bundle import JOIN_FORWARDED, MAX_BUNDLE
+from feedline.protocol.wire import Batch
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.server import Server, ServingConfig
 from feedline.serving.sizing import SizingConfig
-from feedline.wire import Batch
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A consumer registers with a window (batches) and a byte budget. The broker sends it buffered
 batches of its stream while both allow, round-robin among the stream's consumers, each behind
-an envelope (:class:`feedline.messages.Deliver`). Every byte delivered and not yet reported
+an envelope (:class:`feedline.protocol.messages.Deliver`). Every byte delivered and not yet reported
 taken (TAKEN) is *in flight* and counts against the broker's ``max_bytes``: it sits in this
 process's socket queue or in the network until the consumer has it. One consumer holds at most
 the budget's per-consumer share in flight (half), so the rest stays for the buffer and the
@@ -27,14 +27,14 @@ from typing import Any
 
 import zmq
 
-from feedline import messages as m
 from feedline.broker import parts
 from feedline.broker.buffer import Buffer
 from feedline.broker.consumers import Consumer, Orphan
-from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
 from feedline.exact import Applied, ExactStreams
 from feedline.logs import RateLimitedLog
+from feedline.protocol import messages as m
+from feedline.protocol.codec import DecodeError, Limits
 from feedline.serving.budget import Budget
 from feedline.serving.held import Held
 from feedline.serving.metrics import DEPARTED, BrokerMetrics

@@ -1,6 +1,6 @@
 """A bundle in parts: when the broker splits what a producer sent as one message.
 
-A broker keeps a bundle (:mod:`feedline.bundle`) as it arrived and sends it whole to a
+A broker keeps a bundle (:mod:`feedline.protocol.bundle`) as it arrived and sends it whole to a
 consumer that takes bundles and has room for all of it. It splits one:
 
 - for a consumer that takes fewer batches in one delivery (an older one: none, so plain
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from feedline import bundle
 from feedline.broker.consumers import Consumer
-from feedline.codec import Limits
+from feedline.protocol import bundle
+from feedline.protocol.codec import Limits
 from feedline.serving.budget import depth, top_up
 from feedline.serving.held import Held
 

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from feedline import messages as m
-from feedline import wire
-from feedline.bundle import MAX_BUNDLE
 from feedline.consumer.io import EpochMark, Marker, Shared
 from feedline.errors import FeedlineError, ProducerError
 from feedline.heap import keep_freed_memory
-from feedline.link import LinkConfig
+from feedline.protocol import messages as m
+from feedline.protocol import wire
+from feedline.protocol.bundle import MAX_BUNDLE
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.held import Held
@@ -41,6 +40,7 @@ from feedline.serving.server import (
     Server,
     ServingConfig,
 )
+from feedline.transport.link import LinkConfig
 
 log = logging.getLogger(__name__)
 _PLAN_EVERY = 0.05  # seconds: the longest a credit plan waits when nothing was taken

@@ -21,20 +21,20 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry
 
-from feedline import bundle, wire
-from feedline import messages as m
-from feedline.bundle import MAX_BUNDLE
-from feedline.client import ClientLoop, Waker
 from feedline.consumer.metrics import ConsumerMetrics
 from feedline.errors import AddressError, FeedlineError, ProducerError
 from feedline.exact import CursorKeeper
-from feedline.handover import Inbox
 from feedline.heap import keep_freed_memory
-from feedline.link import KeysHint, Link, LinkConfig, Reach
 from feedline.logs import RateLimitedLog
-from feedline.refusals import CONSUMER_FATAL
+from feedline.protocol import bundle, wire
+from feedline.protocol import messages as m
+from feedline.protocol.bundle import MAX_BUNDLE
+from feedline.protocol.refusals import CONSUMER_FATAL
 from feedline.security import ClientKeys
 from feedline.serving.budget import depth, report_after
+from feedline.transport.client import ClientLoop, Waker
+from feedline.transport.handover import Inbox
+from feedline.transport.link import KeysHint, Link, LinkConfig, Reach
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class ConsumerIO:
         n = 1
         try:
             header = wire.header_map(frames[0], self.limits)
-            if header["k"] == wire.Kind.BUNDLE:  # several batches (feedline.bundle)
+            if header["k"] == wire.Kind.BUNDLE:  # several batches (feedline.protocol.bundle)
                 count = header.get("n")
                 n = count if type(count) is int and 1 <= count <= MAX_BUNDLE else 1
                 batches = bundle.decode_bundle(frames, self.limits, header, MAX_BUNDLE)

@@ -1,6 +1,6 @@
 """RemoteDataZMQ: the training process's iterator over batches served by a broker.
 
-An I/O thread (:class:`feedline.client.ClientLoop`) owns the connection to the broker: it
+An I/O thread (:class:`feedline.transport.client.ClientLoop`) owns the connection to the broker: it
 registers with a *window* (how many batches this process may hold undelivered to the model)
 and a byte budget, keeps the link alive while the model is busy (a long evaluation does not get
 us dropped), decodes what arrives and hands it to the iterating thread through a bounded
@@ -34,17 +34,17 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from feedline import endpoints
-from feedline.client import ClientLoop, Waker
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
 from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
 from feedline.exact import Cursor
-from feedline.link import LinkConfig
-from feedline.messages import DEFAULT_STREAM, check_stream
+from feedline.protocol.messages import DEFAULT_STREAM, check_stream
 from feedline.security import ClientKeys, ServerKeys
 from feedline.serving.budget import DEPTH
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.server import DIRECT, check_exposure
+from feedline.transport.client import ClientLoop, Waker
+from feedline.transport.link import LinkConfig
 
 __all__ = ["ConsumerConfig", "ProducerStats", "RemoteDataZMQ"]
 
@@ -64,7 +64,7 @@ class RemoteDataZMQ:
     """An iterable of batches from the broker at ``addr`` (``ipc://`` or ``tcp://``).
 
     Yields each batch in the structure its producer sent (list, tuple or dict), or a
-    :class:`feedline.wire.Batch` with its metadata when ``return_meta=True``. Several
+    :class:`feedline.protocol.wire.Batch` with its metadata when ``return_meta=True``. Several
     processes on one broker share the stream; each batch goes to exactly one of them.
 
     ``window``: batches this process may hold ahead of the model; ``max_bytes``: bytes it

@@ -42,8 +42,8 @@ except ModuleNotFoundError as e:  # one line naming the extra, not "No module na
         raise
     raise TorchMissing() from None
 
-from feedline import wire
 from feedline.consumer.remote import RemoteDataZMQ
+from feedline.protocol import wire
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class RemoteTorchDataset(IterableDataset):
 
     ``remote_kwargs`` go to :class:`RemoteDataZMQ` unchanged (``window``, ``timeout``,
     ``curve``, ...); ``consumer_id`` defaults to :func:`default_consumer_id`, resolved when
-    iteration starts. With ``return_meta=True`` each item is a :class:`feedline.wire.Batch`
+    iteration starts. With ``return_meta=True`` each item is a :class:`feedline.protocol.wire.Batch`
     whose ``datapoint`` holds tensors.
 
     Use it with ``DataLoader(ds, batch_size=None)``: a producer batch is one item, the

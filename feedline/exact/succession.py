@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
-from feedline import messages as m
+from feedline.protocol import messages as m
 
 WAIT = m.WAIT_OLD_PRODUCERS  # the refusal's reason (a metric label): wait, say HELLO again
 MAX_ASKED = 256  # streams remembered as asked for by a new dataset's producer, at most

@@ -1,4 +1,5 @@
-"""Which waiting batches go with the one being sent, in one bundle (:mod:`feedline.bundle`).
+"""Which waiting batches go with the one being sent, in one bundle
+(:mod:`feedline.protocol.bundle`).
 
 The producer's I/O thread asks this when it sends a training batch to a host that offers
 bundles: the batches behind it (first those held back from a bundle that could not be sent,
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from feedline import messages as m
-from feedline.bundle import BUNDLE_BYTES, MAX_BUNDLE
-from feedline.handover import Backlog
 from feedline.producer.outbox import BatchItem, Item
+from feedline.protocol import messages as m
+from feedline.protocol.bundle import BUNDLE_BYTES, MAX_BUNDLE
+from feedline.transport.handover import Backlog
 
 
 def gather(item: BatchItem, welcome: m.Welcome, credit: int, room: int, max_arrays: int,

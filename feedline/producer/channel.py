@@ -1,6 +1,6 @@
 """The producer's side of the client loop: credit, sending, and what the broker says back.
 
-Runs in the producer's I/O thread (:class:`feedline.client.ClientLoop`), so heartbeats and
+Runs in the producer's I/O thread (:class:`feedline.transport.client.ClientLoop`), so heartbeats and
 credit bookkeeping go on however long the pipeline takes to make the next batch. The owner
 thread hands batches over through :class:`Outbox` (bounded: at most one waits there, one more
 is held here); this side sends each to a broker whose credit covers it.
@@ -16,7 +16,7 @@ within 4 MiB.
 
 Bundles: to a host whose WELCOME offers them (a direct-mode trainer), the training batches
 waiting behind the one being sent, of its layout and epoch and covered by credit, go with it
-in one message (feedline.bundle), within BUNDLE_BYTES. If that send fails (not connected,
+in one message (feedline.protocol.bundle), within BUNDLE_BYTES. If that send fails (not connected,
 pipe full), the batches taken for it wait in ``_ahead`` and go first next time, in order.
 
 One :class:`Channel` per broker (a producer may serve several: each batch goes to one of
@@ -36,12 +36,8 @@ from collections import deque
 
 import zmq
 
-from feedline import messages as m
-from feedline import wire
-from feedline.bundle import bundle_frames
 from feedline.errors import AddressError, FeedlineError
 from feedline.errors import BatchTooLarge as BatchTooLarge
-from feedline.link import Link, LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.producer.bundling import gather
 from feedline.producer.leaving import BYE_SECONDS, Leaving
@@ -55,8 +51,12 @@ from feedline.producer.outbox import (
     UnitEnd,
 )
 from feedline.producer.targets import Targets
-from feedline.refusals import EXACT_PRODUCER_FATAL
+from feedline.protocol import messages as m
+from feedline.protocol import wire
+from feedline.protocol.bundle import bundle_frames
+from feedline.protocol.refusals import EXACT_PRODUCER_FATAL
 from feedline.security import ClientKeys
+from feedline.transport.link import Link, LinkConfig
 
 log = logging.getLogger(__name__)
 _CONTROL_SECONDS = 2.0  # how long EOS/ERROR wait for a connected broker, at most

@@ -16,11 +16,11 @@ import json
 import threading
 from typing import Any
 
-from feedline import messages as m
 from feedline.errors import ConfigError
 from feedline.producer.dataflow.base import DataFlow, stages
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.outbox import ExactSpec
+from feedline.protocol import messages as m
 
 
 def claiming_source(df: DataFlow) -> ShardedSource | None:

@@ -9,7 +9,6 @@ import socket
 import time
 
 from feedline import endpoints
-from feedline.codec import DEFAULT_LIMITS
 from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
@@ -21,7 +20,6 @@ from feedline.flags import (
     stop_on_signals,
 )
 from feedline.heap import keep_freed_memory
-from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
 from feedline.producer.dataflow.base import DataFlow
@@ -38,6 +36,8 @@ from feedline.producer.pipeline import (
     training_fingerprint,
 )
 from feedline.producer.sender import SendStats, send_dataflow
+from feedline.protocol.codec import DEFAULT_LIMITS
+from feedline.transport.link import LinkConfig
 from feedline.version import __version__
 
 log = logging.getLogger(__name__)

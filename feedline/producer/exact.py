@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from feedline.errors import DataError
-from feedline.messages import DEFAULT_STREAM
 from feedline.producer.dataflow import BatchData
 from feedline.producer.dataflow.autotune import cpu_budget
 from feedline.producer.dataflow.base import Indexable, UnitSource
@@ -56,6 +55,7 @@ from feedline.producer.pipeline_spec import (
     one_key,
 )
 from feedline.producer.sender import Sender, SendStats
+from feedline.protocol.messages import DEFAULT_STREAM
 
 log = logging.getLogger(__name__)
 DEFAULT_UNIT = 1024

@@ -23,10 +23,10 @@ import time
 
 import zmq
 
-from feedline import messages as m
-from feedline.codec import DecodeError
-from feedline.framing import recv_message, waiting
-from feedline.link import Link
+from feedline.protocol import messages as m
+from feedline.protocol.codec import DecodeError
+from feedline.protocol.framing import recv_message, waiting
+from feedline.transport.link import Link
 
 BYE_SECONDS = 1.0  # how long a producer waits for a broker to answer its BYE, at most
 

@@ -27,7 +27,8 @@ class ProducerMetrics:
             "feedline_producer_sent_bytes", "Array bytes sent to the broker.", r)
         self.sent_bundles = OwnedCounter(
             "feedline_producer_sent_bundles",
-            "Messages that carried several batches (to a direct-mode trainer: feedline.bundle; "
+            "Messages that carried several batches (to a direct-mode trainer: "
+            "feedline.protocol.bundle; "
             "sent_batches counts their batches).", r)
         self.credit_wait = OwnedHistogram(
             "feedline_producer_credit_wait_seconds",

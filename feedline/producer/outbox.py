@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from feedline import messages as m
-from feedline import wire
-from feedline.client import ClientLoop, Waker
-from feedline.handover import Backlog
 from feedline.producer.metrics import ProducerMetrics
+from feedline.protocol import messages as m
+from feedline.protocol import wire
+from feedline.transport.client import ClientLoop, Waker
+from feedline.transport.handover import Backlog
 
 # Handed over and not yet taken by the I/O thread, at most: BACKLOG_ITEMS within
 # BACKLOG_BYTES (but always one, whatever its size). Deep enough that the owner thread and

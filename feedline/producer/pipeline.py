@@ -46,7 +46,6 @@ from typing import Any
 
 import yaml
 
-from feedline.messages import check_stream
 from feedline.producer.dataflow import (
     CountData,
     DataFlow,
@@ -75,6 +74,7 @@ from feedline.producer.pipeline_spec import (
     located,
     one_key,
 )
+from feedline.protocol.messages import check_stream
 
 __all__ = ["SOURCES", "ConfigError", "build_pipeline", "load_config", "pipeline_stages"]
 

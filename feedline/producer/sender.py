@@ -26,11 +26,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from feedline import endpoints, wire
-from feedline import messages as m
-from feedline.client import ClientLoop, Waker
+from feedline import endpoints
 from feedline.errors import ConfigError, DataError, EncodeError, FeedlineError, Stopped
-from feedline.link import LinkConfig
 from feedline.logs import RateLimitedLog
 from feedline.producer.channel import ProducerIO
 from feedline.producer.claims import SenderClaims, claim_spec, claiming_source
@@ -49,7 +46,11 @@ from feedline.producer.outbox import (
     item_bytes,
 )
 from feedline.producer.targets import Targets
+from feedline.protocol import messages as m
+from feedline.protocol import wire
 from feedline.security import ClientKeys
+from feedline.transport.client import ClientLoop, Waker
+from feedline.transport.link import LinkConfig
 
 log = logging.getLogger(__name__)
 _POLL = 0.1  # seconds between stop/error checks while waiting for credit
@@ -185,7 +186,7 @@ class Sender:
              unit: int = -1, index: int = 0, last: bool = False, pipeline: int = 0) -> int:
         """Send one datapoint when credit allows; returns its array bytes.
 
-        Raises :class:`feedline.wire.EncodeError` (naming the limit) for a datapoint no
+        Raises :class:`feedline.protocol.wire.EncodeError` (naming the limit) for a datapoint no
         broker would accept, :class:`feedline.producer.channel.BatchTooLarge` for one larger than
         every broker's memory budget. Blocks while no broker grants credit or none is
         reachable (reconnecting with backoff). Raises :class:`Stopped` if ``stop`` is set

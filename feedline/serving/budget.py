@@ -17,7 +17,7 @@ docs/architecture.md is read off it:
   streams there are;
 - :meth:`Budget.max_message`: the largest message a producer or tensorpack may send (a batch
   never outgrows the whole budget); frames are weighed against it as they are read
-  (:mod:`feedline.framing`).
+  (:mod:`feedline.protocol.framing`).
 
 tensorpack's ingress takes no share of its own: it is one more producer to the credit
 planner (:mod:`feedline.serving.tensorpack`), within the same shares.
@@ -28,7 +28,7 @@ A broker's and a direct-mode trainer's windows count small batches by their byte
 :data:`DEPTH` x ``n`` (so batches of 64 KiB and more count by their bytes alone). A 16 KB
 batch costs its credit's round trip (two thread wake-ups) more than its copy: four of them in
 flight leave the wire idle, while four 9.6 MB batches keep it busy; and a bundle of them
-(:mod:`feedline.bundle`) is only as large as the credit a producer holds. Batches of 150 KB
+(:mod:`feedline.protocol.bundle`) is only as large as the credit a producer holds. Batches of 150 KB
 to 1 MB still waited for credit with windows of ``n`` x 2 MiB (55 and 8 batches in flight at
 the default 4): ``n`` x 8 MiB holds no more bytes than a window of 8 MiB batches, and less
 than one of the 9.6 MB batches of 64 images. The bytes bound is unchanged; what a window's
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from feedline.codec import Limits
 from feedline.errors import ConfigError
+from feedline.protocol.codec import Limits
 from feedline.verdict import MODEL_BOUND_ABOVE
 
 SMALL_BATCH = 8 << 20  # bytes: a batch this large or larger counts as one in a window (was 2 MiB)

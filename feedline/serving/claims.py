@@ -37,9 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from feedline import messages as m
 from feedline.errors import Refusal
 from feedline.exact import WAIT, Assignment, ExactPlan, NoUnit, Succession
+from feedline.protocol import messages as m
 
 if TYPE_CHECKING:
     from feedline.exact import ExactStreams

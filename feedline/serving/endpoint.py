@@ -12,7 +12,7 @@ once and holds for both.
   CURVE where the host has keys.
 - **Receive.** :meth:`Endpoint.drain` reads at most :data:`DRAIN_BUDGET` messages a turn,
   each frame by frame with its frame count and its size weighed as it arrives
-  (:func:`feedline.framing.recv_message`), and hands each to its side's handler. What a
+  (:func:`feedline.protocol.framing.recv_message`), and hands each to its side's handler. What a
   handler refuses (:class:`~feedline.errors.Refusal`) or fails on is refused and counted
   (:class:`Refusals`: a metric by reason, a rate-limited log line naming the socket and the
   peer); nothing a peer sends stops the loop. The sender of a message larger than the host
@@ -35,8 +35,8 @@ import zmq
 
 from feedline import endpoints
 from feedline.errors import Refusal
-from feedline.framing import TOO_LARGE, Oversized, recv_message, send_frames, waiting
 from feedline.logs import RateLimitedLog
+from feedline.protocol.framing import TOO_LARGE, Oversized, recv_message, send_frames, waiting
 from feedline.security import ServerKeys
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.peers import PeerTable, connection, cut_off

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from feedline.wire import Batch
+from feedline.protocol.wire import Batch
 
 
 @dataclass(slots=True)  # one per batch: slots make it 0.2 us cheaper
@@ -19,7 +19,8 @@ class Held:
     gap: int  # batches of its session lost upstream since the previous one
     broadcast: bool = False  # EOS / ERROR: to every consumer of the stream, in order
     batch: Batch | None = None  # decoded (views on the frames), for a sink that wants it
-    # Batches in it: a broker keeps a bundle (feedline.bundle) whole, [header, arrays...] of
+    # Batches in it: a broker keeps a bundle (feedline.protocol.bundle) whole, [header, arrays...]
+    # of
     # ``count`` batches, and forwards it whole to a consumer that takes bundles.
     count: int = 1
     part: bool = False  # a part of a bundle the broker split (feedline.broker.parts)

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from feedline import bundle, wire
-from feedline import messages as m
-from feedline.codec import DecodeError, Limits
 from feedline.errors import Refusal
 from feedline.exact import ExactStreams, Succession
 from feedline.logs import RateLimitedLog
+from feedline.protocol import bundle, wire
+from feedline.protocol import messages as m
+from feedline.protocol.codec import DecodeError, Limits
 from feedline.serving.budget import Budget
 from feedline.serving.claims import ClaimStreams, admit
 from feedline.serving.credit import CreditPlanner
@@ -47,7 +47,7 @@ class IngressConfig:
     capacity: int  # registered producers, at most
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
     by_bytes: bool = False  # windows count small batches by their bytes (CreditPlanner)
-    bundle: int = 0  # the most batches in one message (feedline.bundle)
+    bundle: int = 0  # the most batches in one message (feedline.protocol.bundle)
     join: int = 0  # the largest batch (array bytes) sent joined in one (0: JOIN_BYTES)
     whole: bool = False  # a bundle goes to the sink as one item (a broker), not batch by batch
     heartbeat_timeout: float = 5.0  # a producer silent this long is dropped
@@ -235,7 +235,7 @@ class ProducerSide:
         return p
 
     def _bundle(self, ident: bytes, header: dict, frames: list[zmq.Frame], now: float) -> None:
-        """Several batches in one message (feedline.bundle), each counted as if alone."""
+        """Several batches in one message (feedline.protocol.bundle), each counted as if alone."""
         p, most = self._sender(ident, "BUNDLE", now), self.cfg.bundle
         try:
             if most < 2 or self.exact.get(p.stream) is not None:

@@ -11,7 +11,7 @@ gauges, close. The two hosts build it the same way and differ only in
 - the sink: a broker's buffer and consumer side (:mod:`feedline.broker`), or the trainer's
   own queue (:mod:`feedline.consumer.direct`);
 - who owns the loop: the broker's own, or the consumer's client loop
-  (:mod:`feedline.client`);
+  (:mod:`feedline.transport.client`);
 - what else they attach: the broker its consumers' endpoint (:meth:`Server.bind`,
   :meth:`Server.attach`).
 
@@ -32,10 +32,10 @@ from typing import Any
 import zmq
 
 from feedline import endpoints, security
-from feedline.codec import Limits
 from feedline.errors import ConfigError
 from feedline.exact import ExactConfig, ExactStreams
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+from feedline.protocol.codec import Limits
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.endpoint import Endpoint, Refusals, Side
@@ -116,7 +116,7 @@ class ServingConfig:
     how: Remedy = BROKER
     # Windows count small batches by their bytes (a direct-mode trainer: budget.depth).
     by_bytes: bool = False
-    bundle: int = 0  # the most batches producers may send in one message (feedline.bundle)
+    bundle: int = 0  # the most batches producers may send in one message (feedline.protocol.bundle)
     join: int = 0  # the largest batch (array bytes) sent joined in one (0: JOIN_BYTES)
     whole: bool = False  # the sink takes a bundle as one item (a broker: IngressConfig.whole)
 

@@ -9,7 +9,7 @@ its stream's share, slow start), fewest-outstanding first beside them, and gives
 credit back at once when asked. A fast tensorpack sender is pushed back by its own HWM
 instead of growing the host or taking the room of the producers beside it.
 
-Each datapoint is decoded safely (:mod:`feedline.tensorpack_wire`: never unpickled),
+Each datapoint is decoded safely (:mod:`feedline.protocol.tensorpack_wire`: never unpickled),
 re-encoded as a feedline batch under the same limits every consumer applies (a datapoint a
 consumer would refuse is refused here, and counted), and counted at its full size, header
 included: bytes a datapoint carries as Python ``bytes`` travel inline in the header. The
@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import zmq
 
-from feedline import wire
-from feedline.codec import DecodeError, EncodeError, Limits
-from feedline.framing import Oversized, recv_message, waiting
+from feedline.protocol import wire
+from feedline.protocol.codec import DecodeError, EncodeError, Limits
+from feedline.protocol.framing import Oversized, recv_message, waiting
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.endpoint import Endpoint
 from feedline.serving.held import Held, Sink

@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from feedline import messages as m
 from feedline.errors import Refusal
 from feedline.exact import Coordinator, ExactStreams, NoUnit
+from feedline.protocol import messages as m
 from feedline.serving.claims import ClaimStreams
 from feedline.serving.peers import Peer
 

@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 import zmq
 
-from feedline import messages as m
-from feedline import wire
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ProducerError, ReceiveTimeout
-from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender, send_dataflow
+from feedline.protocol import messages as m
+from feedline.protocol import wire
 from feedline.scrape import scrape
 from feedline.serving.budget import SMALL_BATCH
+from feedline.transport.link import LinkConfig
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 

@@ -10,11 +10,11 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.metrics import BoundedLabel
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender
 from feedline.serving.metrics import BrokerMetrics
+from feedline.transport.link import LinkConfig
 from tests.support.netns import metric_sum
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)

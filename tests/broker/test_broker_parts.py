@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from feedline.broker.buffer import Buffer
-from feedline.bundle import BUNDLE_BYTES
-from feedline.encode import prepare_batch
 from feedline.errors import Refusal
+from feedline.protocol.bundle import BUNDLE_BYTES
+from feedline.protocol.encode import prepare_batch
 from feedline.serving.budget import LEAST_GRANT, SMALL_BATCH, Budget, depth, top_up
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker

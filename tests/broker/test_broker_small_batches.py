@@ -93,7 +93,7 @@ def test_a_producer_of_large_batches_joining_evicts_nothing_granted(broker_proc,
     _, metrics = start_broker(broker_proc)
     tiny = run_script(textwrap.dedent(f"""
         import numpy as np
-        from feedline.link import LinkConfig
+        from feedline.transport.link import LinkConfig
         from feedline.producer import send_dataflow
         send_dataflow([[np.zeros(16, np.uint8)] for _ in range(50)], {endpoints.ingress!r},
                       epochs=1, producer_id="tiny",

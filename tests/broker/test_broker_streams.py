@@ -87,7 +87,7 @@ def test_top_and_the_help_say_what_the_batch_count_bounds(
     # theirs (tests/broker/test_broker_pipelines.py), they stay.
     tiny = run_script(textwrap.dedent(f"""
         import numpy as np
-        from feedline.link import LinkConfig
+        from feedline.transport.link import LinkConfig
         from feedline.producer import send_dataflow
         send_dataflow([[np.zeros(16, np.uint8)] for _ in range(50)], {endpoints.ingress!r},
                       epochs=1, producer_id="tiny",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from feedline.codec import Limits
+from feedline.protocol.codec import Limits
 from feedline.serving.budget import DEPTH, SMALL_BATCH, Budget, Share, depth
 from feedline.serving.credit import CreditPlanner
 

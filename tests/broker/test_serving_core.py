@@ -240,7 +240,7 @@ def test_idle_registrations_on_streams_of_their_own_leave_a_working_stream_its_f
 
 
 def _hello(pid: str, session: int, stream: str) -> bytes:
-    from feedline import messages as m
+    from feedline.protocol import messages as m
 
     return m.encode(m.ProducerHello(producer=pid, session=session, max_batch_bytes=MiB,
                                     registration=1, stream=stream))

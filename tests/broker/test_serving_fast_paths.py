@@ -33,16 +33,16 @@ from hypothesis.stateful import (
 )
 from prometheus_client import CollectorRegistry
 
-from feedline import messages as m
-from feedline import wire
 from feedline.broker.buffer import Buffer
 from feedline.broker.egress import ConsumerSide
-from feedline.bundle import MAX_BUNDLE, bundle_frames, decode_bundle
-from feedline.codec import DEFAULT_LIMITS, packb
 from feedline.consumer.direct import _LocalSink
 from feedline.consumer.io import Shared
-from feedline.encode import prepare_batch
 from feedline.errors import Refusal
+from feedline.protocol import messages as m
+from feedline.protocol import wire
+from feedline.protocol.bundle import MAX_BUNDLE, bundle_frames, decode_bundle
+from feedline.protocol.codec import DEFAULT_LIMITS, packb
+from feedline.protocol.encode import prepare_batch
 from feedline.serving.budget import Budget, Share, depth, top_up
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.held import Held

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer import send_dataflow
+from feedline.transport.link import LinkConfig
 from tests.support import tcp_ready
 from tests.support.operator_support import feedline, one_line_failure
 

@@ -20,10 +20,10 @@ import zmq
 
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import AddressError, ConfigError, ReceiveTimeout
-from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender
 from feedline.security import ClientKeys
+from feedline.transport.link import LinkConfig
 from tests.support.curve import Keys
 from tests.support.flow_support import Metrics, start_broker
 

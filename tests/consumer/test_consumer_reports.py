@@ -5,7 +5,7 @@ back for.
 The consumer's real I/O role (:class:`feedline.consumer.io.ConsumerIO`, its real ``Link``)
 against a broker played by hand on a real ROUTER socket; the model's takes are
 :meth:`Shared.took` on the real queue, and the I/O thread's turns are what
-:class:`feedline.client.ClientLoop` does in one (here in the test's thread, so that every
+:class:`feedline.transport.client.ClientLoop` does in one (here in the test's thread, so that every
 interleaving of takes, turns, deliveries and reports is a step of its own):
 
 - A Hypothesis state machine checks after every step that a model finding the queue empty
@@ -38,14 +38,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
 
-from feedline import messages as m
-from feedline.client import Waker
 from feedline.consumer import RemoteDataZMQ, io, remote
 from feedline.consumer.io import ConsumerIO, Shared
-from feedline.encode import encode_batch
-from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
+from feedline.protocol import messages as m
+from feedline.protocol.encode import encode_batch
 from feedline.serving.budget import DEPTH, depth, top_up
+from feedline.transport.client import Waker
+from feedline.transport.link import LinkConfig
 from feedline.verdict import MODEL_BOUND_ABOVE
 from tests.support.flow_support import FAST, fake_yaml, start_broker, start_producer
 from tests.support.hand_broker import BROKER_ID, HandBroker

@@ -13,14 +13,14 @@ import pytest
 import yaml
 
 from feedline.broker.config import BrokerConfig
-from feedline.bundle import MAX_BUNDLE
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
-from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer.outbox import BACKLOG_ITEMS
+from feedline.protocol.bundle import MAX_BUNDLE
 from feedline.scrape import scrape
 from feedline.serving.budget import depth
+from feedline.transport.link import LinkConfig
 from tests.support.ledger_data import check
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)

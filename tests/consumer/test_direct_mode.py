@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry
 from feedline.consumer import RemoteDataZMQ
 from feedline.consumer.direct import DirectConfig
 from feedline.errors import ReceiveTimeout
-from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer.targets import Targets
 from feedline.serving.budget import DEPTH
+from feedline.transport.link import LinkConfig
 from tests.support.curve import Keys
 from tests.support.flow_support import queue_when_settled
 

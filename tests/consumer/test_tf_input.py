@@ -21,8 +21,8 @@ from feedline.consumer import (  # noqa: E402
     StagingInput,
     as_dataset,
 )
-from feedline.link import LinkConfig  # noqa: E402
 from feedline.producer import send_dataflow  # noqa: E402
+from feedline.transport.link import LinkConfig  # noqa: E402
 
 pytestmark = pytest.mark.tf
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)

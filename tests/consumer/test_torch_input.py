@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from feedline.consumer import CudaPrefetcher, RemoteDataZMQ, RemoteTorchDataset, to_torch  # noqa: E402
 from feedline.consumer.torch_prefetch import _prefetch, _Staging  # noqa: E402
-from feedline.link import LinkConfig  # noqa: E402
 from feedline.producer import send_dataflow  # noqa: E402
+from feedline.transport.link import LinkConfig  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
@@ -267,7 +267,7 @@ from torch.utils.data import DataLoader
 from feedline.consumer import RemoteTorchDataset
 from feedline.consumer.torch_input import default_consumer_id
 from feedline.errors import ReceiveTimeout
-from feedline.link import LinkConfig
+from feedline.transport.link import LinkConfig
 
 rank, init, egress, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.producer import send_dataflow
+from feedline.transport.link import LinkConfig
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
 

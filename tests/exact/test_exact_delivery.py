@@ -87,7 +87,7 @@ CONSUMER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[3])
     from feedline.consumer import RemoteDataZMQ
-    from feedline.link import LinkConfig
+    from feedline.transport.link import LinkConfig
     from tests.support.ledger_data import check
     link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
     with open(sys.argv[2], "a", buffering=1) as ledger, \\

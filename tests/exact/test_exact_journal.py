@@ -19,10 +19,10 @@ import pytest
 import yaml
 import zmq
 
-from feedline import messages as m
 from feedline.exact.cursor import Cursor
 from feedline.procs import free_port, wait_for
 from feedline.producer.exact import build_exact
+from feedline.protocol import messages as m
 from tests.support.exact_run import (
     BATCH,
     UNIT,

@@ -162,7 +162,7 @@ def test_a_producer_told_busy_gets_its_unit_as_soon_as_there_is_one():
     """At an epoch's end the producers that finished their units are told ``busy``; when the
     last batch is taken the next epoch begins, and they are sent a unit then (numbered as
     their request), instead of finding out at their next try."""
-    from feedline import messages as m
+    from feedline.protocol import messages as m
     from feedline.serving.peers import Peer
     from feedline.serving.units import Units
 

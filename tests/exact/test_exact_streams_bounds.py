@@ -14,10 +14,10 @@ from pathlib import Path
 import yaml
 import zmq
 
-from feedline import messages as m
 from feedline.consumer import RemoteDataZMQ
 from feedline.exact.cursor import Cursor
 from feedline.procs import wait_for
+from feedline.protocol import messages as m
 from tests.support.exact_run import FAST, pipeline, producer
 from tests.support.flow_support import MiB, RssSampler, start_broker
 from tests.support.hand_protocol import RawPeer

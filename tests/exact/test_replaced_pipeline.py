@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from feedline import wire
 from feedline.consumer.io import Delivery, Shared
 from feedline.errors import FeedlineError
 from feedline.exact.coordinator import Coordinator, ExactPlan
+from feedline.protocol import wire
 
 OLD, NEW = 0x0DD, 0x0E3
 

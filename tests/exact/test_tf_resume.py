@@ -29,7 +29,7 @@ TRAINER = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     from feedline.consumer import CursorState, RemoteDataZMQ
-    from feedline.link import LinkConfig
+    from feedline.transport.link import LinkConfig
 
     egress, ckpt_dir, phase = sys.argv[1], sys.argv[2], sys.argv[3]
     model = tf.keras.Sequential([tf.keras.layers.Dense(1)])

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import zmq
 
-from feedline import wire
 from feedline.procs import wait_for
 from feedline.producer import Sender
 from feedline.producer.outbox import BACKLOG_BYTES, BACKLOG_ITEMS
+from feedline.protocol import wire
 from feedline.serving.budget import DEPTH, depth
 from tests.support.flow_support import (
     FAST,
@@ -275,7 +275,7 @@ def test_a_producer_asks_again_after_a_refused_batch():
 
     Before: with its batch credit spent and a batch sent under this registration, it took
     the next credit to come unasked and waited: 1 of 3 batches arrived in 15 s."""
-    from feedline import messages as fm
+    from feedline.protocol import messages as fm
 
     inst, n = 4444, 3
     batches = wants_after = received_bytes = 0

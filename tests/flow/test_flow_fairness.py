@@ -15,10 +15,10 @@ import time
 import numpy as np
 import zmq
 
-from feedline import messages as m
 from feedline.errors import Stopped
 from feedline.procs import wait_for
 from feedline.producer import Sender
+from feedline.protocol import messages as m
 from tests.support.flow_support import FAST, CountingConsumer, MiB
 from tests.support.hand_protocol import ARRAY, RawPeer, batch_header
 

@@ -21,10 +21,10 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from feedline import wire
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.procs import wait_for
+from feedline.protocol import wire
+from feedline.transport.link import LinkConfig
 from tests.support.flow_support import (
     FAST,
     HELLO,

@@ -25,10 +25,10 @@ import pytest
 import yaml
 import zmq
 
-from feedline import messages as m
 from feedline import security
 from feedline.commands import top
 from feedline.procs import free_port, wait_for
+from feedline.protocol import messages as m
 from feedline.scrape import Scrape, parse
 from feedline.serving.budget import DEPTH
 from tests.support.compose import DEPLOY, NativeCompose, Replica, make_compose_keys

@@ -26,11 +26,11 @@ from prometheus_client import CollectorRegistry
 
 from feedline.commands import top
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.metrics import serve_metrics
 from feedline.procs import free_port, wait_for
 from feedline.scrape import Scrape, scrape
 from feedline.serving.budget import DEPTH
+from feedline.transport.link import LinkConfig
 from tests.support import ROOT
 from tests.support.ops_support import Prometheus, needs_prometheus, scrape_config
 

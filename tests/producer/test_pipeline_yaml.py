@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.producer.dataflow import BatchData, DataFromList, MapData, MultiProcessMapData
 from feedline.producer.exact import build_exact
 from feedline.producer.image import ImageNetVal
 from feedline.producer.image.decode import CorruptImage
 from feedline.producer.pipeline import ConfigError, build_pipeline, load_config
+from feedline.transport.link import LinkConfig
 from tests.support.jpeg_data import make_folder
 
 HERE = "tests.producer.test_pipeline_yaml"  # as pipeline files name its functions

@@ -18,9 +18,9 @@ import time
 import numpy as np
 import zmq
 
-from feedline import messages as m
-from feedline.link import LinkConfig
 from feedline.producer import Sender
+from feedline.protocol import messages as m
+from feedline.transport.link import LinkConfig
 from tests.support.flow_support import HELLO, FakeBroker
 from tests.support.hand_protocol import (
     BATCH,

@@ -40,7 +40,7 @@ def test_a_producer_at_a_brokers_egress_ends_at_once_saying_why_once(broker_proc
     lines = r.stderr.strip().splitlines()
     said = [line for line in lines if "wrong_port" in line]
     assert len(said) == 2, r.stderr
-    assert "WARNING feedline.link" in said[0] and said[1] == lines[-1], r.stderr
+    assert "WARNING feedline.transport.link" in said[0] and said[1] == lines[-1], r.stderr
     assert lines[-1].endswith("refused this producer (wrong_port): this is a broker's "
                               "egress: producers connect to its --ingress address"), lines[-1]
     for noise in ("could not tell", "never registered", "never connected", "not connected"):

@@ -1,4 +1,4 @@
-"""Several batches in one message (feedline.bundle): what a direct-mode trainer takes.
+"""Several batches in one message (feedline.protocol.bundle): what a direct-mode trainer takes.
 
 The decoder gives what decoding each batch alone gives, refuses every malformed bundle whole
 with a reason; a real producer sends bundles to a real direct-mode trainer (sockets on
@@ -22,11 +22,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from prometheus_client import CollectorRegistry
 
-from feedline import messages as m
-from feedline import wire
 from feedline.broker.buffer import Buffer
 from feedline.broker.egress import ConsumerSide
-from feedline.bundle import (
+from feedline.consumer import RemoteDataZMQ
+from feedline.errors import ReceiveTimeout
+from feedline.procs import free_port, wait_for
+from feedline.producer import Sender
+from feedline.protocol import messages as m
+from feedline.protocol import wire
+from feedline.protocol.bundle import (
     BUNDLE_BYTES,
     JOIN_BYTES,
     JOIN_FORWARDED,
@@ -35,11 +39,7 @@ from feedline.bundle import (
     check_bundle,
     decode_bundle,
 )
-from feedline.codec import DecodeError, Limits
-from feedline.consumer import RemoteDataZMQ
-from feedline.errors import ReceiveTimeout
-from feedline.procs import free_port, wait_for
-from feedline.producer import Sender
+from feedline.protocol.codec import DecodeError, Limits
 from feedline.serving.budget import Budget, depth
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -217,7 +217,7 @@ def test_a_producer_bundles_small_batches_to_a_direct_mode_trainer_and_loses_not
     50th (batches pile up behind the credit): they go in bundles, and each arrives once, in
     order, with its own sequence number; neither side refuses or cuts off anything (both
     count the same credit)."""
-    from feedline.link import LinkConfig
+    from feedline.transport.link import LinkConfig
 
     n = 2000
     addr = f"tcp://127.0.0.1:{free_port()}"
@@ -292,7 +292,7 @@ def test_a_direct_mode_trainer_refuses_a_bundle_beyond_what_it_offered_and_goes_
     """The trainer's WELCOME offers bundles of MAX_BUNDLE; a hand-played producer sends one
     that says MAX_BUNDLE + 1 (refused whole, counted as one batch: its count is not believed;
     its credit comes back when it asks), then an honest one of 3, which arrives whole."""
-    from feedline.link import LinkConfig
+    from feedline.transport.link import LinkConfig
 
     addr = f"tcp://127.0.0.1:{free_port()}"
     ctx = zmq.Context()
@@ -326,7 +326,7 @@ def test_a_direct_mode_trainer_refuses_a_bundle_beyond_what_it_offered_and_goes_
 def test_a_bundle_beyond_its_credit_cuts_its_producer_off():
     """A new registration holds one credit (slow start); a bundle of 3 is two batches beyond
     it: the producer is cut off, as for batches sent one by one beyond their credit."""
-    from feedline.link import LinkConfig
+    from feedline.transport.link import LinkConfig
 
     addr = f"tcp://127.0.0.1:{free_port()}"
     ctx = zmq.Context()
@@ -417,7 +417,7 @@ def test_a_producer_bundles_small_batches_through_a_broker_and_loses_nothing(thr
     its 50th: they go in bundles, and each arrives once, in order, with its own sequence
     number; nothing is refused or cut off, and the broker holds nothing in flight at the end
     (a bundle's batches taken one by one count as its whole)."""
-    from feedline.link import LinkConfig
+    from feedline.transport.link import LinkConfig
 
     n = 2000
     b = thread_broker()
@@ -453,7 +453,7 @@ def test_a_broker_asks_for_larger_batches_joined_and_a_sender_joins_them(thread_
     JOIN_FORWARDED joined, the trainer's leaves the producer's default (JOIN_BYTES). A
     Sender's batches of two images (301 KB, over JOIN_BYTES) reach the broker's consumer in
     joined bundles, 3 frames whatever their count, each batch once and in order."""
-    from feedline.link import LinkConfig
+    from feedline.transport.link import LinkConfig
 
     thread_broker()
     ctx = zmq.Context()
@@ -616,9 +616,9 @@ def test_a_bundle_takes_the_longest_fitting_run_behind_its_batch(queue, held, of
     the frame limit and the bytes; and it stops only where the next one breaks a rule."""
     from collections import deque
 
-    from feedline.handover import Backlog
     from feedline.producer.bundling import gather
     from feedline.producer.outbox import BatchItem, SkipItem
+    from feedline.transport.handover import Backlog
 
     def item(layout: str, epoch: int, exact: bool):
         if layout == "skip":

@@ -19,9 +19,9 @@ import pytest
 import zmq
 
 from feedline import errors
-from feedline import messages as m
 from feedline.errors import FeedlineError
 from feedline.procs import wait_for
+from feedline.protocol import messages as m
 from tests.support.flow_support import start_broker
 from tests.support.hand_protocol import RawPeer, consumer_hello
 from tests.support.package_source import modules
@@ -128,9 +128,10 @@ def test_a_refusal_is_not_necessarily_a_decoding_error() -> None:
 def test_the_old_import_paths_name_the_same_classes() -> None:
     """Claim: code that imported an error from where it used to be defined gets the class
     of feedline/errors.py (one class, so ``except`` either way catches it)."""
-    from feedline import codec, endpoints, security, wire
+    from feedline import endpoints, security
     from feedline.producer import channel, pipeline, pipeline_spec
     from feedline.producer.dataflow import errors as df_errors
+    from feedline.protocol import codec, wire
     decode = importlib.import_module("feedline.producer.image.decode")
     pairs = [(codec.DecodeError, errors.DecodeError), (wire.DecodeError, errors.DecodeError),
              (codec.EncodeError, errors.EncodeError), (security.KeyFileError,

@@ -1,4 +1,5 @@
-"""Every refusal reason the product raises or sends is one of :class:`feedline.refusals.Reason`,
+"""Every refusal reason the product raises or sends is one of
+:class:`feedline.protocol.refusals.Reason`,
 and which of them a peer gives up on is decided there, once (docs/architecture.md, "Errors").
 
 Read from the source: every ``Refusal("...")``, every ``reason="..."`` of a REFUSED message
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from feedline.refusals import CONSUMER_FATAL, EXACT_PRODUCER_FATAL, Reason
+from feedline.protocol.refusals import CONSUMER_FATAL, EXACT_PRODUCER_FATAL, Reason
 from tests.support.package_source import modules
 
 
@@ -44,7 +45,7 @@ def test_every_reason_in_the_code_is_a_named_reason() -> None:
     assert len(found) > 30, found  # the reader sees the refusals it must judge
     known = {r.value for r in Reason}
     bad = [f"{f}:{line}: {r!r}" for f, line, r in found if r not in known]
-    assert not bad, "reasons not in feedline.refusals.Reason:\n" + "\n".join(bad)
+    assert not bad, "reasons not in feedline.protocol.refusals.Reason:\n" + "\n".join(bad)
     # ... and every named reason is used somewhere (none kept for nothing)
     assert known == {r for _, _, r in found}, known - {r for _, _, r in found}
 

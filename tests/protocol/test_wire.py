@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from feedline import messages, wire
+from feedline.protocol import messages, wire
 
 # A known message, byte for byte. If this changes, the protocol changed: bump
 # PROTOCOL_VERSION and say so in docs/architecture.md.
@@ -192,7 +192,7 @@ def test_decoder_stays_safe_when_msgpack_numpy_patches_msgpack(tmp_path):
     script = f"""
 import msgpack, msgpack_numpy, numpy as np
 msgpack_numpy.patch()  # what `import tensorpack` does
-from feedline import messages, wire
+from feedline.protocol import messages, wire
 
 class Evil:
     def __reduce__(self):

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from feedline import encode, messages, wire
-from feedline.codec import DEFAULT_LIMITS, Limits
 from feedline.metrics import OwnedCounter, OwnedCounters, OwnedHistogram
+from feedline.protocol import encode, messages, wire
+from feedline.protocol.codec import DEFAULT_LIMITS, Limits
 
 _dtypes = st.sampled_from(["|u1", "<i4", "<f4", ">f8", "|b1", "<c8", "<u8"])
 _shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
@@ -182,7 +182,7 @@ def test_owned_labelled_counters_expose_and_remove_as_labelled_counters_do():
 def test_the_link_remembers_only_a_frame_equal_to_the_last():
     import zmq
 
-    from feedline.link import Link
+    from feedline.transport.link import Link
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)

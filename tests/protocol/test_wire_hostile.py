@@ -1,6 +1,7 @@
 """The decoder against hostile bytes: known attacks, and properties over arbitrary input.
 
-Contract under test (feedline.wire): decode_header, decode_batch and decode_tensorpack raise
+Contract under test (feedline.protocol.wire): decode_header, decode_batch and decode_tensorpack
+raise
 DecodeError for anything they refuse, and never any other exception, never unpickle, never
 let numpy interpret bytes as object pointers. The broker-level versions of these attacks, on
 a real broker process, are in test_security_hostile.py. Round trips are in test_wire.py.
@@ -22,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feedline import wire
+from feedline.protocol import wire
 from tests.support import ROOT
 
 ARRAY = msgpack.ExtType(1, b"\0\0\0\0")
@@ -84,7 +85,7 @@ def test_decoder_stays_safe_after_msgpack_numpy_patch(tmp_path):
     payload.write_bytes(pickle_array_payload(marker))
     code = textwrap.dedent(f"""
         import msgpack_numpy; msgpack_numpy.patch()
-        from feedline import wire
+        from feedline.protocol import wire
         data = open({str(payload)!r}, "rb").read()
         try:
             wire.decode_tensorpack(data)
@@ -108,7 +109,7 @@ def test_object_and_structured_dtype_strings_never_reach_numpy():
     crashes the interpreter. Both the feedline header and the tensorpack path refuse them."""
     code = textwrap.dedent(f"""
         import msgpack
-        from feedline import wire
+        from feedline.protocol import wire
         evil = {EVIL_DTYPES!r}
         ext = msgpack.ExtType(1, b"\\0\\0\\0\\0")
         for dt in evil:

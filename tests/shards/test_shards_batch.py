@@ -17,7 +17,6 @@ import yaml
 
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import DataError, ProducerError
-from feedline.link import LinkConfig
 from feedline.procs import wait_for
 from feedline.producer.dataflow import BatchData, DataFromList
 from feedline.producer.exact import build_exact
@@ -25,6 +24,7 @@ from feedline.producer.pipeline import build_pipeline
 from feedline.producer.shards.manifest import Manifest, ShardInfo
 from feedline.producer.shards.tar import write_sample
 from feedline.producer.shards.tfrecord import encode_example, frame
+from feedline.transport.link import LinkConfig
 from tests.support.shard_support import payload
 
 LIVENESS = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5")

@@ -16,9 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import Refusal
 from feedline.exact.coordinator import Assignment
-from feedline.link import LinkConfig
 from feedline.procs import wait_for
 from feedline.serving.claims import Claims, ClaimStreams
+from feedline.transport.link import LinkConfig
 from tests.support.shard_server import file_server
 from tests.support.shard_support import make_wds
 

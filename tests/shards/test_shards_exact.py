@@ -15,8 +15,8 @@ import numpy as np
 import yaml
 
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.producer.exact import build_exact
+from feedline.transport.link import LinkConfig
 from tests.support import ROOT
 from tests.support.jpeg_data import make_folder
 from tests.support.shard_server import Plan, fault_proxy, file_server

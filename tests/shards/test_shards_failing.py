@@ -17,10 +17,10 @@ import yaml
 
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ProducerError
-from feedline.link import LinkConfig
 from feedline.procs import wait_for
 from feedline.producer.dataflow.sharded import ShardsFailed
 from feedline.producer.dataflow.webdataset import WebDataset
+from feedline.transport.link import LinkConfig
 from tests.support.shard_server import file_server, serve
 from tests.support.shard_support import make_wds
 

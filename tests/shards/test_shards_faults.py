@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.procs import free_port, wait_for
 from feedline.producer.dataflow.webdataset import WebDataset
 from feedline.producer.exact import build_exact
 from feedline.producer.shards.retry import RetryPolicy, ShardError
 from feedline.scrape import scrape
+from feedline.transport.link import LinkConfig
 from tests.support.shard_server import Plan, fault_proxy, file_server
 from tests.support.shard_support import make_wds, payload
 

@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from feedline.codec import Limits
 from feedline.consumer import RemoteDataZMQ
 from feedline.consumer.direct import DirectConfig
 from feedline.errors import ReceiveTimeout
 from feedline.flags import parse_size
-from feedline.link import LinkConfig
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
+from feedline.protocol.codec import Limits
+from feedline.transport.link import LinkConfig
 
 
 def summary(dp: Any) -> list:

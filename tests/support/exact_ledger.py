@@ -103,7 +103,7 @@ class ExactEntry(Entry):
 
 
 def format_entry(t: float, b: Any, samples: list[tuple[int, str]], ok: bool) -> str:
-    """A ledger line for batch ``b`` (a :class:`feedline.wire.Batch`)."""
+    """A ledger line for batch ``b`` (a :class:`feedline.protocol.wire.Batch`)."""
     ids = ",".join(f"{i}:{h}" for i, h in samples)
     return (f"{t:.6f} {b.producer} {b.session} {b.seq} {b.epoch} {b.unit} {b.index} "
             f"{int(ok)} {ids}\n")

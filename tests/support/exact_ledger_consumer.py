@@ -30,7 +30,7 @@ from typing import TextIO
 from feedline.consumer import RemoteDataZMQ
 from feedline.consumer.drain import parse_schedule, step_at
 from feedline.exact.cursor import Cursor
-from feedline.link import LinkConfig
+from feedline.transport.link import LinkConfig
 from tests.support.exact_ledger import STREAM, digest, format_entry
 from tests.support.ledger_data import check
 

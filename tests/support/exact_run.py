@@ -11,8 +11,8 @@ from typing import Any
 import yaml
 
 from feedline.consumer import RemoteDataZMQ
-from feedline.link import LinkConfig
 from feedline.producer.exact import build_exact
+from feedline.transport.link import LinkConfig
 from tests.support.ledger_data import check
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)

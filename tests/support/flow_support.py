@@ -26,13 +26,13 @@ import psutil
 import yaml
 import zmq
 
-from feedline import wire
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout, Stopped
-from feedline.link import LinkConfig
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.producer import Sender
+from feedline.protocol import wire
 from feedline.scrape import Scrape, scrape
+from feedline.transport.link import LinkConfig
 from tests.support.hand_protocol import K, broker_heartbeat, unpack
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)

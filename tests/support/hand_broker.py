@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import zmq
 
-from feedline import messages as m
 from feedline.procs import free_port
+from feedline.protocol import messages as m
 
 BROKER_ID = 12345
 

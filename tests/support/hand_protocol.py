@@ -12,8 +12,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from feedline import messages as m
-from feedline import wire
+from feedline.protocol import messages as m
+from feedline.protocol import wire
 
 MiB = 1 << 20
 VERSION = wire.PROTOCOL_VERSION

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from feedline.link import LinkConfig
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.producer import send_dataflow
-from feedline.wire import Batch
+from feedline.protocol.wire import Batch
+from feedline.transport.link import LinkConfig
 from tests.support.direct_trainer import summary
 from tests.support.flow_support import FAST, CountingConsumer, Metrics
 

@@ -19,7 +19,7 @@ import time
 
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
-from feedline.link import LinkConfig
+from feedline.transport.link import LinkConfig
 from tests.support.ledger_data import check
 
 

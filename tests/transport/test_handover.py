@@ -1,4 +1,5 @@
-"""Hand-overs between an I/O thread and its owner (feedline/handover.py): bounds, order, and
+"""Hand-overs between an I/O thread and its owner (feedline/transport/handover.py): bounds, order,
+and
 no lost wake-up, with real threads, and the backlog's bounds as a model."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from feedline.handover import Backlog, Inbox, Sleeper
+from feedline.transport.handover import Backlog, Inbox, Sleeper
 
 # A wake-up that is lost shows as a wait this long; nothing here waits that long otherwise.
 LOST = 20.0

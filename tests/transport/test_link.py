@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import pytest
 import zmq
 
-from feedline import messages as m
-from feedline.link import Link, LinkConfig
 from feedline.procs import wait_for
+from feedline.protocol import messages as m
+from feedline.transport.link import Link, LinkConfig
 from tests.support.hand_broker import BROKER_ID, HandBroker
 
 FAST = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=5.0)

@@ -21,12 +21,13 @@ import yaml
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from feedline import security, wire
+from feedline import security
 from feedline.consumer import RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
-from feedline.link import LinkConfig
 from feedline.procs import wait_for
 from feedline.producer import send_dataflow
+from feedline.protocol import wire
+from feedline.transport.link import LinkConfig
 from tests.support import ROOT
 from tests.support.curve import Keys
 
@@ -129,7 +130,7 @@ def test_unknown_key_and_plain_client_are_refused_and_get_nothing_in(
 
 
 def test_consumer_with_unknown_key_gets_nothing_out(thread_broker, endpoints, keys, caplog):
-    caplog.set_level(logging.WARNING, logger="feedline.link")
+    caplog.set_level(logging.WARNING, logger="feedline.transport.link")
     tb = thread_broker(curve=keys.server())
     sender = send(endpoints.ingress, 3, 2, keys.client("producer"))
     wait_for(lambda: tb.broker.stats.received == 3, 20, what="batches buffered")

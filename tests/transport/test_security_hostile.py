@@ -22,9 +22,9 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from feedline import messages as m
-from feedline import wire
 from feedline.procs import free_port, wait_for
+from feedline.protocol import messages as m
+from feedline.protocol import wire
 from tests.support.hand_protocol import zmtp_dealer
 from tests.support.hosts import KINDS, Host, honest_round
 

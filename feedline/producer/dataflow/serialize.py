@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from feedline import wire
 from feedline.errors import DataError
+from feedline.protocol import wire
 
 _ARRAY = 42
 

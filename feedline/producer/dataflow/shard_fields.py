@@ -9,7 +9,7 @@ else: the bytes are hostile (``tests/shards/test_shards_fuzz.py`` holds every de
 
 A field is also corrupt where the wire could not carry it in a batch: an integer (a label,
 or a number in JSON) that does not fit int64; JSON nested deeper than
-:data:`MAX_JSON_DEPTH` (the wire's :data:`~feedline.codec.MAX_DEPTH` less the
+:data:`MAX_JSON_DEPTH` (the wire's :data:`~feedline.protocol.codec.MAX_DEPTH` less the
 :data:`FIELD_DEPTH` levels a batch puts above a field; Python's parser recurses, too); a JSON
 array or object of more entries than a receiver takes in one container
 (``Limits.max_container_len``). Counted and named where it was read, not found when the
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from feedline.codec import DEFAULT_LIMITS, MAX_DEPTH
 from feedline.errors import DataError
 from feedline.producer.dataflow.image_folder import _file_bytes
 from feedline.producer.shards.records import CorruptRecord
+from feedline.protocol.codec import DEFAULT_LIMITS, MAX_DEPTH
 
 INT_EXTS = ("cls", "cls2", "class", "label", "index", "idx", "id")
 TEXT_EXTS = ("txt", "text")

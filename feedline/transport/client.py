@@ -1,7 +1,8 @@
 """The I/O thread of a producer or a consumer: one loop for both.
 
 A :class:`ClientLoop` runs in its own thread and owns everything ZeroMQ of its peer: the
-context, every :class:`~feedline.link.Link` and its socket, from creation to close (rule 12:
+context, every :class:`~feedline.transport.link.Link` and its socket, from creation to close (rule
+12:
 a socket belongs to one thread for its whole life). The owner thread (a pipeline, a training
 loop) never touches a socket: it hands work over through thread-safe objects of the role and
 wakes the loop with a :class:`Waker` (a pipe, polled next to the sockets). So heartbeats go
@@ -25,8 +26,8 @@ from typing import Protocol
 
 import zmq
 
-from feedline import messages as m
-from feedline.link import Link
+from feedline.protocol import messages as m
+from feedline.transport.link import Link
 
 log = logging.getLogger(__name__)
 

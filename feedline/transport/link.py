@@ -4,8 +4,8 @@ A :class:`Link` owns one DEALER socket to a broker (or a direct-mode trainer) an
 liveness work of the zguide's Paranoid Pirate pattern: it registers with a HELLO, sends a
 HEARTBEAT whenever it has been quiet for one interval, treats a broker silent for
 ``heartbeat_timeout`` as dead and then closes the socket and reconnects with exponential
-backoff and jitter. It receives frame by frame (:func:`feedline.framing.recv_message`),
-decodes control messages (:mod:`feedline.messages`), counts what it refuses, and hands its
+backoff and jitter. It receives frame by frame (:func:`feedline.protocol.framing.recv_message`),
+decodes control messages (:mod:`feedline.protocol.messages`), counts what it refuses, and hands its
 owner only the messages that are the owner's business (``on_message``).
 
 Registration rules (each one learned from a fault scenario, docs/architecture.md):
@@ -31,7 +31,7 @@ broker is connected and does not answer. It says so at WARNING after ``heartbeat
 then again with backoff (10 s, 20 s, 40 s, then once a minute) for as long as it lasts; a
 consumer's :class:`~feedline.errors.ReceiveTimeout` says the same.
 
-Create, use and close a Link in one thread (rule 12); :class:`feedline.client.ClientLoop`
+Create, use and close a Link in one thread (rule 12); :class:`feedline.transport.client.ClientLoop`
 is that thread for producers and consumers.
 """
 
@@ -48,11 +48,11 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from feedline import messages as m
-from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits
-from feedline.framing import recv_message, send_frames, waiting
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.logs import RateLimitedLog
+from feedline.protocol import messages as m
+from feedline.protocol.codec import DEFAULT_LIMITS, DecodeError, Limits
+from feedline.protocol.framing import recv_message, send_frames, waiting
 from feedline.security import ClientKeys
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """The checks of control-message fields: what a received value must be to be taken.
 
-Each check takes the received value and the receiver's :class:`feedline.codec.Limits` and
-gives the value back, or raises :class:`BadField`; :mod:`feedline.messages` names the field
-in the :class:`feedline.codec.DecodeError` it turns that into. A message class declares a
+Each check takes the received value and the receiver's :class:`feedline.protocol.codec.Limits` and
+gives the value back, or raises :class:`BadField`; :mod:`feedline.protocol.messages` names the field
+in the :class:`feedline.protocol.codec.DecodeError` it turns that into. A message class declares a
 field's wire key and check together (``field(metadata=wire_key(...))``).
 """
 
@@ -12,8 +12,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from feedline.codec import Limits
 from feedline.errors import FeedlineError
+from feedline.protocol.codec import Limits
 
 U63 = (1 << 63) - 1
 STREAM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

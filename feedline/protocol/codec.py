@@ -23,7 +23,7 @@ PROTOCOL_VERSION = 2
 
 class Kind(enum.IntEnum):
     """Message kinds. Values are part of the protocol: never renumber. The control messages'
-    classes, fields and directions are in :mod:`feedline.messages`."""
+    classes, fields and directions are in :mod:`feedline.protocol.messages`."""
 
     PRODUCER_HELLO = 1
     BATCH = 2
@@ -46,7 +46,7 @@ class Kind(enum.IntEnum):
     UNIT_WAIT = 19
     UNIT_DONE = 20
     EPOCH_END = 21
-    BUNDLE = 22  # several batches of one layout in one message (feedline.bundle)
+    BUNDLE = 22  # several batches of one layout in one message (feedline.protocol.bundle)
 
 
 CONTAINER_LIST, CONTAINER_TUPLE, CONTAINER_DICT, CONTAINER_BARE = 0, 1, 2, 3

@@ -2,7 +2,7 @@
 
 tensorpack's ``send_dataflow_zmq`` sends one msgpack-numpy frame per datapoint. msgpack-numpy's
 own ``decode`` unpickles object arrays; this module never does: it walks the unpacked map,
-accepts only the dtypes of :func:`feedline.codec.check_dtype`, and bounds sizes and counts.
+accepts only the dtypes of :func:`feedline.protocol.codec.check_dtype`, and bounds sizes and counts.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits, check_bools, check_dtype, unpackb
+from feedline.protocol.codec import (
+    DEFAULT_LIMITS,
+    DecodeError,
+    Limits,
+    check_bools,
+    check_dtype,
+    unpackb,
+)
 
 
 def _buffer(frame: Any) -> memoryview:

@@ -25,10 +25,10 @@ producer's credit as if it had come alone, the header's bytes with the first:
 ``len(header) + its arrays``, then each other's arrays, which is what the producer counts
 as sent.
 
-Trust: :func:`decode_bundle` applies every check of :func:`feedline.wire.decode_batch` (the
+Trust: :func:`decode_bundle` applies every check of :func:`feedline.protocol.wire.decode_batch` (the
 same limits, the header's checks once, every frame's length) and bounds ``n`` by the
 host's own maximum; a bundle beyond it, or with frames that do not divide into ``n``
-batches, is refused whole (:class:`~feedline.codec.DecodeError`). :func:`check_bundle` is
+batches, is refused whole (:class:`~feedline.protocol.codec.DecodeError`). :func:`check_bundle` is
 what a broker checks before it forwards one: the same verdict, without building batches.
 """
 
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from feedline.codec import (
+from feedline.protocol.codec import (
     CONTAINER_LIST,
     PROTOCOL_VERSION,
     DecodeError,
@@ -49,8 +49,8 @@ from feedline.codec import (
     packb,
     unpackb,
 )
-from feedline.encode import Prepared, sender_fields, uint
-from feedline.wire import (
+from feedline.protocol.encode import Prepared, sender_fields, uint
+from feedline.protocol.wire import (
     Batch,
     _arrays_from_frames,
     _bytes_of,

@@ -1,6 +1,7 @@
 """Encoding a datapoint into a batch message, under the limits every receiver applies.
 
-The byte layout is :mod:`feedline.wire`'s docstring. A datapoint is checked and flattened once
+The byte layout is :mod:`feedline.protocol.wire`'s docstring. A datapoint is checked and flattened
+once
 (:func:`prepare_batch`, in the thread that made it) and framed when it is sent
 (:meth:`Prepared.frames`, with the session and sequence number of the broker it goes to).
 """
@@ -13,7 +14,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from feedline.codec import (
+from feedline.protocol.codec import (
     CONTAINER_BARE,
     CONTAINER_DICT,
     CONTAINER_LIST,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import zmq
 
-from feedline.codec import DecodeError
+from feedline.protocol.codec import DecodeError
 
 _CHECK_EVERY = 4096  # frames between clock checks while draining an oversized message
 _KEEPALIVE_SECONDS = 0.1  # ... and the keepalive calls, at most this far apart

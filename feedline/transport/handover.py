@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from feedline.client import Waker
+from feedline.transport.client import Waker
 
 T = TypeVar("T")
 

@@ -29,14 +29,14 @@ pass the arrays themselves with ``copy=False``; receivers rebuild them with ``np
 over the received frame (a read-only view, no copy).
 
 Several batches of one layout may travel in one message to a direct-mode trainer that offers
-it (a BUNDLE: :mod:`feedline.bundle`).
+it (a BUNDLE: :mod:`feedline.protocol.bundle`).
 
 Broker -> consumer batches carry one extra frame in front, the *envelope* (a
-:class:`feedline.messages.Deliver`). Control messages (hello, credit, heartbeat, ...) are
-header-only and typed: :mod:`feedline.messages`.
+:class:`feedline.protocol.messages.Deliver`). Control messages (hello, credit, heartbeat, ...) are
+header-only and typed: :mod:`feedline.protocol.messages`.
 
 Trust: :func:`decode_header`, :func:`decode_batch` and :func:`decode_tensorpack` accept only
-the dtypes of :func:`feedline.codec.check_dtype` (bools only as bytes 0 and 1), check every
+the dtypes of :func:`feedline.protocol.codec.check_dtype` (bools only as bytes 0 and 1), check every
 shape against its frame's length, bound sizes and counts (:class:`Limits`), never unpickle,
 and raise :class:`DecodeError` (with a short ``reason`` usable as a metric label) for
 anything else. :func:`encode_batch` applies the same limits before anything is sent.
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from feedline.codec import (
+from feedline.protocol.codec import (
     CONTAINER_BARE,
     CONTAINER_DICT,
     CONTAINER_LIST,
@@ -68,8 +68,8 @@ from feedline.codec import (
     packb,
     unpackb,
 )
-from feedline.encode import ARRAY_EXT, U32, Prepared, encode_batch, prepare_batch
-from feedline.tensorpack_wire import decode_tensorpack
+from feedline.protocol.encode import ARRAY_EXT, U32, Prepared, encode_batch, prepare_batch
+from feedline.protocol.tensorpack_wire import decode_tensorpack
 
 __all__ = [
     "CONTAINER_BARE", "CONTAINER_DICT", "CONTAINER_LIST", "CONTAINER_TUPLE", "DEFAULT_LIMITS",
@@ -136,7 +136,7 @@ def header_map(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Unpack a header frame and check its version and kind; the map, ``k`` a :class:`Kind`.
 
     The per-kind checks are the caller's: :func:`decode_batch` for batches,
-    :func:`feedline.messages.decode` for control messages.
+    :func:`feedline.protocol.messages.decode` for control messages.
     """
     buf = _bytes_of(frame)
     if len(buf) > limits.max_header_bytes:

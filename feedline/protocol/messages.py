@@ -19,10 +19,10 @@ ProducerHello  P->B   register: id, session, next sequence number, largest batch
                       long ago it started
 ConsumerHello  C->B   register: id, session, window (batches), byte budget, stream,
                       registration number, the most batches it takes in one delivery
-                      (feedline.bundle; 0 none: a broker splits bundles for it)
+                      (feedline.protocol.bundle; 0 none: a broker splits bundles for it)
 Welcome        B->P,C registration accepted (echoes its number); the largest batch the
                       broker can ever take (its memory budget); the most batches it takes
-                      in one message (feedline.bundle; 0 none) and the largest it takes
+                      in one message (feedline.protocol.bundle; 0 none) and the largest it takes
                       joined (0: the producer's default)
 Grant          B->P   credit, absolute since the HELLO: may have sent ``batches`` batches
                       totalling ``nbytes`` bytes
@@ -66,9 +66,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from feedline.codec import DEFAULT_LIMITS, DecodeError, Limits, packb
 from feedline.errors import ConfigError
-from feedline.fields import (
+from feedline.protocol.codec import DEFAULT_LIMITS, DecodeError, Limits, packb
+from feedline.protocol.fields import (
     EXACT,
     STREAM_NAME,
     TRAINING,
@@ -90,8 +90,8 @@ from feedline.fields import (
     window,
     wire_key,
 )
-from feedline.refusals import Reason
-from feedline.wire import PROTOCOL_VERSION, Kind, header_map
+from feedline.protocol.refusals import Reason
+from feedline.protocol.wire import PROTOCOL_VERSION, Kind, header_map
 
 __all__ = [
     "BROKER_SENT", "EXACT", "TRAINING", "WAIT_OLD_PRODUCERS", "Bye", "ConsumerHello", "Deliver",
@@ -170,7 +170,7 @@ class ConsumerHello:
     stream: str = field(default=DEFAULT_STREAM, metadata=wire_key("st", stream))
     registration: int = field(default=0, metadata=wire_key("r", count))
     cursor: bytes = field(default=b"", metadata=wire_key("cr", blob))  # exact: resume here
-    # The most batches it takes in one delivery (feedline.bundle); 0 or 1: one each.
+    # The most batches it takes in one delivery (feedline.protocol.bundle); 0 or 1: one each.
     bundle: int = field(default=0, metadata=wire_key("bn", count))
 
 
@@ -180,9 +180,9 @@ class Welcome:
     broker: int = field(metadata=wire_key("b", count))
     registration: int = field(default=0, metadata=wire_key("r", count))
     max_batch_bytes: int = field(default=0, metadata=wire_key("mb", count))  # 0: no limit
-    # The most batches this host takes in one message (feedline.bundle); 0 or 1: one each.
+    # The most batches this host takes in one message (feedline.protocol.bundle); 0 or 1: one each.
     bundle: int = field(default=0, metadata=wire_key("bn", count))
-    # The largest batch (bytes of arrays) it takes joined in a bundle (feedline.bundle);
+    # The largest batch (bytes of arrays) it takes joined in a bundle (feedline.protocol.bundle);
     # 0: the producer's default, JOIN_BYTES.
     join: int = field(default=0, metadata=wire_key("jn", count))
 
