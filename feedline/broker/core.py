@@ -149,7 +149,8 @@ class Broker:
             raise
         self.stats.rejected = server.refusals.counts
         self.exact = server.exact
-        self.leftovers = Leftovers(self.buffer, self.metrics, self.exact)
+        self.leftovers = Leftovers(self.buffer, self.metrics,
+                                   lambda s: self.exact.get(s) is not None)
         self.ingress = server.producers
         self.egress = ConsumerSide(egress.send, self.buffer, self.metrics, config.limits,
                                    self.budget, config.max_peers, self.instance,

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from feedline.broker.buffer import Buffer
-from feedline.exact import ExactStreams
 from feedline.logs import RateLimitedLog
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -71,8 +70,10 @@ class Leftovers:
     """The broker's judge of leftovers (call :meth:`judge` when producers come or go and on
     the loop's tick, :meth:`heard` for every message a producer's batch brings)."""
 
-    def __init__(self, buffer: Buffer, metrics: BrokerMetrics, exact: ExactStreams) -> None:
-        self.buffer, self.metrics, self.exact = buffer, metrics, exact
+    def __init__(self, buffer: Buffer, metrics: BrokerMetrics,
+                 is_exact: Callable[[str], bool]) -> None:
+        # ``is_exact(stream)``: the stream is served exactly (its coordinator judges it)
+        self.buffer, self.metrics, self.is_exact = buffer, metrics, is_exact
         # Producer sessions seen, and departed ones whose batches may still be buffered
         # (bounded: the registered producers, and departed ones with something buffered).
         self._sessions: dict[int, _Session] = {}
@@ -147,14 +148,14 @@ class Leftovers:
                 gone.setdefault(s.stream, {})[key] = s
         freed = False
         for stream, departed in gone.items():
-            if self.exact.get(stream) is None:
+            if not self.is_exact(stream):
                 freed |= self._drop(stream, departed, live.get(stream, []), read(stream))
             held = {h.session for h in self.buffer.items(stream)}
             for key in departed:
                 if key not in held:
                     del self._sessions[key]
         for stream, current in live.items():
-            if self.exact.get(stream) is None:
+            if not self.is_exact(stream):
                 self._hold_back(stream, current)
         self.departed = any(s.left is not None for s in self._sessions.values())
         return freed

@@ -4,7 +4,7 @@ A pipeline whose source reads shards (:class:`~feedline.producer.dataflow.sharde
 ShardedSource`) and has no static ``shard`` of its own reads the shards the broker hands it:
 :func:`claiming_source` finds that source, :func:`claim_spec` is what the producer declares
 in its HELLO (the number of shards, the epochs), and :class:`SenderClaims` asks through the
-producer's own connection (the broker's side: :mod:`feedline.serving.claims`). So every
+producer's own connection (the broker's side: :mod:`feedline.serving.handout`). So every
 shard is read by one producer per epoch across all producers of the stream, with no list
 per machine, whatever producers join or leave.
 """
@@ -40,7 +40,7 @@ def claim_spec(src: ShardedSource, epochs: int | None) -> ExactSpec:
 def list_fingerprint(urls: list[str]) -> int:
     """The shard list (its expanded names, in order) as one number, 1 .. 2**63 - 1: the
     broker keeps one claim table per list, and starts a fresh one when a stream's list
-    changes (feedline.serving.claims)."""
+    changes (feedline.serving.handout)."""
     digest = hashlib.blake2b(json.dumps(list(urls)).encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "big") >> 1) or 1
 

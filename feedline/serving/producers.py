@@ -29,13 +29,12 @@ from feedline.protocol import bundle, wire
 from feedline.protocol import messages as m
 from feedline.protocol.codec import DecodeError, Limits
 from feedline.serving.budget import Budget
-from feedline.serving.claims import ClaimStreams, admit
 from feedline.serving.credit import CreditPlanner
 from feedline.serving.gaps import GapTracker
+from feedline.serving.handout import ClaimStreams, Units, admit
 from feedline.serving.held import Held, Send, Sink
 from feedline.serving.metrics import DEPARTED, BrokerMetrics
 from feedline.serving.peers import HELLO_RATE, HelloRate, PeerTable, Producer, connection
-from feedline.serving.units import Units
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +213,7 @@ class ProducerSide:
         self._welcome(p)
 
     def _check_delivery(self, ident: bytes, msg: m.ProducerHello) -> None:
-        """:func:`~feedline.serving.claims.admit`, its refusal told to the producer."""
+        """:func:`~feedline.serving.handout.admit`, its refusal told to the producer."""
         try:
             admit(self.exact, self.claims, ident, msg)
         except Refusal as e:

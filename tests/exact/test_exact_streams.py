@@ -163,8 +163,8 @@ def test_a_producer_told_busy_gets_its_unit_as_soon_as_there_is_one():
     last batch is taken the next epoch begins, and they are sent a unit then (numbered as
     their request), instead of finding out at their next try."""
     from feedline.protocol import messages as m
+    from feedline.serving.handout import Units
     from feedline.serving.peers import Peer
-    from feedline.serving.units import Units
 
     s = streams()
     c = s.join("val", ExactPlan(4, 4, 2, 5), 0.0)

@@ -5,7 +5,7 @@ real broker and producer processes on 127.0.0.1.
   ends when its epochs are served, and a new run starts only with a producer that came after
   the run ended, once the run's producers left (docs/pipelines.md, "Runs").
 - A stream's shard-claim table ends with its last producer (after
-  :data:`feedline.serving.claims.LINGER` seconds, what a restarting producer needs to find it
+  :data:`feedline.serving.handout.LINGER` seconds, what a restarting producer needs to find it
   again); a changed shard list starts a fresh table once the old one's producers are gone,
   and a finished table's next producer starts the next run.
 """
@@ -375,7 +375,7 @@ def test_a_producer_of_the_run_is_told_it_is_finished_and_a_later_one_waits_for_
 def test_a_claim_table_lingers_for_a_restarting_producer_then_starts_afresh():
     """Finding 10 at the claim table: a table whose producers left goes on for a producer
     that comes within LINGER seconds (a restart), and starts at epoch 0 for one after."""
-    from feedline.serving.claims import LINGER, ClaimStreams
+    from feedline.serving.handout import LINGER, ClaimStreams
 
     s = ClaimStreams()
     t = s.join("train", 4, 0, b"a", now=0.0)
@@ -396,7 +396,7 @@ def test_a_served_claim_table_goes_with_its_producers_and_a_changed_list_starts_
     run's producer still reads is told ``busy``, then starts the next run once it left;
     another shard list is refused in one line naming both while a producer of the old list is
     attached, and starts a fresh table once none is."""
-    from feedline.serving.claims import ClaimStreams
+    from feedline.serving.handout import ClaimStreams
 
     s = ClaimStreams()
     t = s.join("train", 2, 1, b"a", fingerprint=0xA, now=0.0)
@@ -479,7 +479,7 @@ def test_a_claim_tables_late_producer_is_of_its_run_if_it_started_before_it_was_
     registered after ``a`` was handed every shard, is told ``finished`` (before: it waited for
     ``a`` and then read every shard again, a second run of a one-epoch job); ``c``, started
     after, waits for ``a`` and ``b``, then reads the next run."""
-    from feedline.serving.claims import ClaimStreams
+    from feedline.serving.handout import ClaimStreams
 
     s = ClaimStreams()
     before = time.monotonic()
@@ -520,7 +520,7 @@ def test_a_changed_shard_list_waits_for_killed_producers_and_is_refused_by_runni
     producer is heard from after the new one first asked (it reads), the new one is
     refused, in one line, as before."""
     from feedline.exact.succession import WAIT, Succession
-    from feedline.serving.claims import ClaimStreams
+    from feedline.serving.handout import ClaimStreams
 
     heard = Heard()
     s = ClaimStreams(succession=Succession(heard, timeout=1.5))

@@ -1,4 +1,4 @@
-"""Shards across a fleet: the broker's claim table (feedline/serving/claims.py) as a model,
+"""Shards across a fleet: the broker's claim table (feedline/serving/handout.py) as a model,
 checked after every step, and real producers on one stream that split the shards among
 themselves with no list per machine."""
 
@@ -17,7 +17,7 @@ from feedline.consumer import RemoteDataZMQ
 from feedline.errors import Refusal
 from feedline.exact.coordinator import Assignment
 from feedline.procs import wait_for
-from feedline.serving.claims import Claims, ClaimStreams
+from feedline.serving.handout import Claims, ClaimStreams
 from feedline.transport.link import LinkConfig
 from tests.support.shard_server import file_server
 from tests.support.shard_support import make_wds

@@ -1,48 +1,64 @@
-"""Shard claims for training streams: each unit (a shard) to one producer per epoch.
+"""What a producer is handed to make: exact streams' units and training streams' shard claims.
 
-A training producer whose source reads shards declares how many (``dataset_size`` in its
-HELLO, delivery ``training``) and asks for units as exact delivery's producers do
-(UnitRequest -> Unit). Unlike exact delivery nothing is tracked per batch: a unit is handed
-out once per epoch and is the producer's from the moment it acknowledges it (UnitDone, sent
-as it starts reading): at most once, as the training mode is. A unit handed out and not yet
-acknowledged goes to the next producer that asks if its owner is gone (the answer was lost
-with the connection, or the producer died before it started), and to the owner again if it
-asks again. The epoch moves on when every unit of it was handed out: producers never wait at
-an epoch's end for the slowest one (a producer still reading the last shard of epoch ``e``
-while the others start ``e + 1`` is expected).
+Both are asked for the same way and routed here by the stream's delivery (:class:`Units`,
+:meth:`Units.route`).
+
+Exact units. A producer asks for a unit (UNIT_REQUEST, numbered: the answer echoes the number)
+and is answered with one (UNIT), or told why not (UNIT_WAIT: ``busy``, the epoch's last units
+are in progress elsewhere or the broker is recovering; ``finished``, its run is served). One
+told ``busy`` is remembered, and sent its unit as soon as the coordinator may have one (its
+``progress`` moved: the next epoch began, a unit was given back): an epoch's end then costs no
+producer a backoff, only a message. A producer that does not number its requests asks again by
+itself.
+
+Shard claims. A training producer whose source reads shards declares how many
+(``dataset_size`` in its HELLO, delivery ``training``) and asks for units as exact delivery's
+producers do (UnitRequest -> Unit). Unlike exact delivery nothing is tracked per batch: a unit
+is handed out once per epoch and is the producer's from the moment it acknowledges it
+(UnitDone, sent as it starts reading): at most once, as the training mode is. A unit handed
+out and not yet acknowledged goes to the next producer that asks if its owner is gone (the
+answer was lost with the connection, or the producer died before it started), and to the owner
+again if it asks again. The epoch moves on when every unit of it was handed out: producers
+never wait at an epoch's end for the slowest one (a producer still reading the last shard of
+epoch ``e`` while the others start ``e + 1`` is expected).
 
 The state is two integers per stream and one pending unit per producer; it lives in the
-broker's memory: a restarted broker starts the stream's claims at epoch 0 (its producers go
-on with what they hold).
+broker's memory: a restarted broker starts the stream's claims at epoch 0 (its producers go on
+with what they hold).
 
 A table's lifetime is its producers': once its last producer left it lingers :data:`LINGER`
 seconds (a producer restarted, or one whose link was down past the heartbeat timeout, goes on
-where the stream was), then the next producer of the stream starts a fresh one at epoch 0.
-A table whose run is served (every epoch handed out) goes at once with its last producer: the
+where the stream was), then the next producer of the stream starts a fresh one at epoch 0. A
+table whose run is served (every epoch handed out) goes at once with its last producer: the
 same pipeline run again (the next job) is served again. A producer with another shard list
-(another count, or another list's fingerprint) starts a fresh table if the old one's
-producers are gone; while they are attached it waits for them if none of them has been heard
-from since it first asked (they were killed: the heartbeat timeout drops them,
-:mod:`feedline.exact.succession`), and is refused, with a line naming both lists, if one
-has (it still reads). A producer that registers after the run was handed out is of that run
-if it started before (it lost the race to a faster one of its job: told ``finished``), and
-of the next run if it started after (or did not say when it started): it is told ``busy``
-until the run's producers are gone, then starts it.
-"""
+(another count, or another list's fingerprint) starts a fresh table if the old one's producers
+are gone; while they are attached it waits for them if none of them has been heard from since
+it first asked (they were killed: the heartbeat timeout drops them,
+:mod:`feedline.exact.succession`), and is refused, with a line naming both lists, if one has
+(it still reads). A producer that registers after the run was handed out is of that run if it
+started before (it lost the race to a faster one of its job: told ``finished``), and of the
+next run if it started after (or did not say when it started): it is told ``busy`` until the
+run's producers are gone, then starts it."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from feedline.errors import Refusal
-from feedline.exact import WAIT, Assignment, ExactPlan, NoUnit, Succession
+from feedline.exact import (
+    WAIT,
+    Assignment,
+    Coordinator,
+    ExactPlan,
+    ExactStreams,
+    NoUnit,
+    Succession,
+)
 from feedline.protocol import messages as m
-
-if TYPE_CHECKING:
-    from feedline.exact import ExactStreams
+from feedline.serving.peers import Peer
 
 log = logging.getLogger(__name__)
 
@@ -239,3 +255,82 @@ def admit(exact: ExactStreams, claims: ClaimStreams, ident: bytes,
     if msg.dataset_size > 0:  # a training producer that claims its shards
         claims.join(msg.stream, msg.dataset_size, msg.epochs, ident, msg.pipeline, now,
                     started)
+
+Control = Callable[[bytes, m.Message], int]
+
+
+class Units:
+    """The unit requests of exact streams' producers (``control`` sends one a message,
+    ``epoch_end(stream, epoch)`` tells a stream's consumers an epoch is complete)."""
+
+    def __init__(self, exact: ExactStreams, control: Control, instance: int,
+                 epoch_end: Callable[[str, int], None],
+                 claims: ClaimStreams | None = None) -> None:
+        self.exact, self._control, self.instance = exact, control, instance
+        self.claims = claims if claims is not None else ClaimStreams()
+        self._epoch_end = epoch_end
+        # producers told "busy": ident -> (the coordinator's progress then, request, first)
+        self._waiting: dict[bytes, tuple[int, int, bool]] = {}
+
+    def route(self, p: Peer, msg: m.UnitRequest | m.UnitDone) -> None:
+        """A producer's UNIT_REQUEST or UNIT_DONE: answered by its training stream's shard
+        claims, or by its exact stream's coordinator (:meth:`message`); refused on a stream
+        that is neither."""
+        c = self.exact.get(p.stream)
+        claims = self.claims.get(p.stream) if c is None else None
+        if claims is not None:  # a training producer claims a shard, or starts one
+            reply = claims.answer(p.ident, msg, self.instance, p.registration)
+            if reply is not None:
+                self._control(p.ident, reply)
+            return
+        if c is None:
+            raise Refusal("not_exact", f"{type(msg).__name__} on stream {p.stream}")
+        self.message(p, c, msg)
+
+    def message(self, p: Peer, c: Coordinator, msg: m.UnitRequest | m.UnitDone) -> None:
+        """A producer of ``c``'s stream asks for a unit or says one is done."""
+        if msg.registration != p.registration:
+            return  # about an earlier registration on this connection
+        if isinstance(msg, m.UnitDone):
+            for epoch in c.unit_done(p.ident, msg.epoch, msg.unit, msg.batches, msg.empty):
+                self._epoch_end(p.stream, epoch)
+            return
+        self._answer(p, c, msg.ask, msg.first, time.monotonic())
+
+    def _answer(self, p: Peer, c: Coordinator, ask: int, first: bool, now: float,
+                pushed: bool = False) -> None:
+        """Answer request ``ask`` with a unit or why not (``pushed``: a try for one told
+        ``busy``, which is not told so again)."""
+        got = c.request(p.ident, now, first)
+        if got is NoUnit.BUSY:
+            if ask:
+                self._waiting[p.ident] = (c.progress, ask, first)
+            if not pushed:
+                self._control(p.ident, m.UnitWait(broker=self.instance, reason=got.value,
+                                                  registration=p.registration, ask=ask))
+            return
+        self._waiting.pop(p.ident, None)
+        if isinstance(got, NoUnit):
+            self._control(p.ident, m.UnitWait(broker=self.instance, reason=got.value,
+                                              registration=p.registration, ask=ask))
+        else:
+            self._control(p.ident, m.Unit(broker=self.instance, epoch=got.epoch, unit=got.unit,
+                                          start=got.start, registration=p.registration,
+                                          ask=ask))
+
+    def push(self, now: float, producers: Callable[[bytes], Peer | None]) -> None:
+        """Try again for every producer told ``busy`` whose coordinator moved since."""
+        for ident, (seen, ask, first) in list(self._waiting.items()):
+            p = producers(ident)
+            c = self.exact.get(p.stream) if p is not None else None
+            if p is None or c is None:
+                del self._waiting[ident]
+            elif c.progress != seen:
+                self._answer(p, c, ask, first, now, pushed=True)
+
+    def waiting(self) -> bool:
+        return bool(self._waiting)
+
+    def forget(self, idents: Iterable[bytes]) -> None:
+        for ident in idents:
+            self._waiting.pop(ident, None)
