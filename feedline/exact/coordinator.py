@@ -39,9 +39,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import assert_never
 
-from feedline.exact.cursor import Cursor, from_runs, runs
-from feedline.exact.journal import Journal, Record
+from feedline.exact.cursor import Cursor
+from feedline.exact.journal import (
+    EpochBegun,
+    Journal,
+    Planned,
+    Record,
+    RunEnds,
+    RunFinished,
+    Settled,
+    UnitDone,
+    UnitTotal,
+)
 from feedline.exact.plan import Assignment, ExactPlan, Key, NoUnit, UnitProgress
 
 __all__ = ["RECORDS_PER_COMMIT", "Assignment", "Coordinator", "ExactPlan", "Key",
@@ -111,42 +122,42 @@ class Coordinator:
 
     # -- journal --------------------------------------------------------------------------
     def _snapshot(self) -> list[Record]:
-        recs: list[Record] = [self.plan.record(), {"epoch": self.epoch}, {"end": self.end}]
+        recs: list[Record] = [Planned(self.plan), EpochBegun(self.epoch), RunEnds(self.end)]
         if self.finished:
-            recs.append({"finished": True})
+            recs.append(RunFinished())
         for u, total in sorted(self.done.items()):
-            recs.append({"done": [u, total]})
+            recs.append(UnitDone(u, total))
         for u, p in sorted(self.units.items()):
             if p.settled:
-                recs.append({"settled": [u, runs(p.settled)]})
+                recs.append(Settled(u, p.settled))
             if p.total is not None:
-                recs.append({"total": [u, p.total]})
+                recs.append(UnitTotal(u, p.total))
         return recs
 
     def _replay(self, records: list[Record]) -> None:
         for r in records:
-            if "epoch" in r:
-                self.epoch, self.units, self.done = int(r["epoch"]), {}, {}
-            elif "end" in r:
-                self.end = int(r["end"])
-            elif "finished" in r:
-                self.finished = True
-            elif "done" in r:
-                u, total = r["done"]
-                self.done[int(u)] = int(total)
-                self.units.pop(int(u), None)
-            elif "settled" in r:
-                u, idx = r["settled"]
-                if int(u) in self.done:
-                    continue
-                p = self._unit(int(u))
-                b = _mask(idx)
-                p.settled |= b
-                p.accepted |= b
-            elif "total" in r:
-                u, total = r["total"]
-                if int(u) not in self.done:
-                    self._unit(int(u)).total = int(total)
+            match r:
+                case Planned():
+                    pass  # the plan is the caller's (feedline.exact.streams)
+                case EpochBegun(epoch=epoch):
+                    self.epoch, self.units, self.done = epoch, {}, {}
+                case RunEnds(end=end):
+                    self.end = end
+                case RunFinished():
+                    self.finished = True
+                case UnitDone(unit=u, total=total):
+                    self.done[u] = total
+                    self.units.pop(u, None)
+                case Settled(unit=u, batches=b):
+                    if u not in self.done:
+                        p = self._unit(u)
+                        p.settled |= b
+                        p.accepted |= b
+                case UnitTotal(unit=u, total=total):
+                    if u not in self.done:
+                        self._unit(u).total = total
+                case _:
+                    assert_never(r)
         # A unit whose "done" record was lost (cut short) but whose batches are all settled
         # is done: nothing else would ever mark it.
         for u in [u for u, p in self.units.items() if p.complete()]:
@@ -178,7 +189,7 @@ class Coordinator:
         if j is None:
             return
         for u, b in self._unsaved.items():
-            j.add({"settled": [u, runs(b)]})
+            j.add(Settled(u, b))
         self._unsaved.clear()
         self._unsaved_n = 0
         if last is not None:
@@ -428,7 +439,7 @@ class Coordinator:
         if p.owner == owner:
             p.owner = None
         self.progress += 1
-        self._save({"total": [u, p.total]})
+        self._save(UnitTotal(u, p.total))
         return self._check(u)
 
     def settle(self, key: Key) -> list[int]:
@@ -457,7 +468,7 @@ class Coordinator:
         del self.units[u]
         if len(self.done) < self.plan.units:
             if write:
-                self._flush({"done": [u, p.total]})
+                self._flush(UnitDone(u, p.total))
             return []
         self._unsaved.pop(u, None)
         ended = self.epoch
@@ -535,11 +546,3 @@ class Coordinator:
         for epoch, u, i in keys:
             if epoch == self.epoch and 0 <= u < self.plan.units and u not in self.done:
                 self._unit(u).accepted |= 1 << i
-
-
-def _mask(idx: list) -> int:
-    """A journal's settled indices: ``[[start, length], ...]`` runs, or (older journals) a list
-    of indices."""
-    if idx and not isinstance(idx[0], list):
-        return from_runs([i, 1] for i in idx)
-    return from_runs(idx)

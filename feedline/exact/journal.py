@@ -15,6 +15,14 @@ the file to ``NAME.stale``: what is on disk no longer holds the stream's progres
 that starts with only a stale journal refuses the stream (one line saying what to do) instead
 of serving again what was already taken. The owner writes the whole state again later
 (:meth:`Journal.rewrite`); once that works the journal is whole again and the stale file goes.
+
+Records (:data:`Record`): a frozen dataclass per kind, each written as a JSON object of one
+key (its ``encode()``) and read back by :func:`decode`. The coordinator's whole state (a
+rewrite) is :class:`Planned`, :class:`EpochBegun`, :class:`RunEnds`, :class:`RunFinished` once
+the run is served, :class:`UnitDone` for each unit done, and :class:`Settled` and
+:class:`UnitTotal` for each unit begun; appended after it: the batches settled since, a unit's
+total, a unit done. A line whose checksum holds but whose object is of no kind here, or not
+as its kind writes it, is read as a line that fails its checksum.
 """
 
 from __future__ import annotations
@@ -23,41 +31,205 @@ import json
 import logging
 import os
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from feedline.errors import FeedlineError
+from feedline.exact.cursor import from_runs, runs
+from feedline.exact.plan import ExactPlan
 
 log = logging.getLogger(__name__)
-Record = dict[str, Any]
 
 
 class JournalCorrupt(FeedlineError):
-    """A journal line that is not the last fails its checksum or does not parse."""
+    """A journal line that is not the last fails its checksum, does not parse or is no
+    record (:func:`decode`)."""
 
 
 class JournalStale(FeedlineError):
     """Only a stale journal is there: writes to it failed, it lacks the latest progress."""
 
 
+# -- records --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Planned:
+    """``{"plan": [dataset_size, unit_size, epochs, fingerprint]}``: the stream's plan, the
+    first record (a journal written before plans had runs or fingerprints holds the first two
+    or three)."""
+
+    key: ClassVar[str] = "plan"
+    plan: ExactPlan
+
+    def encode(self) -> dict[str, Any]:
+        p = self.plan
+        return {self.key: [p.dataset_size, p.unit_size, p.epochs, p.fingerprint]}
+
+    @staticmethod
+    def _of(value: Any) -> Planned:
+        if not isinstance(value, list) or not 2 <= len(value) <= 4:
+            raise ValueError("not 2 to 4 numbers")
+        plan = ExactPlan(*(_count(x) for x in value))
+        if plan.dataset_size < 1 or plan.unit_size < 1:
+            raise ValueError("no samples, or units of none")
+        return Planned(plan)
+
+
+@dataclass(frozen=True)
+class EpochBegun:
+    """``{"epoch": n}``: epoch ``n`` is served; the units of the records before it are void."""
+
+    key: ClassVar[str] = "epoch"
+    epoch: int
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: self.epoch}
+
+    @staticmethod
+    def _of(value: Any) -> EpochBegun:
+        return EpochBegun(_count(value))
+
+
+@dataclass(frozen=True)
+class RunEnds:
+    """``{"end": n}``: the run being served ends before epoch ``n`` (0: never)."""
+
+    key: ClassVar[str] = "end"
+    end: int
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: self.end}
+
+    @staticmethod
+    def _of(value: Any) -> RunEnds:
+        return RunEnds(_count(value))
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """``{"finished": true}``: every epoch of the run was served."""
+
+    key: ClassVar[str] = "finished"
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: True}
+
+    @staticmethod
+    def _of(value: Any) -> RunFinished:
+        if value is not True:
+            raise ValueError("not true")
+        return RunFinished()
+
+
+@dataclass(frozen=True)
+class UnitDone:
+    """``{"done": [unit, batches]}``: every batch of ``unit`` (``total`` of them) of the epoch
+    was taken."""
+
+    key: ClassVar[str] = "done"
+    unit: int
+    total: int
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: [self.unit, self.total]}
+
+    @staticmethod
+    def _of(value: Any) -> UnitDone:
+        return UnitDone(*_pair(value))
+
+
+@dataclass(frozen=True)
+class Settled:
+    """``{"settled": [unit, [[start, length], ...]]}``: those batches of ``unit`` were taken
+    (``batches``: their bitmask; a journal written before runs lists their indices)."""
+
+    key: ClassVar[str] = "settled"
+    unit: int
+    batches: int
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: [self.unit, [[s, n] for s, n in runs(self.batches)]]}
+
+    @staticmethod
+    def _of(value: Any) -> Settled:
+        if not isinstance(value, list) or len(value) != 2 or not isinstance(value[1], list):
+            raise ValueError("not a unit and its batches")
+        u, idx = value
+        if idx and not isinstance(idx[0], list):  # indices, as journals before runs hold
+            return Settled(_count(u), from_runs([_count(i), 1] for i in idx))
+        return Settled(_count(u), from_runs(_pair(r) for r in idx))
+
+
+@dataclass(frozen=True)
+class UnitTotal:
+    """``{"total": [unit, batches]}``: ``unit``'s producer sent all of it, ``total`` batches."""
+
+    key: ClassVar[str] = "total"
+    unit: int
+    total: int
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: [self.unit, self.total]}
+
+    @staticmethod
+    def _of(value: Any) -> UnitTotal:
+        return UnitTotal(*_pair(value))
+
+
+Record = Planned | EpochBegun | RunEnds | RunFinished | UnitDone | Settled | UnitTotal
+_KINDS: dict[str, Callable[[Any], Record]] = {
+    k.key: k._of for k in (Planned, EpochBegun, RunEnds, RunFinished, UnitDone, Settled,
+                           UnitTotal)}
+
+
+def decode(raw: Any) -> Record:
+    """The record of a line's JSON object (what :meth:`encode` gave); :class:`JournalCorrupt`
+    if it is of no kind above, or not as that kind writes it."""
+    if not isinstance(raw, dict) or len(raw) != 1:
+        raise JournalCorrupt("a journal record is a JSON object of one key")
+    (key, value), = raw.items()
+    kind = _KINDS.get(key)
+    if kind is None:
+        raise JournalCorrupt(f"no journal record is of the kind {key[:40]!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as e:
+        raise JournalCorrupt(f"a journal record {key!r} is malformed: {e}") from None
+
+
+def _count(x: Any) -> int:
+    if type(x) is not int or x < 0:
+        raise ValueError("not a count")
+    return x
+
+
+def _pair(x: Any) -> tuple[int, int]:
+    if not isinstance(x, list) or len(x) != 2:
+        raise ValueError("not two numbers")
+    return _count(x[0]), _count(x[1])
+
+
+# -- lines ----------------------------------------------------------------------------------
 def _line(record: Record) -> bytes:
-    body = json.dumps(record, separators=(",", ":")).encode()
+    body = json.dumps(record.encode(), separators=(",", ":")).encode()
     return b"%08x %s\n" % (zlib.crc32(body), body)
 
 
 def _parse(line: bytes) -> Record | None:
-    """The record of one line, or None if it fails its checksum or does not parse."""
+    """The record of one line, or None if it fails its checksum, does not parse or is no
+    record (:func:`decode`)."""
     try:
         if line.startswith(b"{"):  # written before records had checksums
-            rec = json.loads(line)
+            raw = json.loads(line)
         else:
             crc, body = line.split(b" ", 1)
             if len(crc) != 8 or int(crc, 16) != zlib.crc32(body):
                 return None
-            rec = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+            raw = json.loads(body)
+        return decode(raw)
+    except (ValueError, UnicodeDecodeError, JournalCorrupt):
         return None
-    return rec if isinstance(rec, dict) and len(rec) == 1 else None
 
 
 class Journal:

@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from feedline.exact.journal import Record
-
 Key = tuple[int, int, int]  # (epoch, unit, index)
 
 
@@ -38,13 +36,6 @@ class ExactPlan:
             return f"{self.units} work units (single samples, or a sharded source's shards " \
                 f"or slices), {fp}"
         return f"{self.dataset_size} samples in {self.units} units of {self.unit_size}, {fp}"
-
-    def record(self) -> Record:
-        return {"plan": [self.dataset_size, self.unit_size, self.epochs, self.fingerprint]}
-
-    @staticmethod
-    def of(record: Record) -> ExactPlan:
-        return ExactPlan(*(int(x) for x in record["plan"]))
 
 
 def _full(total: int) -> int:

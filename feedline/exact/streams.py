@@ -34,7 +34,7 @@ from pathlib import Path
 from feedline.errors import DecodeError, Refusal
 from feedline.exact.coordinator import Coordinator, ExactPlan
 from feedline.exact.cursor import MAX_UNITS, Cursor
-from feedline.exact.journal import Journal, JournalCorrupt, JournalStale
+from feedline.exact.journal import Journal, JournalCorrupt, JournalStale, Planned, Record
 from feedline.exact.succession import WAIT, Succession
 from feedline.logs import RateLimitedLog
 
@@ -221,7 +221,7 @@ class ExactStreams:
         """Make the coordinator (from its journal if there is one: with ``plan`` None, only
         then)."""
         journal = self._journal(stream)
-        records = []
+        records: list[Record] = []
         if journal is not None:
             try:
                 self.cfg.state_dir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
@@ -233,7 +233,7 @@ class ExactStreams:
             except OSError as e:
                 raise Refusal("journal_corrupt", f"stream {stream!r}: cannot use the state "
                               f"directory {self.cfg.state_dir}: {e.strerror}") from None
-        old = ExactPlan.of(records[0]) if records and "plan" in records[0] else None
+        old = records[0].plan if records and isinstance(records[0], Planned) else None
         if plan is None:
             if old is None:
                 return None
