@@ -44,7 +44,10 @@ from typing import assert_never
 from feedline.exact.cursor import Cursor
 from feedline.exact.journal import (
     EpochBegun,
+    JobBegun,
+    JobUnit,
     Journal,
+    JournalCorrupt,
     Planned,
     Record,
     RunEnds,
@@ -156,6 +159,10 @@ class Coordinator:
                 case UnitTotal(unit=u, total=total):
                     if u not in self.done:
                         self._unit(u).total = total
+                case JobBegun() | JobUnit():
+                    raise JournalCorrupt(f"stream {self.stream!r}: its journal is a job "
+                                         "coordinator's (feedline coordinator), not a "
+                                         "broker's: give each its own --state-dir")
                 case _:
                     assert_never(r)
         # A unit whose "done" record was lost (cut short) but whose batches are all settled

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from feedline.errors import FeedlineError
-from feedline.exact.cursor import Cursor, runs
-from feedline.exact.journal import Journal, Record
+from feedline.exact.cursor import Cursor
+from feedline.exact.journal import JobBegun, JobUnit, Journal, JournalCorrupt, Planned, Record
 from feedline.exact.plan import ExactPlan, NoUnit
 from feedline.liveness import HEARTBEAT_TIMEOUT
 
@@ -243,43 +243,36 @@ class JobCoordinator:
 
     # -- journal ------------------------------------------------------------------------
     def _snapshot(self) -> list[Record]:
-        out: list[Record] = [{"plan": [self.plan.dataset_size, self.plan.unit_size,
-                                       self.plan.epochs, self.plan.fingerprint]},
-                             {"job": [self.job, self.launch, self.epoch, int(self.finished),
-                                      self.boot]},
-                             {"resumed": self.resumed.hex()}]
-        for u, s in enumerate(self.units):
-            if s.state is not Unit.FREE or s.gen or s.taken or s.batches is not None:
-                out.append({"unit": [u, s.state.value, s.host, s.gen, runs(s.taken),
-                                     s.batches]})
+        out: list[Record] = [Planned(self.plan),
+                             JobBegun(self.job, self.launch, self.epoch, self.finished,
+                                      self.boot, self.resumed.hex())]
+        out += [self._record(u) for u, s in enumerate(self.units)
+                if s.state is not Unit.FREE or s.gen or s.taken or s.batches is not None]
         return out
+
+    def _record(self, u: int) -> JobUnit:
+        s = self.units[u]
+        return JobUnit(u, s.state.value, s.host, s.gen, s.taken, s.batches)
 
     def _replay(self, records: list[Record]) -> None:
         for r in records:
-            ((kind, v),) = r.items()
-            if kind == "plan":
-                plan = ExactPlan(*(int(x) for x in v))
-                if not plan.same_pipeline(self.plan):
-                    raise JobRefused("pipeline_mismatch", _changed(self.stream, plan, self.plan))
-            elif kind == "job":
-                self.job, self.launch, self.epoch = int(v[0]), int(v[1]), int(v[2])
-                self.finished, self.boot = bool(v[3]), int(v[4]) + 1
-                self.units = [UnitState() for _ in range(self.plan.units)]
-            elif kind == "resumed":
-                self.resumed = bytes.fromhex(v)
-            elif kind == "unit":  # a snapshot's
-                s = self.units[int(v[0])]
-                s.state, s.host, s.gen = Unit(v[1]), v[2], int(v[3])
-                s.taken, s.batches = _bits(v[4]), None if v[5] is None else int(v[5])
-            elif kind == "open":
-                s = self.units[int(v[0])]
-                s.state, s.host, s.gen = Unit.OPEN, str(v[1]), int(v[2])
-            elif kind == "done":
-                s = self.units[int(v[0])]
-                s.state, s.host, s.gen, s.batches = Unit.DONE, None, int(v[1]), int(v[2])
-            elif kind == "back":
-                s = self.units[int(v[0])]
-                s.state, s.host, s.gen, s.taken = Unit.FREE, None, int(v[1]), _bits(v[2])
+            match r:
+                case Planned(plan=plan):
+                    if not plan.same_pipeline(self.plan):
+                        raise JobRefused("pipeline_mismatch",
+                                         _changed(self.stream, plan, self.plan))
+                case JobBegun():
+                    self.job, self.launch, self.epoch = r.job, r.launch, r.epoch
+                    self.finished, self.boot = r.finished, r.boot + 1
+                    self.resumed = bytes.fromhex(r.resumed)
+                    self.units = [UnitState() for _ in range(self.plan.units)]
+                case JobUnit() if r.unit < len(self.units):
+                    self.units[r.unit] = UnitState(Unit(r.state), r.host, r.gen, r.taken,
+                                                   r.batches)
+                case _:
+                    raise JournalCorrupt(f"stream {self.stream!r}: its journal is not a job "
+                                         "coordinator's (a broker's?): give each its own "
+                                         "--state-dir")
         self._pool()
 
     def _save(self, record: Record) -> None:
@@ -363,7 +356,7 @@ class JobCoordinator:
         s = self.units[u]
         s.state, s.host, s.gen = Unit.OPEN, h.name, s.gen + 1
         h.open.add(u)
-        self._save({"open": [u, h.name, s.gen]})
+        self._save(self._record(u))
         return self._view(h, opened=(u, s.gen, s.taken))
 
     def _unit_done(self, h: HostState, u: int, gen: int, batches: int) -> bool:
@@ -376,7 +369,7 @@ class JobCoordinator:
         s.state, s.host, s.batches = Unit.DONE, None, batches
         h.open.discard(u)
         self._done += 1
-        self._save({"done": [u, gen, batches]})
+        self._save(self._record(u))
         if self._done < len(self.units):
             return False
         ended = self.epoch
@@ -405,7 +398,7 @@ class JobCoordinator:
             s.taken |= msg.taken
             h.open.discard(msg.unit)
             self._returned.add(msg.unit)
-            self._save({"back": [msg.unit, s.gen, runs(s.taken)]})
+            self._save(self._record(msg.unit))
 
     # -- free units ---------------------------------------------------------------------
     def _pool(self) -> None:
@@ -503,13 +496,6 @@ class JobCoordinator:
     def silent(self, now: float) -> list[str]:
         """Hosts not heard from for the timeout (they keep their open units)."""
         return [n for n, h in self.hosts.items() if now - h.heard > self.timeout]
-
-
-def _bits(items: list) -> int:
-    b = 0
-    for start, n in items:
-        b |= ((1 << int(n)) - 1) << int(start)
-    return b
 
 
 def _changed(stream: str, theirs: ExactPlan, ours: ExactPlan) -> str:

@@ -177,10 +177,68 @@ class UnitTotal:
         return UnitTotal(*_pair(value))
 
 
-Record = Planned | EpochBegun | RunEnds | RunFinished | UnitDone | Settled | UnitTotal
+# -- a job coordinator's records (feedline.exact.job): its journal holds only these and Planned
+@dataclass(frozen=True)
+class JobBegun:
+    """``{"job": [job, launch, epoch, finished, boot, resumed]}``: the job's id, its launch,
+    the epoch served (and whether the run is), the coordinator's restarts, and the ident (hex)
+    of the cursor the launch began with; the units of the records before it are void."""
+
+    key: ClassVar[str] = "job"
+    job: int
+    launch: int
+    epoch: int
+    finished: bool
+    boot: int
+    resumed: str
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: [self.job, self.launch, self.epoch, int(self.finished), self.boot,
+                           self.resumed]}
+
+    @staticmethod
+    def _of(value: Any) -> JobBegun:
+        if not isinstance(value, list) or len(value) != 6 or not isinstance(value[5], str):
+            raise ValueError("not a job's six fields")
+        bytes.fromhex(value[5])
+        return JobBegun(_count(value[0]), _count(value[1]), _count(value[2]),
+                        bool(_count(value[3])), _count(value[4]), value[5])
+
+
+@dataclass(frozen=True)
+class JobUnit:
+    """``{"junit": [unit, state, host, generation, [[start, length], ...], batches]}``: a unit
+    of the job's epoch as it is now (free, open at ``host``, or done), what was taken of it and
+    its batch count (None: not known)."""
+
+    key: ClassVar[str] = "junit"
+    unit: int
+    state: str
+    host: str | None
+    gen: int
+    taken: int
+    batches: int | None
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: [self.unit, self.state, self.host, self.gen,
+                           [[s, n] for s, n in runs(self.taken)], self.batches]}
+
+    @staticmethod
+    def _of(value: Any) -> JobUnit:
+        if not isinstance(value, list) or len(value) != 6 or value[1] not in (
+                "free", "open", "done") or not (value[2] is None or isinstance(value[2], str)) \
+                or not isinstance(value[4], list):
+            raise ValueError("not a unit's six fields")
+        return JobUnit(_count(value[0]), value[1], value[2], _count(value[3]),
+                       from_runs(_pair(r) for r in value[4]),
+                       None if value[5] is None else _count(value[5]))
+
+
+Record = (Planned | EpochBegun | RunEnds | RunFinished | UnitDone | Settled | UnitTotal
+          | JobBegun | JobUnit)
 _KINDS: dict[str, Callable[[Any], Record]] = {
     k.key: k._of for k in (Planned, EpochBegun, RunEnds, RunFinished, UnitDone, Settled,
-                           UnitTotal)}
+                           UnitTotal, JobBegun, JobUnit)}
 
 
 def decode(raw: Any) -> Record:

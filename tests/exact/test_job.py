@@ -56,9 +56,9 @@ def test_a_unit_is_open_at_one_host_and_moves_only_when_given_back(tmp_path: Pat
 def test_the_epoch_ends_for_every_host_when_the_last_unit_is_done() -> None:
     jc = JobCoordinator("s", PLAN)
     ms = hosts(jc, "a", "b")
-    for name in "abab":
-        talk(jc, ms, ms[name].ask())
-    for name, m in ms.items():
+    for host in "abab":
+        talk(jc, ms, ms[host].ask())
+    for m in ms.values():
         for u in sorted(m.open):
             changes = talk(jc, ms, m.done(u, 1))
     assert set(changes) == {"a", "b"}  # the last Done's views: both hosts hear
@@ -150,7 +150,9 @@ def test_cost_per_unit_is_a_few_messages_whatever_the_number_of_hosts() -> None:
             for v in jc.handle(m.ask(), 0.0):
                 ms[v.host].view(v)
             for u in list(m.open):
-                for v in jc.handle(m.done(u, 5), 0.0):
+                done = m.done(u, 5)
+                assert done is not None
+                for v in jc.handle(done, 0.0):
                     ms[v.host].view(v)
     asks_and_dones = jc.messages - start
     assert asks_and_dones <= 2 * plan.units + len(ms) * 5

@@ -99,16 +99,15 @@ class JobModel(RuleBasedStateMachine):
     def _add_rank(self, h: Host, resume: Cursor | None) -> None:
         r = Rank(self.launch, resume=resume)
         h.ranks.append(r)
+        msg: Message
         if resume is not None:
             alive = sum(1 for x in h.ranks if x.alive and x.admitted == h.member.launch
                         and x.admitted)
             msg = h.member.resume(resume, alive)
-            r.after = msg.seq
-            self._send(h, msg)
         else:
             msg = h.member.beat(self._readers(h))
-            r.after = msg.seq
-            self._send(h, msg)
+        r.after = msg.seq
+        self._send(h, msg)
 
     def _readers(self, h: Host) -> int:
         return sum(1 for r in h.ranks if r.alive and (r.admitted == h.member.launch
@@ -307,7 +306,7 @@ class JobModel(RuleBasedStateMachine):
         if torn and self.path.exists():
             # It died writing a record nobody was answered on: half a line at the end.
             with open(self.path, "ab") as f:
-                f.write(b'0badc0de {"open":[1,"h')
+                f.write(b'0badc0de {"junit":[1,"op')
         self.jc = JobCoordinator(STREAM, self.plan, Journal(self.path), timeout=TIMEOUT,
                                  now=self.now)
         event("job: the coordinator restarted")
@@ -385,7 +384,8 @@ class JobModel(RuleBasedStateMachine):
             if start is None or (self.jc.launch, self.jc.epoch, self.jc.finished) != start:
                 event("job: an epoch ended (run to the end)")
                 return
-        units = [(u, s.state.value, s.host) for u, s in enumerate(self.jc.units)]
+        units = [(u, s.state.value, s.host) for u, s in enumerate(self.jc.units)] \
+            if self.jc is not None else []
         raise AssertionError(f"stranded: the epoch does not end ({units})")
 
     def _drain(self) -> None:
