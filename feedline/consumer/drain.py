@@ -173,7 +173,7 @@ def _drain(args: argparse.Namespace, addr: str, curve: Any, registry: Any,
                         break
             except ReceiveTimeout:
                 continue  # no batch for a while: check stop and the deadline, wait again
-        answered = source._shared.answered or bool(args.bind)
+        answered = source._shared.io.answered or bool(args.bind)
     return count, nbytes, answered
 
 
