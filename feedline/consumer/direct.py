@@ -49,10 +49,27 @@ _STREAMING = 0.02  # seconds since the last batch arrived: more are on the way
 
 @dataclass(frozen=True)
 class DirectConfig:
-    producer_window: int = PRODUCER_WINDOW
-    credit_lease: float = CREDIT_LEASE
-    max_producers: int = MAX_PEERS
+    """How a trainer in direct mode (``RemoteDataZMQ(addr, bind=True, direct=...)``) serves
+    its producers; the defaults are a broker's."""
+
+    producer_window: int = PRODUCER_WINDOW  # most credit one producer holds at once
+    credit_lease: float = CREDIT_LEASE  # credit unused this long is asked back when others wait
+    max_producers: int = MAX_PEERS  # registered producers, at most
     tensorpack: str | None = None  # also accept tensorpack's send_dataflow_zmq here
+
+    def serving(self, addr: str, budget: Budget, stream: str, link: LinkConfig,
+                keys: ServerKeys | None, insecure: bool = False) -> ServingConfig:
+        """The serving core's configuration of a trainer serving ``stream`` at ``addr`` (the
+        one place it is derived): the budget is the consumer's own (``window`` batches and
+        ``max_bytes`` bytes, queued here or granted), small batches counted by their bytes
+        (``Setup.slots`` has room for them); liveness and limits are the consumer's link's;
+        nothing lingers at close (the trainer is leaving)."""
+        return ServingConfig(
+            addr, budget, producer_window=self.producer_window, credit_lease=self.credit_lease,
+            max_peers=self.max_producers, heartbeat_interval=link.heartbeat_interval,
+            heartbeat_timeout=link.heartbeat_timeout, linger_ms=0, limits=link.limits,
+            curve=keys, tensorpack=self.tensorpack, stream=stream, insecure=insecure,
+            how=DIRECT, by_bytes=True, bundle=MAX_BUNDLE)
 
 
 class _LocalSink:
@@ -117,7 +134,9 @@ class DirectIO:
         self.shared, self.link_cfg = shared, link
         self.metrics = metrics
         self._sink = _LocalSink(shared)
-        self.server = Server(ctx, serving_config(addr, link, keys, shared, cfg, insecure),
+        setup = shared.setup
+        self.server = Server(ctx, cfg.serving(addr, Budget(setup.window, setup.max_bytes),
+                                              setup.stream, link, keys, insecure),
                              self._sink, metrics, random.getrandbits(62), log)
         self.ingress = self.server.producers
         self.endpoint = self.server.ingress.endpoint
@@ -125,7 +144,7 @@ class DirectIO:
         if shared.exact.resume is not None:  # set when the stream's first producer registers
             sink = self._sink
             self.ingress.exact.refuse = lambda _ident, reason, detail: sink.refused(detail)
-            self.ingress.exact.cursor(b"", shared.setup.stream, shared.exact.resume.encode(),
+            self.ingress.exact.cursor(b"", setup.stream, shared.exact.resume.encode(),
                                     time.monotonic())
         self._next_tick = 0.0
         self._next_plan = 0.0
@@ -206,17 +225,3 @@ class DirectIO:
     def on_close(self) -> None:
         self.server.close()
 
-
-def serving_config(addr: str, link: LinkConfig, keys: ServerKeys | None, shared: Shared,
-                   cfg: DirectConfig, insecure: bool = False) -> ServingConfig:
-    """The serving core's configuration of a direct-mode trainer: its budget is the
-    consumer's own (``window`` batches, ``max_bytes`` bytes, queued here or granted), small
-    batches counted by their bytes (``Setup.slots`` has room for them)."""
-    setup = shared.setup
-    return ServingConfig(
-        addr, Budget(setup.window, setup.max_bytes), producer_window=cfg.producer_window,
-        credit_lease=cfg.credit_lease, max_peers=cfg.max_producers,
-        heartbeat_interval=link.heartbeat_interval, heartbeat_timeout=link.heartbeat_timeout,
-        linger_ms=0, limits=link.limits, curve=keys, tensorpack=cfg.tensorpack,
-        stream=setup.stream, insecure=insecure, how=DIRECT, by_bytes=True,
-        bundle=MAX_BUNDLE)

@@ -49,14 +49,16 @@ from feedline.transport.link import LinkConfig
 __all__ = ["ConsumerConfig", "ProducerStats", "RemoteDataZMQ"]
 
 _CLOSED = object()
+WINDOW = 4  # batches a consumer may hold ahead of its model, by default
+MAX_BYTES = 1 << 30  # bytes it may hold, by default
 
 
 @dataclass(frozen=True)
 class ConsumerConfig:
-    """What a consumer registers with (one place for its defaults and bounds)."""
+    """What a consumer registers with."""
 
-    window: int = 4
-    max_bytes: int = 1 << 30
+    window: int = WINDOW
+    max_bytes: int = MAX_BYTES
     stream: str = DEFAULT_STREAM
 
 
@@ -94,7 +96,7 @@ class RemoteDataZMQ:
         self,
         addr: str,
         *,
-        window: int = 4,
+        window: int = WINDOW,
         max_bytes: int | None = None,
         timeout: float | None = None,
         consumer_id: str | None = None,
