@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from feedline.errors import ConfigError
+from feedline.exact import MAX_STREAMS, ExactConfig
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.protocol import wire
+from feedline.protocol.bundle import JOIN_FORWARDED, MAX_BUNDLE
 from feedline.protocol.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
-from feedline.serving.server import CREDIT_LEASE, MAX_PEERS, PRODUCER_WINDOW
+from feedline.serving.server import (
+    CREDIT_LEASE,
+    LINGER_MS,
+    MAX_PEERS,
+    PRODUCER_WINDOW,
+    ServingConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,7 @@ class BrokerConfig:
     max_peers: int = MAX_PEERS  # registered producers (and, separately, consumers), at most
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT  # a peer silent this long is dropped
-    linger_ms: int = 100
+    linger_ms: int = LINGER_MS
     io_threads: int = 1  # libzmq I/O threads: the socket copies happen there
     limits: wire.Limits = field(default_factory=wire.Limits)
     metrics_port: int | None = None
@@ -37,7 +46,7 @@ class BrokerConfig:
     state_dir: str | None = None  # exact streams' journals (their progress survives restarts)
     sizing_window: float = 10.0  # seconds the producers-wanted estimate averages over
     exact_ephemeral: bool = False  # without state_dir: serve exact streams from memory only
-    max_streams: int = 64  # streams with state (peers naming them, exact coordinators)
+    max_streams: int = MAX_STREAMS  # streams with state (peers naming them, exact coordinators)
     insecure: bool = False  # listen on exposed addresses without CURVE keys (--insecure)
 
     def __post_init__(self) -> None:
@@ -60,3 +69,22 @@ class BrokerConfig:
     def budget(self) -> Budget:
         """``max_batches`` and ``max_bytes``, with the shares taken of them."""
         return Budget(self.max_batches, self.max_bytes)
+
+    def serving(self) -> ServingConfig:
+        """The serving core's configuration of this broker (the one place it is derived):
+        its producers' terms, liveness, limits, keys and tensorpack ingress as given; exact
+        streams journalled in ``state_dir``, a restarted broker waiting one heartbeat
+        timeout for its consumers' reports; windows counting small batches by their bytes;
+        a bundle kept whole, as it is forwarded (``whole``, ``JOIN_FORWARDED``)."""
+        return ServingConfig(
+            self.ingress, self.budget, producer_window=self.producer_window,
+            credit_lease=self.credit_lease, max_peers=self.max_peers,
+            heartbeat_interval=self.heartbeat_interval,
+            heartbeat_timeout=self.heartbeat_timeout, linger_ms=self.linger_ms,
+            limits=self.limits, curve=self.curve, tensorpack=self.tensorpack_ingress,
+            tensorpack_stream=self.tensorpack_stream,
+            exact=ExactConfig(Path(self.state_dir) if self.state_dir else None,
+                              self.exact_ephemeral, self.max_streams,
+                              grace=self.heartbeat_timeout, idle=4 * self.heartbeat_timeout),
+            insecure=self.insecure, by_bytes=True, bundle=MAX_BUNDLE, whole=True,
+            join=JOIN_FORWARDED)

@@ -22,7 +22,6 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import zmq
 from prometheus_client import CollectorRegistry
@@ -32,13 +31,11 @@ from feedline.broker.config import BrokerConfig
 from feedline.broker.egress import ConsumerSide
 from feedline.broker.pipelines import Leftovers
 from feedline.broker.sizing import BrokerSizing
-from feedline.exact import ExactConfig
 from feedline.logs import RateLimitedLog
-from feedline.protocol.bundle import JOIN_FORWARDED, MAX_BUNDLE
 from feedline.protocol.wire import Batch
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
-from feedline.serving.server import Server, ServingConfig
+from feedline.serving.server import Server
 from feedline.serving.sizing import SizingConfig
 
 log = logging.getLogger(__name__)
@@ -124,21 +121,8 @@ class Broker:
         self._evicted: dict[str, int] = {}
         self.server: Server | None = None
         try:
-            self.server = server = Server(self.ctx, ServingConfig(
-                config.ingress, self.budget, producer_window=config.producer_window,
-                credit_lease=config.credit_lease, max_peers=config.max_peers,
-                heartbeat_interval=config.heartbeat_interval,
-                heartbeat_timeout=config.heartbeat_timeout, linger_ms=config.linger_ms,
-                limits=config.limits, curve=config.curve,
-                tensorpack=config.tensorpack_ingress,
-                tensorpack_stream=config.tensorpack_stream,
-                exact=ExactConfig(Path(config.state_dir) if config.state_dir else None,
-                                  config.exact_ephemeral, config.max_streams,
-                                  grace=config.heartbeat_timeout,
-                                  idle=4 * config.heartbeat_timeout),
-                insecure=config.insecure, by_bytes=True, bundle=MAX_BUNDLE, whole=True,
-                join=JOIN_FORWARDED),
-                self._sink, self.metrics, self.instance, log)
+            self.server = server = Server(self.ctx, config.serving(), self._sink, self.metrics,
+                                          self.instance, log)
             # No ZMTP heartbeats towards consumers: a paused consumer's connection must
             # outlive its registration, so that what was sent to it is still there when it
             # wakes (it takes it, then registers again). A dead one's kernel closes it.

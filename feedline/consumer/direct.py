@@ -49,10 +49,27 @@ _STREAMING = 0.02  # seconds since the last batch arrived: more are on the way
 
 @dataclass(frozen=True)
 class DirectConfig:
-    producer_window: int = PRODUCER_WINDOW
-    credit_lease: float = CREDIT_LEASE
-    max_producers: int = MAX_PEERS
+    """How a trainer in direct mode (``RemoteDataZMQ(addr, bind=True, direct=...)``) serves
+    its producers; the defaults are a broker's."""
+
+    producer_window: int = PRODUCER_WINDOW  # most credit one producer holds at once
+    credit_lease: float = CREDIT_LEASE  # credit unused this long is asked back when others wait
+    max_producers: int = MAX_PEERS  # registered producers, at most
     tensorpack: str | None = None  # also accept tensorpack's send_dataflow_zmq here
+
+    def serving(self, addr: str, budget: Budget, stream: str, link: LinkConfig,
+                keys: ServerKeys | None, insecure: bool = False) -> ServingConfig:
+        """The serving core's configuration of a trainer serving ``stream`` at ``addr`` (the
+        one place it is derived): the budget is the consumer's own (``window`` batches and
+        ``max_bytes`` bytes, queued here or granted), small batches counted by their bytes
+        (``Setup.slots`` has room for them); liveness and limits are the consumer's link's;
+        nothing lingers at close (the trainer is leaving)."""
+        return ServingConfig(
+            addr, budget, producer_window=self.producer_window, credit_lease=self.credit_lease,
+            max_peers=self.max_producers, heartbeat_interval=link.heartbeat_interval,
+            heartbeat_timeout=link.heartbeat_timeout, linger_ms=0, limits=link.limits,
+            curve=keys, tensorpack=self.tensorpack, stream=stream, insecure=insecure,
+            how=DIRECT, by_bytes=True, bundle=MAX_BUNDLE)
 
 
 class _LocalSink:
@@ -70,7 +87,7 @@ class _LocalSink:
         return True  # the trainer itself
 
     def held_by_stream(self) -> dict[str, tuple[int, int]]:
-        return {self.shared.stream: self.held()}
+        return {self.shared.setup.stream: self.held()}
 
     def accept(self, stream: str, item: Held) -> bool:
         if item.broadcast:
@@ -100,7 +117,7 @@ class _LocalSink:
                 s.producer(msg.producer).finished = True
         elif isinstance(msg, m.Error):
             err = ProducerError(msg.producer, msg.message, msg.traceback)
-            if s.on_error == "raise":
+            if s.setup.on_error == "raise":
                 s.queue.put_nowait(Marker(err))
             else:
                 log.error("%s", err)
@@ -117,21 +134,23 @@ class DirectIO:
         self.shared, self.link_cfg = shared, link
         self.metrics = metrics
         self._sink = _LocalSink(shared)
-        self.server = Server(ctx, serving_config(addr, link, keys, shared, cfg, insecure),
+        setup = shared.setup
+        self.server = Server(ctx, cfg.serving(addr, Budget(setup.window, setup.max_bytes),
+                                              setup.stream, link, keys, insecure),
                              self._sink, metrics, random.getrandbits(62), log)
         self.ingress = self.server.producers
         self.endpoint = self.server.ingress.endpoint
-        shared.collect_keys = True  # exact streams settle here as the model takes batches
+        shared.io.collect_keys = True  # exact streams settle here as the model takes batches
         if shared.exact.resume is not None:  # set when the stream's first producer registers
             sink = self._sink
             self.ingress.exact.refuse = lambda _ident, reason, detail: sink.refused(detail)
-            self.ingress.exact.cursor(b"", shared.stream, shared.exact.resume.encode(),
+            self.ingress.exact.cursor(b"", setup.stream, shared.exact.resume.encode(),
                                     time.monotonic())
         self._next_tick = 0.0
         self._next_plan = 0.0
         self._arrived = 0.0  # when a batch last arrived
         self._planned_taken = -1
-        shared.answered = True  # nobody to answer us: we serve
+        shared.io.answered = True  # nobody to answer us: we serve
         # As the broker does: batches of a megabyte or more reuse freed memory instead of
         # faulting pages in again (feedline.heap; the environment's MALLOC_* settings win).
         heap = keep_freed_memory()
@@ -156,12 +175,12 @@ class DirectIO:
         s = self.shared
         with s.lock:
             keys, s.taken_keys = s.taken_keys, []
-        coord = self.ingress.exact.get(s.stream)
+        coord = self.ingress.exact.get(s.setup.stream)
         if coord is None:
             return
         for key in keys:
             for epoch in coord.settle(key):
-                self._sink.epoch_end(s.stream, epoch)
+                self._sink.epoch_end(s.setup.stream, epoch)
 
     def on_tick(self) -> None:
         now = time.monotonic()
@@ -171,7 +190,7 @@ class DirectIO:
             self._next_tick = now + self.link_cfg.heartbeat_interval / 4
             # The window in force: small batches count by their bytes.
             budget = self.ingress.planner.budget
-            self.shared.metrics.window.set(budget.max_batches)
+            self.shared.setup.metrics.window.set(budget.max_batches)
             self.metrics.buffer_capacity_batches.set(budget.max_batches)
             self.metrics.buffer_capacity_bytes.set(budget.max_bytes)
         # Plan when it may grant more (feedline.serving.credit): an arrival left a producer
@@ -180,8 +199,9 @@ class DirectIO:
         # 50 ms (credit leases run on the clock). Not after every batch that arrives or is
         # taken.
         s, planner = self.shared, self.ingress.planner
+        io, model, stream = s.io, s.model, s.setup.stream
         while True:
-            taken = s.taken
+            taken = model.taken
             if taken != self._planned_taken:
                 self._settle()
             if self.ingress.dirty or planner.due or now >= self._next_plan or \
@@ -191,30 +211,17 @@ class DirectIO:
                 self._planned_taken = taken
                 self._next_plan = now + _PLAN_EVERY
                 self.ingress.plan(now)
-            # Takes need not wake us while batches stream in (Shared.expecting), nor before
+            # Takes need not wake us while batches stream in (IOState.expecting), nor before
             # the one that makes a plan worth it (``wake`` after the last: the takes between
-            # change nothing here) unless an exact stream settles each (Shared.wake_at); a
+            # change nothing here) unless an exact stream settles each (IOState.wake_at); a
             # take that read the old values is seen here, as ``taken`` has grown since.
-            s.expecting = (now - self._arrived < _STREAMING
-                           and self.ingress.outstanding()[0] > 0)
-            s.wake_at = 0 if self.ingress.exact.get(s.stream) is not None else \
+            io.expecting = (now - self._arrived < _STREAMING
+                            and self.ingress.outstanding()[0] > 0)
+            io.wake_at = 0 if self.ingress.exact.get(stream) is not None else \
                 self._planned_taken + planner.wake
-            if s.taken == taken:
+            if model.taken == taken:
                 break
 
     def on_close(self) -> None:
         self.server.close()
 
-
-def serving_config(addr: str, link: LinkConfig, keys: ServerKeys | None, shared: Shared,
-                   cfg: DirectConfig, insecure: bool = False) -> ServingConfig:
-    """The serving core's configuration of a direct-mode trainer: its budget is the
-    consumer's own (``window`` batches, ``max_bytes`` bytes, queued here or granted), small
-    batches counted by their bytes (``Shared.slots`` has room for them)."""
-    return ServingConfig(
-        addr, Budget(shared.window, shared.max_bytes), producer_window=cfg.producer_window,
-        credit_lease=cfg.credit_lease, max_peers=cfg.max_producers,
-        heartbeat_interval=link.heartbeat_interval, heartbeat_timeout=link.heartbeat_timeout,
-        linger_ms=0, limits=link.limits, curve=keys, tensorpack=cfg.tensorpack,
-        stream=shared.stream, insecure=insecure, how=DIRECT, by_bytes=True,
-        bundle=MAX_BUNDLE)

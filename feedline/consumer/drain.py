@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from feedline import endpoints, security
+from feedline.consumer.remote import WINDOW
 from feedline.errors import FeedlineError
 from feedline.flags import (
     HelpFormatter,
@@ -33,6 +34,7 @@ from feedline.flags import (
 )
 from feedline.heap import keep_freed_memory
 from feedline.logs import setup_logging
+from feedline.protocol.messages import DEFAULT_STREAM
 from feedline.serving.server import Remedy, check_exposure
 
 log = logging.getLogger(__name__)
@@ -53,9 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--bind", default=None, metavar="ADDR",
                        help="direct mode: no broker, serve the producers at ADDR (e.g. "
                        "tcp://0.0.0.0:7878; producers give it as their --broker)")
-    p.add_argument("--window", type=int, default=4,
+    p.add_argument("--window", type=int, default=WINDOW,
                    help="batches this process may hold ahead of the model")
-    p.add_argument("--stream", default="default",
+    p.add_argument("--stream", default=DEFAULT_STREAM,
                    help="the stream to receive (producers declare theirs)")
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="simulated model step per batch (0: as fast as batches come)")
@@ -173,7 +175,7 @@ def _drain(args: argparse.Namespace, addr: str, curve: Any, registry: Any,
                         break
             except ReceiveTimeout:
                 continue  # no batch for a while: check stop and the deadline, wait again
-        answered = source._shared.answered or bool(args.bind)
+        answered = source._shared.io.answered or bool(args.bind)
     return count, nbytes, answered
 
 

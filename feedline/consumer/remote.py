@@ -49,14 +49,16 @@ from feedline.transport.link import LinkConfig
 __all__ = ["ConsumerConfig", "ProducerStats", "RemoteDataZMQ"]
 
 _CLOSED = object()
+WINDOW = 4  # batches a consumer may hold ahead of its model, by default
+MAX_BYTES = 1 << 30  # bytes it may hold, by default
 
 
 @dataclass(frozen=True)
 class ConsumerConfig:
-    """What a consumer registers with (one place for its defaults and bounds)."""
+    """What a consumer registers with."""
 
-    window: int = 4
-    max_bytes: int = 1 << 30
+    window: int = WINDOW
+    max_bytes: int = MAX_BYTES
     stream: str = DEFAULT_STREAM
 
 
@@ -94,7 +96,7 @@ class RemoteDataZMQ:
         self,
         addr: str,
         *,
-        window: int = 4,
+        window: int = WINDOW,
         max_bytes: int | None = None,
         timeout: float | None = None,
         consumer_id: str | None = None,
@@ -145,12 +147,12 @@ class RemoteDataZMQ:
                               self.config.max_bytes, stream, on_error,
                               registry if registry is not None else CollectorRegistry(),
                               slots=DEPTH * window)
-        self.metrics = self._shared.metrics
+        self.metrics = self._shared.setup.metrics
         self.metrics.set_stream(stream)
         if resume is not None:
             self._shared.exact.resume_from(_as_cursor(resume))
         # Direct mode serves producers as a broker does, with the broker's metrics.
-        self.serving_metrics = BrokerMetrics(self._shared.registry) if bind else None
+        self.serving_metrics = BrokerMetrics(self._shared.setup.registry) if bind else None
         self._io: ClientLoop | None = None
         self._lock = threading.Lock()
         # Dropped without close(): stop the I/O thread (signal only; it ends by itself).
@@ -276,7 +278,7 @@ class RemoteDataZMQ:
                 item = shared.queue.get(timeout=max(wait, 0.0))
                 waited = time.monotonic() - t0
                 self.metrics.wait.observe(waited)
-                shared.waited += waited  # reported with TAKEN: the broker's demand estimate
+                shared.model.waited += waited  # reported with TAKEN: the broker's demand estimate
                 return item
             except queue.Empty:
                 pass
@@ -291,11 +293,11 @@ class RemoteDataZMQ:
 
     def _timeout_text(self, shared: Shared) -> str:
         """What a consumer that got no batch in time is told: what its link knows."""
-        refusal = shared.refusal
+        refusal = shared.io.refusal
         if refusal is not None:
             return (f"the broker at {self.addr} refused this consumer: {refusal.reason}"
                     f"{': ' + refusal.detail if refusal.detail else ''}")
-        reach, explain = shared.reach, shared.explain
+        reach, explain = shared.io.reach, shared.io.explain
         waited = f"no batch within {self.timeout:.1f}s"
         if reach is not None and explain is not None:
             if reach.welcomed_at is None:
@@ -308,7 +310,7 @@ class RemoteDataZMQ:
                         f"down): {explain()}")
         producers = sorted(shared.stats_copy())
         return (f"no batch from the broker at {self.addr} within {self.timeout:.1f}s "
-                f"(stream {shared.stream!r}; producers seen so far: {producers or 'none'}). "
+                f"(stream {shared.setup.stream!r}; producers seen so far: {producers or 'none'}). "
                 "Are producers connected to its ingress, with this stream?")
 
 

@@ -30,9 +30,9 @@ from feedline.exact.coordinator import RECORDS_PER_COMMIT, Coordinator
 from feedline.exact.cursor import MAX_CURSOR_BYTES, MAX_UNITS, Cursor
 from feedline.exact.keeper import CursorKeeper
 from feedline.exact.plan import Assignment, ExactPlan, NoUnit
-from feedline.exact.streams import Applied, ExactConfig, ExactStreams
+from feedline.exact.streams import MAX_STREAMS, Applied, ExactConfig, ExactStreams
 from feedline.exact.succession import WAIT, Succession
 
-__all__ = ["MAX_CURSOR_BYTES", "MAX_UNITS", "RECORDS_PER_COMMIT", "WAIT", "Applied",
+__all__ = ["MAX_CURSOR_BYTES", "MAX_STREAMS", "MAX_UNITS", "RECORDS_PER_COMMIT", "WAIT", "Applied",
            "Assignment", "Coordinator", "Cursor", "CursorKeeper", "ExactConfig", "ExactPlan",
            "ExactStreams", "NoUnit", "Succession"]

@@ -57,11 +57,14 @@ class Applied:
     ended: tuple[int, ...] = ()
 
 
+MAX_STREAMS = 64  # streams a host keeps state for, by default (a broker's --max-streams)
+
+
 @dataclass(frozen=True)
 class ExactConfig:
     state_dir: Path | None = None
     ephemeral: bool = True  # without state_dir: keep exact streams in memory only
-    max_streams: int = 64
+    max_streams: int = MAX_STREAMS
     grace: float = 0.0  # after a restart: seconds for the consumers to report first
     idle: float = 20.0  # seconds unused before an exact stream's state is reclaimed
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from feedline.protocol.messages import DEFAULT_STREAM
 from feedline.serving.budget import TOP_UP, Budget, Share, depth, top_up
 from feedline.serving.producer_credit import Plan, ProducerCredit
 
@@ -98,7 +99,7 @@ class CreditPlanner:
         self._scale(max((p.unit for p in self.producers.values()), default=0))
 
     # -- what happened ------------------------------------------------------------------
-    def join(self, key: bytes, declared: int, stream: str = "default") -> ProducerCredit:
+    def join(self, key: bytes, declared: int, stream: str = DEFAULT_STREAM) -> ProducerCredit:
         p = self.producers[key] = ProducerCredit(declared=min(declared, self.max_bytes),
                                                  stream=stream, idle=True)
         return p

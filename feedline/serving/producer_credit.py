@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from feedline.protocol.messages import DEFAULT_STREAM
+
 
 @dataclass
 class ProducerCredit:
@@ -20,7 +22,7 @@ class ProducerCredit:
     idle: bool = False  # new, or gave its credit back: more only when it asks
     held_since: float = 0.0  # when it last started holding credit, or last used it
     held_seconds: float = 0.0  # time it held unused batch credit, up to held_since
-    stream: str = "default"
+    stream: str = DEFAULT_STREAM
 
     @property
     def outstanding(self) -> int:

@@ -24,6 +24,7 @@ import zmq
 
 from feedline.errors import Refusal
 from feedline.exact import ExactStreams, Succession
+from feedline.liveness import HEARTBEAT_TIMEOUT
 from feedline.logs import RateLimitedLog
 from feedline.protocol import bundle, wire
 from feedline.protocol import messages as m
@@ -49,7 +50,7 @@ class IngressConfig:
     bundle: int = 0  # the most batches in one message (feedline.protocol.bundle)
     join: int = 0  # the largest batch (array bytes) sent joined in one (0: JOIN_BYTES)
     whole: bool = False  # a bundle goes to the sink as one item (a broker), not batch by batch
-    heartbeat_timeout: float = 5.0  # a producer silent this long is dropped
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT  # a producer silent this long is dropped
 
 
 class ProducerSide:

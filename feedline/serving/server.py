@@ -36,6 +36,7 @@ from feedline.errors import ConfigError
 from feedline.exact import ExactConfig, ExactStreams
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.protocol.codec import Limits
+from feedline.protocol.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.endpoint import Endpoint, Refusals, Side
@@ -85,16 +86,19 @@ def check_exposure(addrs: Sequence[str | None], tensorpack: str | None, keyed: b
     return exposed
 
 
-# What a host gives its producers, written once: the broker's flags and a direct-mode
-# trainer's DirectConfig default to these.
+# What a host gives its producers, written once: ServingConfig, the broker's BrokerConfig
+# (and so its flags) and a direct-mode trainer's DirectConfig default to these.
 PRODUCER_WINDOW = 4  # the most credit one producer holds at once
 CREDIT_LEASE = 2.0  # seconds: credit unused this long is asked back when others wait
 MAX_PEERS = 1024  # registered producers (and, separately, consumers), at most
+LINGER_MS = 100  # what a closing broker's sockets still send, at most (a trainer's: 0)
 
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """What the core needs of its host's configuration (a broker's flags, or a trainer's
+    """What the core needs of its host's configuration, built from it in one call: a
+    broker's by :meth:`feedline.broker.config.BrokerConfig.serving` (its flags), a direct-mode
+    trainer's by :meth:`feedline.consumer.direct.DirectConfig.serving` (its
     ``RemoteDataZMQ(bind=True)`` arguments)."""
 
     ingress: str
@@ -104,11 +108,11 @@ class ServingConfig:
     max_peers: int = MAX_PEERS
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
-    linger_ms: int = 100
+    linger_ms: int = LINGER_MS
     limits: Limits = field(default_factory=Limits)
     curve: ServerKeys | None = None
     tensorpack: str | None = None
-    tensorpack_stream: str = "default"
+    tensorpack_stream: str = DEFAULT_STREAM
     stream: str | None = None  # the only stream accepted (a direct-mode trainer), or any
     # Exact streams: the state directory, the stream limit, the recovery wait, reclaiming.
     exact: ExactConfig = field(default_factory=ExactConfig)

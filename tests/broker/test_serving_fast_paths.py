@@ -498,8 +498,8 @@ def _state(side: ProducerSide, shared: Shared, registry: CollectorRegistry,
     queued = [(d.batch.seq, d.batch.nbytes, d.batch.wire_bytes, d.nbytes,
                [a.tobytes() for a in d.batch.datapoint]) for d in shared.queue._items]
     return (credit, side.dirty, dict(side.gaps._last), shared.queued_bytes,
-            {k: vars(v) for k, v in shared.stats.items()}, queued, _samples(registry),
-            _samples(shared.registry))
+            {k: vars(v) for k, v in shared.io.stats.items()}, queued, _samples(registry),
+            _samples(shared.setup.registry))
 
 
 @settings(max_examples=100, deadline=None)

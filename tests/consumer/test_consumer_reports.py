@@ -124,7 +124,7 @@ class Harness:
         wait_for(caught_up, 10, what="the consumer's reports")
 
     def credit(self) -> int:
-        return depth(self.shared.window, self.unit) - (self.sent - self.reported)
+        return depth(self.shared.setup.window, self.unit) - (self.sent - self.reported)
 
     def deliver(self, most: int) -> int:
         """Send up to ``most`` batches the credit allows; turn until all of them arrived."""
@@ -152,16 +152,16 @@ class Harness:
 
     # -- what must hold ------------------------------------------------------------------
     def unreported(self) -> int:
-        return self.shared.taken + self.io._refused - self.io._reported
+        return self.shared.model.taken - self.io._base + self.io._refused - self.io._reported
 
     def check(self) -> None:
         s = self.shared
-        due = self.woken() or s.expecting
+        due = self.woken() or s.io.expecting
         if len(s.queue) == 0 and self.unreported() > 0:
             assert due, (f"the model waits with {self.unreported()} takes unreported and "
                          "no wake of the I/O thread due")
         if not due:
-            window = depth(s.window, self.io._largest)
+            window = depth(s.setup.window, self.io._largest)
             assert self.unreported() < max(1, top_up(window)), \
                 (self.unreported(), window, len(s.queue))
             # What the broker counts as held here (its verdict's occupancy) is on the same
@@ -169,8 +169,8 @@ class Harness:
             if self.unreported():
                 assert len(s.queue) > int(window * MODEL_BOUND_ABOVE), \
                     (self.unreported(), window, len(s.queue))
-        rejected = s.registry.get_sample_value("feedline_consumer_rejected_messages_total",
-                                               {"reason": "over_window"})
+        rejected = s.setup.registry.get_sample_value(
+            "feedline_consumer_rejected_messages_total", {"reason": "over_window"})
         assert not rejected, "a delivery within the credit refused as over the window"
 
 
@@ -257,7 +257,7 @@ def test_a_full_window_reports_a_top_up_of_takes_at_once() -> None:
         # And the takes since the last report are reported by the next turn, woken or not.
         h.turn()
         h.read_reports()
-        assert h.reported == h.shared.taken
+        assert h.reported == h.shared.model.taken
     finally:
         h.close()
 

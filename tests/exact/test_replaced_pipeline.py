@@ -33,13 +33,13 @@ def batch(pipeline: int, unit: int, index: int) -> wire.Batch:
 
 def test_the_old_trainer_raises_before_a_new_pipelines_batch_counts_as_taken() -> None:
     shared = Shared("c", 1, 8, 1 << 30, "val", "raise", CollectorRegistry(), slots=64)
-    shared.registration = 1
+    shared.io.registration = 1
     assert shared.took(Delivery(1, batch(OLD, 0, 0), 64))
-    assert shared.taken == 1
+    assert shared.model.taken == 1
     with pytest.raises(FeedlineError, match="now serves another pipeline"):
         shared.took(Delivery(1, batch(NEW, 0, 1), 64))
     # Not reported taken: the broker serves it again to a consumer of the new pipeline.
-    assert shared.taken == 1
+    assert shared.model.taken == 1
     assert not shared.exact.seen(0, 0, 1)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from feedline.broker.config import BrokerConfig
 from feedline.consumer import RemoteDataZMQ
 from feedline.consumer.direct import DirectConfig
 from feedline.errors import ReceiveTimeout
@@ -34,6 +35,7 @@ from feedline.flags import parse_size
 from feedline.logs import setup_logging
 from feedline.metrics import serve_metrics
 from feedline.protocol.codec import Limits
+from feedline.protocol.messages import DEFAULT_STREAM
 from feedline.transport.link import LinkConfig
 
 
@@ -56,16 +58,17 @@ def main() -> None:
     ap.add_argument("--ingress", required=True)
     ap.add_argument("--ledger", required=True)
     ap.add_argument("--tensorpack-ingress", default=None)
-    ap.add_argument("--max-bytes", type=parse_size, default=1 << 30)
-    ap.add_argument("--max-batches", type=int, default=32)
+    d = BrokerConfig()  # a broker's flags, with a broker's defaults
+    ap.add_argument("--max-bytes", type=parse_size, default=d.max_bytes)
+    ap.add_argument("--max-batches", type=int, default=d.max_batches)
     ap.add_argument("--max-message-bytes", type=parse_size, default=Limits().max_message_bytes)
-    ap.add_argument("--max-peers", type=int, default=1024)
-    ap.add_argument("--producer-window", type=int, default=4)
-    ap.add_argument("--credit-lease", type=float, default=2.0)
-    ap.add_argument("--heartbeat-interval", type=float, default=1.0)
-    ap.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    ap.add_argument("--max-peers", type=int, default=d.max_peers)
+    ap.add_argument("--producer-window", type=int, default=d.producer_window)
+    ap.add_argument("--credit-lease", type=float, default=d.credit_lease)
+    ap.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval)
+    ap.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout)
     ap.add_argument("--metrics-port", type=int, default=0)
-    ap.add_argument("--stream", default="default")
+    ap.add_argument("--stream", default=DEFAULT_STREAM)
     ap.add_argument("--hold", action="store_true")
     a = ap.parse_args()
     setup_logging("INFO")
