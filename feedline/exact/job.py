@@ -230,6 +230,7 @@ class JobCoordinator:
         self.restored = False
         self.messages = 0  # taken, for the cost figures
         self._probe_at = 0.0  # a resume asked for fresh consumer counts at this time
+        self._restored: dict[str, set[int]] = {}  # host -> units open there, from the journal
         self._pool()
         records = journal.read(stream) if journal is not None else []
         # After a restart the hosts' consumer counts are not known until they join again:
@@ -273,6 +274,10 @@ class JobCoordinator:
                     raise JournalCorrupt(f"stream {self.stream!r}: its journal is not a job "
                                          "coordinator's (a broker's?): give each its own "
                                          "--state-dir")
+        # Who has which unit open, until each host joins again.
+        for u, s in enumerate(self.units):
+            if s.state is Unit.OPEN and s.host is not None:
+                self._restored.setdefault(s.host, set()).add(u)
         self._pool()
 
     def _save(self, record: Record) -> None:
@@ -335,10 +340,9 @@ class JobCoordinator:
         if h is None and len(self.hosts) >= self.max_hosts:
             raise JobRefused("too_many_peers", f"{self.max_hosts} hosts serve stream "
                              f"{self.stream!r} already")
+        before = h.open if h is not None else self._restored.pop(msg.host, set())
         h = self.hosts[msg.host] = HostState(msg.host, msg.session, msg.seq, now, msg.launch,
-                                             msg.readers, now)
-        h.open = {u for u, s in enumerate(self.units)
-                  if s.state is Unit.OPEN and s.host == msg.host}
+                                             msg.readers, now, open=before)
         ended = False
         if msg.launch == self.launch and msg.epoch == self.epoch:
             for u, gen, batches in msg.done:  # done reports the journal may have lost
@@ -387,6 +391,7 @@ class JobCoordinator:
         self.units = [UnitState() for _ in range(self.plan.units)]
         for h in self.hosts.values():
             h.open.clear()
+        self._restored.clear()
         self._pool()
 
     def _back(self, h: HostState, msg: Back) -> None:
@@ -469,6 +474,7 @@ class JobCoordinator:
         for x in self.hosts.values():
             x.open.clear()
             x.readers = 0
+        self._restored.clear()
         h.launch, h.readers, h.readers_at = self.launch, 1, now
         self._pool()
         ended = self._done == len(self.units)
