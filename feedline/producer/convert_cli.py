@@ -6,6 +6,11 @@ Writes ``OUT_DIR/PREFIX-000000.tar, ...`` of about ``--shard-size`` bytes each (
 sample count, size and sha256): a pipeline's ``source: {webdataset: {manifest: ...}}`` reads
 the shards from it, wherever they are copied to (same names beside it).
 
+``--index-jpeg`` stores each JPEG as it is with its side index, a member ``%08d.jpgidx``
+(:mod:`feedline.producer.image.jpgindex`): the ``webdataset`` source hands it to the fused
+decoder, which then entropy-decodes only the MCUs under a crop. Images that cannot be
+indexed (not a JPEG, progressive, ...) are stored without one, counted by reason.
+
 ``OUT_DIR`` holds one conversion per prefix: without ``--overwrite`` a folder that already
 has this prefix's shards or a ``manifest.json`` is refused; with it, the new conversion
 replaces the whole previous one: the shards the old ``manifest.json`` lists that the new one
@@ -27,8 +32,11 @@ import argparse
 import multiprocessing
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prepare-jpeg", action="store_true",
                    help="transcode each JPEG losslessly to restart intervals with an index "
                    "(decoding then reads only the crop's blocks; pixels never change)")
+    p.add_argument("--index-jpeg", action="store_true",
+                   help="store each JPEG as it is with its side index (a member KEY.jpgidx), "
+                   "so that decoding reads only the crop's blocks; pixels never change")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the previous conversion in OUT_DIR: its shards, and its "
                    "manifest; shards of it that this one does not write are removed")
@@ -109,6 +120,12 @@ def open_source(path: str, list_file: str | None) -> Any:
     raise DataNotFound(f"{path}: no such image folder or LMDB file")
 
 
+def _name(i: int) -> str:
+    """Sample ``i`` of the source in a warning: its file, or its number."""
+    paths = getattr(_SOURCE, "paths", None)
+    return str(paths[i]) if paths is not None else f"sample {i}"
+
+
 def _read(i: int, prepare: Callable[..., bytes] | None = None) -> tuple[bytes, int]:
     """Sample ``i`` of the source; with ``prepare`` (:func:`prepare_jpeg_function`), its
     image prepared, a warning naming the file (or the sample) where it does not decode."""
@@ -117,9 +134,64 @@ def _read(i: int, prepare: Callable[..., bytes] | None = None) -> tuple[bytes, i
     dp = _SOURCE.sample(i)
     data = as_bytes(dp[0])
     if prepare is not None:
-        paths = getattr(_SOURCE, "paths", None)
-        data = prepare(data, str(paths[i]) if paths is not None else f"sample {i}")
+        data = prepare(data, _name(i))
     return data, int(dp[1])
+
+
+@dataclass
+class IndexTally:
+    """What ``--index-jpeg`` did in one shard (added up over the shards)."""
+
+    indexed: int = 0
+    index_bytes: int = 0
+    image_bytes: int = 0
+    kept: Counter[str] = field(default_factory=Counter)  # not indexed, by reason
+
+    def add(self, other: IndexTally) -> None:
+        self.indexed += other.indexed
+        self.index_bytes += other.index_bytes
+        self.image_bytes += other.image_bytes
+        self.kept.update(other.kept)
+
+    def summary(self) -> str:
+        share = f" ({100 * self.index_bytes / self.image_bytes:.2f}% of their bytes)" \
+            if self.image_bytes else ""
+        kept = ", ".join(f"{why}: {n}" for why, n in self.kept.most_common())
+        return f"indexed {self.indexed} JPEGs{share}" + (
+            f"; stored without an index: {kept}" if kept else "")
+
+
+def _index_member(tally: IndexTally, i: int, data: bytes) -> dict[str, bytes]:
+    """Sample ``i``'s side index member (``{"jpgidx": ...}``), or none where its image is not
+    indexable (counted by reason) or does not decode (a warning naming it)."""
+    from feedline.producer.image.decode import CorruptImage
+    from feedline.producer.image.jpgindex import SUFFIX, index_jpeg
+
+    try:
+        made = index_jpeg(data)
+    except CorruptImage as e:
+        why = str(e).split(": ", 1)[-1]  # without "N bytes: ": the sample is named instead
+        print(f"feedline convert: warning: {_name(i)}: {why}; stored without an index",
+              file=sys.stderr)
+        tally.kept["does not decode"] += 1
+        return {}
+    if made.jpgidx is None:
+        tally.kept[made.note] += 1
+        return {}
+    tally.indexed += 1
+    tally.index_bytes += len(made.jpgidx)
+    tally.image_bytes += len(data)
+    return {SUFFIX[1:]: made.jpgidx}
+
+
+def _write(job: Any, prepare: Callable[..., bytes] | None,
+           index: bool) -> tuple[Any, IndexTally | None]:
+    """One shard written (its ShardInfo) and, with ``index``, what indexing did in it."""
+    from feedline.producer.shards.writer import write_shard
+
+    tally = IndexTally() if index else None
+    side = partial(_index_member, tally) if tally is not None else None
+    return write_shard(job, read=partial(_read, prepare=prepare), side=side), tally
 
 
 def _sizes(src: Any) -> list[int]:
@@ -136,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from feedline.producer.shards.manifest import Manifest
-    from feedline.producer.shards.writer import ShardJob, plan_shards, write_shard
+    from feedline.producer.shards.writer import ShardJob, plan_shards
 
     def fail(msg: str) -> int:
         print(f"feedline convert: {msg}", file=sys.stderr)
@@ -144,7 +216,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         target = parse_size(args.shard_size)
+        if args.prepare_jpeg and args.index_jpeg:
+            raise ConfigError("--prepare-jpeg and --index-jpeg: one or the other (a prepared "
+                              "JPEG is read by its blocks already and takes no index)")
         prepare = prepare_jpeg_function() if args.prepare_jpeg else None
+        if args.index_jpeg:
+            from feedline.producer.image.jpgindex import AVAILABLE
+            from feedline.producer.image.turbo import decoder_info
+
+            if not AVAILABLE:
+                raise Unavailable(f"--index-jpeg: needs the compiled libjpeg-turbo extension "
+                                  f"(the decoder here: {decoder_info()}); convert without it")
         if args.workers < 1:
             raise ConfigError(f"--workers {args.workers}: expected >= 1")
         _SOURCE = open_source(args.source, args.list_file)
@@ -165,20 +247,23 @@ def run(args: argparse.Namespace) -> int:
     if partials:
         print(f"removed {len(partials)} partial shards an interrupted conversion left "
               f"({partials[0].name}{', ...' if len(partials) > 1 else ''})")
-    write = partial(write_shard, read=partial(_read, prepare=prepare))
+    write = partial(_write, prepare=prepare, index=args.index_jpeg)
     total = sum(len(j.samples) for j in jobs)
     infos = []
-    with tqdm(total=total, unit="img", disable=args.no_progress, desc="convert") as bar:
+    indexing = IndexTally()
+    with tqdm(total=total, unit="img", disable=args.no_progress, desc="convert") as bar, \
+            ExitStack() as stack:
         if args.workers == 1:
-            for j in jobs:
-                infos.append(write(j))
-                bar.update(len(j.samples))
+            done: Any = map(write, jobs)
         else:
             fork = multiprocessing.get_context("fork")  # the workers inherit _SOURCE
-            with ProcessPoolExecutor(args.workers, mp_context=fork) as pool:
-                for info in pool.map(write, jobs):
-                    infos.append(info)
-                    bar.update(info.samples)
+            pool = stack.enter_context(ProcessPoolExecutor(args.workers, mp_context=fork))
+            done = pool.map(write, jobs)
+        for info, tally in done:
+            infos.append(info)
+            if tally is not None:
+                indexing.add(tally)
+            bar.update(info.samples)
     manifest = Manifest("webdataset", infos)
     tmp = out / ".manifest.json.partial"
     tmp.write_text(manifest.to_json())
@@ -189,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {total} samples in {len(infos)} shards to {out} "
           f"({sum(i.bytes for i in infos) / 1e6:.1f} MB), manifest {out / 'manifest.json'}"
           f"{removed}")
+    if args.index_jpeg:
+        print(indexing.summary())
     return 0
 
 

@@ -4,7 +4,9 @@ An LMDB of JPEG bytes is read sequentially (one large file instead of a million 
 what network file systems and spinning disks want). Each datapoint is ``[jpeg bytes as a
 uint8 array, label]``; read it with ``source: {lmdb: {path: OUT.lmdb}}`` and decode in the
 pipeline's steps. ``--prepare-jpeg`` stores each JPEG prepared for crop decoding
-(:mod:`feedline.producer.image.prepared`: transcoded losslessly, the same pixels).
+(:mod:`feedline.producer.image.prepared`: transcoded losslessly, the same pixels);
+``--index-jpeg`` stores each JPEG as it is with its side index
+(:mod:`feedline.producer.image.jpgindex`), which the ``lmdb`` source hands to the decoder.
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "MCU index, so that the fused decoder entropy-decodes only the blocks a "
                    "crop needs (docs/pipelines.md); other images, and JPEGs that cannot be, "
                    "are stored as they are. Needs the compiled extension")
+    b.add_argument("--index-jpeg", action="store_true",
+                   help="store each JPEG as it is, byte for byte, with its side index, so "
+                   "that the fused decoder entropy-decodes only the blocks a crop needs "
+                   "(docs/pipelines.md); images that cannot be indexed are stored without "
+                   "one, counted by reason. Needs the compiled extension")
     b.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="threads preparing JPEGs (libjpeg runs without the GIL)")
+                   help="threads preparing or indexing JPEGs (libjpeg runs without the GIL)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=build)
     i = cmds.add_parser("info", help="count and size of an LMDB file",
@@ -98,6 +105,49 @@ class _Preparing:
             f", {sum(self.kept.values())} stored as they were: {kept}" if kept else "")
 
 
+class _Indexing:
+    """Counts what indexing the images did (threads share one: a lock guards it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kept: Counter[str] = Counter()
+        self.indexed = self.index_bytes = self.image_bytes = 0
+
+    def function(self) -> Any:
+        """The map function: a FileBytes -> the same bytes carrying their side index (a
+        closure, so that the threads' copies of the map function all count here)."""
+        from feedline.producer.dataflow.image_folder import _file_bytes
+        from feedline.producer.image.decode import CorruptImage
+        from feedline.producer.image.jpgindex import index_jpeg
+
+        def index(data: Any) -> Any:
+            try:
+                made = index_jpeg(data, source=data)
+            except CorruptImage as e:  # stored as it is: the decoder will say so again
+                print(f"feedline lmdb build: warning: {e}; stored without an index",
+                      file=sys.stderr)
+                with self.lock:
+                    self.kept["does not decode"] += 1
+                return data
+            with self.lock:
+                if made.jpgidx is None:
+                    self.kept[made.note] += 1
+                else:
+                    self.indexed += 1
+                    self.index_bytes += len(made.jpgidx)
+                    self.image_bytes += data.size
+            return _file_bytes(data, getattr(data, "path", ""), made.jpgidx)
+
+        return index
+
+    def summary(self) -> str:
+        share = f" ({100 * self.index_bytes / self.image_bytes:.2f}% of their bytes)" \
+            if self.image_bytes else ""
+        kept = "; ".join(f"{n} {why}" for why, n in self.kept.most_common())
+        return f"{self.indexed} JPEGs indexed{share}" + (
+            f", {sum(self.kept.values())} stored without an index: {kept}" if kept else "")
+
+
 def build(args: argparse.Namespace) -> int:
     from feedline.producer.dataflow import (
         ImageFolder,
@@ -110,28 +160,38 @@ def build(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         print(f"feedline lmdb build: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
         return 2
+    if args.prepare_jpeg and args.index_jpeg:
+        print("feedline lmdb build: --prepare-jpeg and --index-jpeg: one or the other (a "
+              "prepared JPEG is read by its blocks already and takes no index)",
+              file=sys.stderr)
+        return 2
     preparing = _Preparing() if args.prepare_jpeg else None
-    if preparing is not None:
+    indexing = _Indexing() if args.index_jpeg else None
+    if preparing is not None or indexing is not None:
         from feedline.producer.image import turbo
 
         if not turbo.AVAILABLE:
-            print(f"feedline lmdb build: --prepare-jpeg needs the compiled extension (the "
+            flag = "--prepare-jpeg" if preparing is not None else "--index-jpeg"
+            print(f"feedline lmdb build: {flag} needs the compiled extension (the "
                   f"decoder here: {turbo.decoder_info()}); nothing was written",
                   file=sys.stderr)
             return 2
     try:
+        # Side indexes already beside the files are not read: --index-jpeg builds its own.
         if args.list_file:
             df: Any = ImageFolder(root=args.image_dir, list_file=args.list_file,
-                                  shuffle=args.shuffle)
+                                  shuffle=args.shuffle, jpeg_index=False)
         else:
-            df = ImageFolder(root=args.image_dir, shuffle=args.shuffle)
-        if preparing is not None:
-            fn = preparing.function()
+            df = ImageFolder(root=args.image_dir, shuffle=args.shuffle, jpeg_index=False)
+        counting = preparing if preparing is not None else indexing
+        if counting is not None:
+            fn = counting.function()
             df = MapDataComponent(df, fn, 0) if args.jobs == 1 else MultiThreadMapData(
                 df, args.jobs, ComponentFunc(fn, 0), buffer_size=4 * args.jobs, strict=True)
         try:
             n = LMDBSerializer.save(df, args.out, progress=not args.no_progress,
-                                    overwrite=args.overwrite)
+                                    overwrite=args.overwrite,
+                                    jpeg_index=indexing is not None)
         finally:
             getattr(df, "close", lambda: None)()
     except FileExistsError:
@@ -147,8 +207,9 @@ def build(args: argparse.Namespace) -> int:
         print(f"feedline lmdb build: interrupted; nothing was written to {args.out}",
               file=sys.stderr)
         return 130
-    print(f"wrote {n} images to {args.out}" + (
-        f": {preparing.summary()}" if preparing is not None else ""))
+    done = preparing if preparing is not None else indexing
+    print(f"wrote {n} images to {args.out}" + (f": {done.summary()}" if done is not None
+                                                else ""))
     return 0
 
 
@@ -162,5 +223,6 @@ def info(args: argparse.Namespace) -> int:
         return 1
     print(f"path:     {d['path']}\ncount:    {d['count']}\n"
           f"entries:  {d['entries']}\nsize:     {d['file_bytes'] / 1e6:.1f} MB "
-          f"({d['file_bytes']} bytes)")
+          f"({d['file_bytes']} bytes)" + (f"\nindexes:  {d['jpeg_indexes']} JPEG side indexes"
+                                          if d["jpeg_indexes"] is not None else ""))
     return 0

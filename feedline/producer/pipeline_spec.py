@@ -220,12 +220,14 @@ def _image_folder(a: Args, seed: int) -> DataFlow:
 
 
 def _lmdb(a: Args, seed: int) -> DataFlow:
-    a.expect("path", "shuffle", "seed")
+    a.expect("path", "shuffle", "seed", "jpeg_index")
     path = a.text("path", required=True)
     shuffle = a.flag("shuffle", False)
     seed = a.integer("seed", seed)
+    jpeg_index = a.flag("jpeg_index", True)
     a.done()
-    return guarded(a.where, lambda: LMDBSerializer.load(path, shuffle=shuffle, seed=seed))
+    return guarded(a.where, lambda: LMDBSerializer.load(path, shuffle=shuffle, seed=seed,
+                                                        jpeg_index=jpeg_index))
 
 
 def _list(a: Args, seed: int) -> DataFlow:
@@ -247,14 +249,16 @@ def _generator(a: Args, seed: int) -> DataFlow:
     return DataFromGenerator(gen, size=size)
 
 
-def _sharded(cls: Callable[..., DataFlow]) -> Callable[[Args, int], DataFlow]:
+def _sharded(cls: Callable[..., DataFlow], flags: tuple[str, ...] = (),
+             ) -> Callable[[Args, int], DataFlow]:
     """The builder of a sharded source (webdataset, tfrecord, parquet): the same keys for
-    each (docs/pipelines.md, "Sharded datasets")."""
+    each (docs/pipelines.md, "Sharded datasets"), plus its own ``flags`` (each a bool, on by
+    default: webdataset's ``jpeg_index``)."""
     sized = ("read_ahead", "chunk_size", "prefetch", "max_sample_bytes", "shuffle_buffer")
 
     def build(a: Args, seed: int) -> DataFlow:
         a.expect("urls", "manifest", "fields", *sized, "storage_options", "shuffle", "seed",
-                 "claim", "timeout", "retries")
+                 "claim", "timeout", "retries", *flags)
         urls, manifest = a.get("urls"), a.text("manifest")
         if urls is None and manifest is None:
             raise a.missing("urls", "required (a list, a glob or a brace pattern), or "
@@ -276,6 +280,7 @@ def _sharded(cls: Callable[..., DataFlow]) -> Callable[[Args, int], DataFlow]:
                   claim=a.flag("claim", True), timeout=a.number("timeout", 30.0, lo=0.1),
                   retry=RetryPolicy(attempts=a.integer("retries", 6, lo=1)),
                   storage_options=dict(opts))
+        kw.update({f: a.flag(f, True) for f in flags})
         a.done()
         try:
             return guarded(a.where, lambda: cls(**kw))  # type: ignore[no-any-return]
@@ -286,8 +291,8 @@ def _sharded(cls: Callable[..., DataFlow]) -> Callable[[Args, int], DataFlow]:
 
 SOURCES: dict[str, Callable[[Args, int], DataFlow]] = {
     "fake": _fake, "image_folder": _image_folder, "lmdb": _lmdb, "list": _list,
-    "generator": _generator, "webdataset": _sharded(WebDataset), "tfrecord": _sharded(TFRecord),
-    "parquet": _sharded(Parquet),
+    "generator": _generator, "webdataset": _sharded(WebDataset, ("jpeg_index",)),
+    "tfrecord": _sharded(TFRecord), "parquet": _sharded(Parquet),
 }
 
 

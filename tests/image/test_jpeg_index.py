@@ -25,6 +25,7 @@ from feedline.producer.image.jpgindex import (
     index_jpeg,
     index_path,
     load_index,
+    seal,
 )
 from feedline.producer.image.prepared import prepare_jpeg
 from tests.support.jpeg_data import SAMPLING, encode, photo
@@ -105,10 +106,12 @@ def test_index_is_small_and_checks_its_file() -> None:
 
 
 def _lies(index: bytes, other: bytes) -> dict[str, bytes]:
-    """Indexes that do not fit the file: each names what it breaks."""
+    """Indexes that do not fit the file: each names what it breaks. Those that lie about
+    one field are sealed again (their own checksum right), so that they reach the check of
+    that field; the others are refused by the seal already."""
     head = bytearray(index)
     wrong_version = bytearray(head)
-    wrong_version[4] = 2
+    wrong_version[4] = 3
     wrong_size = bytearray(head)
     wrong_size[8:10] = struct.pack(">H", 999)
     past = bytearray(head)
@@ -124,12 +127,14 @@ def _lies(index: bytes, other: bytes) -> dict[str, bytes]:
         "empty": b"",
         "garbage": b"FLJI" + bytes(60),
         "another file's": other,
-        "version": bytes(wrong_version),
-        "frame": bytes(wrong_size),
-        "past the data": bytes(past),
-        "out of order": bytes(out_of_order),
-        "prediction out of range": bytes(big_pred),
+        "version": seal(wrong_version),
+        "frame": seal(wrong_size),
+        "past the data": seal(past),
+        "out of order": seal(out_of_order),
+        "prediction out of range": seal(big_pred),
         "trailing bytes": index + b"\x00",
+        "trailing bytes, sealed": seal(index[:-8] + b"\x00" + index[-8:]),
+        "a bit flipped": bytes(head[:50]) + bytes([head[50] ^ 4]) + bytes(head[51:]),
     }
 
 
@@ -144,27 +149,44 @@ def test_a_lying_index_is_refused_and_the_image_decodes_without_it(
         with pytest.raises(BadIndex):
             check_index(data, lie)
         caplog.clear()
+        before = turbo.index_refusals()
         with caplog.at_level(logging.WARNING):
             got = turbo.decode_box(data, (160, 200), (20, 30, 120, 170), (50, 50),
                                    source=f"lie-{what}.jpg", index=lie)
         np.testing.assert_array_equal(got, want, err_msg=what)
+        assert turbo.index_refusals() == before + 1, what
         assert any(f"lie-{what}.jpg" in r.getMessage() and "decoded without it" in
                    r.getMessage() for r in caplog.records), what
 
 
+def test_an_index_with_any_bit_flipped_is_refused() -> None:
+    # Bit rot in a stored index (a shard, an LMDB, a side file): a bit flipped in any byte,
+    # header or entries, is refused, never decoded by (an edited entry that still passes
+    # the entry checks would show other pixels).
+    data = _jpeg("420", 160, 200)
+    index = build_index(data)
+    assert index is not None
+    for pos in range(len(index)):
+        lie = bytearray(index)
+        lie[pos] ^= 1 << (pos % 8)
+        with pytest.raises(BadIndex):
+            check_index(data, bytes(lie))
+
+
 def test_forged_entries_never_overrun() -> None:
-    # The checksum is of the file, not the index: edits of the entries pass it and reach
-    # the decoder's own checks (and libjpeg's). Each decode gives an image or falls back.
+    # Edits of the entries sealed again (the index's own checksum right, as a forger makes
+    # it) pass both checksums and reach the decoder's own checks (and libjpeg's). Each
+    # decode gives an image or falls back.
     data = _jpeg("422", 120, 150)
     index = bytearray(build_index(data, 2) or b"")
     rng = np.random.default_rng(11)
     for _ in range(300):
         lie = bytearray(index)
         for _ in range(int(rng.integers(1, 4))):
-            lie[int(rng.integers(40, len(lie)))] = int(rng.integers(0, 256))
+            lie[int(rng.integers(40, len(lie) - 8))] = int(rng.integers(0, 256))
         box = _boxes(120, 150, 1, int(rng.integers(0, 1 << 30)))[0]
         y0, x0, y1, x1 = box
-        out = turbo.decode_box(data, (120, 150), (y0, x0, y1, x1), (16, 16), index=bytes(lie))
+        out = turbo.decode_box(data, (120, 150), (y0, x0, y1, x1), (16, 16), index=seal(lie))
         assert out.shape == (16, 16, 3) and out.dtype == np.uint8
 
 

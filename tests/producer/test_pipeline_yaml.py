@@ -323,12 +323,16 @@ _SHARD_KEYS = ["chunk_size", "claim", "fields", "manifest", "max_sample_bytes", 
                "storage_options", "timeout", "urls"]
 
 
+_WDS_KEYS = sorted([*_SHARD_KEYS, "jpeg_index"])  # its JPEGs' side indexes
+
+
 @pytest.mark.parametrize("fmt", ["webdataset", "tfrecord", "parquet"])
 def test_an_unknown_shard_key_lists_every_key_the_source_takes(fmt: str) -> None:
     with pytest.raises(ConfigError) as e:
         build_pipeline({"source": {fmt: {"urls": "x-{0..1}", "chunksize": 5}}})
+    keys = _WDS_KEYS if fmt == "webdataset" else _SHARD_KEYS
     assert str(e.value) == (f"source.{fmt}.chunksize: unknown key (did you mean "
-                            f"'chunk_size'? known: {_SHARD_KEYS})")
+                            f"'chunk_size'? known: {keys})")
 
 
 @pytest.mark.parametrize("cfg, said", [
@@ -341,7 +345,7 @@ def test_an_unknown_shard_key_lists_every_key_the_source_takes(fmt: str) -> None
      "['batch_size', 'remainder', 'use_list'])"),
     ({"source": {"webdataset": {"url": "x-{0..1}.tar"}}},
      "source.webdataset.url: unknown key (did you mean 'urls'? known: "
-     f"{_SHARD_KEYS})"),
+     f"{_WDS_KEYS})"),
     ({"source": {"fake": {"shapes": [[1]]}}, "steps": [{"batch": {}}]},
      "steps[0].batch.batch_size: required"),  # nothing misspelt: the key is missing
 ])

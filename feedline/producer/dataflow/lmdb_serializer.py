@@ -4,6 +4,12 @@ Layout (tensorpack-compatible keys): datapoint ``i`` under the key ``b"%08d" % i
 :func:`feedline.producer.dataflow.serialize.dumps` (msgpack; arrays as raw bytes; never pickle), and
 ``b"__len__"`` holding the count as ASCII. One file (``subdir=False``), plus LMDB's
 ``-lock`` file beside it.
+
+JPEG side indexes (``feedline lmdb build --index-jpeg``, ``save(..., jpeg_index=True)``):
+datapoint ``i``'s image's index under ``b"jpgidx/%08d" % i``, after every datapoint's key
+(a cursor reads the datapoints as before), and ``b"__jpgidx__"`` holding how many there are.
+:class:`LMDBData` hands each to its datapoint's image (component 0, as its ``jpeg_index``),
+for the fused decoder.
 """
 
 from __future__ import annotations
@@ -14,14 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 
 from feedline.errors import DataError, DataNotFound, OutputExists
 from feedline.producer.dataflow.base import DataFlow, as_dataflow
+from feedline.producer.dataflow.image_folder import _file_bytes
 from feedline.producer.dataflow.serialize import dumps, loads
 from feedline.producer.dataflow.shard import check_shard, shard_positions
 from feedline.producer.dataflow.worker import make_rng
 
 LEN_KEY = b"__len__"
+INDEXES_KEY = b"__jpgidx__"
 INITIAL_MAP_SIZE = 1 << 30
 
 
@@ -29,13 +38,30 @@ def key(i: int) -> bytes:
     return b"%08d" % i
 
 
+def index_key(i: int) -> bytes:
+    """Where datapoint ``i``'s JPEG side index is (sorted after every datapoint's key)."""
+    return b"jpgidx/%08d" % i
+
+
+def _image_index(dp: Any) -> bytes | None:
+    """The side index a datapoint's image (component 0) carries, if any."""
+    if isinstance(dp, (list, tuple)) and dp:
+        index = getattr(dp[0], "jpeg_index", None)
+        if isinstance(index, (bytes, bytearray, memoryview)):
+            return bytes(index)
+    return None
+
+
 class LMDBSerializer:
     """``save(df, path)`` and ``load(path, ...)``, as in tensorpack."""
 
     @staticmethod
     def save(df: Iterable[Any], path: str | Path, write_frequency: int = 1000,
-             progress: bool = True, overwrite: bool = False) -> int:
-        """Write every datapoint of one pass of ``df``; returns the count.
+             progress: bool = True, overwrite: bool = False, jpeg_index: bool = False) -> int:
+        """Write every datapoint of one pass of ``df``; returns the count. ``jpeg_index``:
+        also the side index each datapoint's image carries (component 0's ``jpeg_index``,
+        as :class:`~feedline.producer.dataflow.ImageFolder` and ``feedline lmdb build
+        --index-jpeg`` give it), under :func:`index_key`.
 
         Commits every ``write_frequency`` datapoints (memory stays bounded) and grows the
         map as needed. Refuses to replace an existing file unless ``overwrite``. Writes to a
@@ -59,7 +85,7 @@ class LMDBSerializer:
             total = None
         env = lmdb.open(str(tmp), subdir=False, map_size=INITIAL_MAP_SIZE, meminit=False,
                         map_async=True, lock=True)
-        count = 0
+        count = indexes = 0
         pending: list[tuple[bytes, bytes]] = []
 
         def flush(extra: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
@@ -82,11 +108,16 @@ class LMDBSerializer:
                       disable=not progress) as bar:
                 for dp in df:
                     pending.append((key(count), dumps(dp)))
+                    index = _image_index(dp) if jpeg_index else None
+                    if index is not None:
+                        pending.append((index_key(count), index))
+                        indexes += 1
                     count += 1
                     bar.update(1)
                     if len(pending) >= write_frequency:
                         flush()
-                flush([(LEN_KEY, str(count).encode())])
+                flush([(LEN_KEY, str(count).encode())] +
+                      ([(INDEXES_KEY, str(indexes).encode())] if jpeg_index else []))
             env.sync()
             done = True
         finally:
@@ -101,8 +132,8 @@ class LMDBSerializer:
 
     @staticmethod
     def load(path: str | Path, shuffle: bool = False, seed: int = 0,
-             shard: tuple[int, int] = (0, 1)) -> LMDBData:
-        return LMDBData(path, shuffle=shuffle, seed=seed, shard=shard)
+             shard: tuple[int, int] = (0, 1), jpeg_index: bool = True) -> LMDBData:
+        return LMDBData(path, shuffle=shuffle, seed=seed, shard=shard, jpeg_index=jpeg_index)
 
 
 # py-lmdb refuses to open one file twice in a process, and a handle must not cross a fork:
@@ -132,9 +163,11 @@ def lmdb_info(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     with open_reader(path).begin() as txn:
         raw = txn.get(LEN_KEY)
+        indexes = txn.get(INDEXES_KEY)
         stat = txn.stat()
     return {"path": str(path), "count": int(raw) if raw is not None else None,
-            "entries": stat["entries"], "file_bytes": path.stat().st_size}
+            "entries": stat["entries"], "file_bytes": path.stat().st_size,
+            "jpeg_indexes": int(indexes) if indexes is not None else None}
 
 
 class LMDBData(DataFlow):
@@ -145,17 +178,35 @@ class LMDBData(DataFlow):
     random access. ``shard`` keeps positions ``p % count == index``. The file is opened in
     ``reset_state()`` and reopened when used in another process than the one that opened it
     (LMDB handles must not cross a fork).
+
+    ``jpeg_index``: in a file written with side indexes, a datapoint's image (component 0)
+    comes with its index (its ``jpeg_index``, the array remembering ``FILE#i`` as its
+    path), for the fused decoder; one without decodes as before, and an index that does not
+    fit its JPEG (damaged, another file's) is refused by the decoder, which decodes the
+    image without it (counted: :func:`feedline.producer.image.turbo.index_refusals`).
     """
 
     def __init__(self, path: str | Path, shuffle: bool = False, seed: int = 0,
-                 shard: tuple[int, int] = (0, 1)) -> None:
+                 shard: tuple[int, int] = (0, 1), jpeg_index: bool = True) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise DataNotFound(f"no LMDB file at {self.path}")
         self.shuffle, self.seed = shuffle, seed
         self.set_shard(*shard)
         self._epoch = 0
-        self._size = int(lmdb_info(self.path)["count"] or 0)
+        info = lmdb_info(self.path)
+        self._size = int(info["count"] or 0)
+        self.jpeg_index = jpeg_index and bool(info["jpeg_indexes"])
+
+    def _load(self, txn: lmdb.Transaction, i: int, value: bytes) -> Any:
+        """Datapoint ``i`` from its stored ``value``, its image with its side index."""
+        dp = loads(value)
+        if self.jpeg_index:
+            index = txn.get(index_key(i))
+            if index is not None and isinstance(dp, list) and dp and \
+                    isinstance(dp[0], np.ndarray) and dp[0].dtype == np.uint8:
+                dp[0] = _file_bytes(dp[0].reshape(-1), f"{self.path}#{i}", bytes(index))
+        return dp
 
     def set_shard(self, index: int, count: int) -> None:
         self.shard = check_shard(index, count)
@@ -174,9 +225,9 @@ class LMDBData(DataFlow):
         """Datapoint ``i`` of the whole file: exact delivery's access."""
         with self._open().begin() as txn:
             value = txn.get(key(i))
-        if value is None:
-            raise DataError(f"{self.path}: datapoint {i} is missing")
-        return loads(value)
+            if value is None:
+                raise DataError(f"{self.path}: datapoint {i} is missing")
+            return self._load(txn, i, value)
 
     def samples(self) -> int:
         return self._size
@@ -194,7 +245,7 @@ class LMDBData(DataFlow):
                     value = txn.get(key(i))
                     if value is None:
                         raise DataError(f"{self.path}: datapoint {i} is missing")
-                    yield loads(value)
+                    yield self._load(txn, i, value)
                 return
             index, count = self.shard
             cur = txn.cursor()
@@ -203,7 +254,7 @@ class LMDBData(DataFlow):
             for i in positions:
                 if cur.key() != key(i):
                     cur.set_key(key(i))
-                yield loads(cur.value())
+                yield self._load(txn, i, cur.value())
                 for _ in range(count):
                     if not cur.next():
                         break

@@ -7,12 +7,15 @@ from typing import Any
 
 from feedline.errors import ConfigError
 from feedline.producer.dataflow.base import Named
+from feedline.producer.dataflow.image_folder import FileBytes
 from feedline.producer.dataflow.shard_fields import pick, wds_field
 from feedline.producer.dataflow.sharded import ShardedSource
 from feedline.producer.shards.records import CorruptRecord, Readable
 from feedline.producer.shards.tar import samples_at
 
 DEFAULT_FIELDS = ("jpg;jpeg;png;webp", "cls")
+JPEG_EXTS = ("jpg", "jpeg")
+INDEX_EXT = "jpgidx"  # a JPEG's side index beside it (feedline convert --index-jpeg)
 
 
 class WebDataset(ShardedSource):
@@ -27,26 +30,39 @@ class WebDataset(ShardedSource):
     corrupt record (counted, named ``shard#key``), and the rest of the shard too when the
     tar cannot be followed past it. Members whose extension is not among ``fields`` are
     skipped without being read into memory.
+
+    ``jpeg_index``: a sample's ``jpgidx`` member (``feedline convert --index-jpeg``) comes
+    with its JPEG field (its ``jpeg_index``, as an image folder's ``PATH.jpgidx``), for the
+    fused decoder; a sample without one decodes as before, and an index that does not fit
+    its JPEG (damaged, another file's) is refused by the decoder, which decodes the image
+    without it (counted: :func:`feedline.producer.image.turbo.index_refusals`).
     """
 
     format = "webdataset"
 
     def __init__(self, urls: str | Sequence[str] | None = None, *,
-                 fields: Sequence[str] = DEFAULT_FIELDS, **kw: Any) -> None:
+                 fields: Sequence[str] = DEFAULT_FIELDS, jpeg_index: bool = True,
+                 **kw: Any) -> None:
         super().__init__(urls, fields=fields, **kw)
         if not self.fields:
             raise ConfigError("fields: at least one member extension")
         self._alts = [spec.split(";") for spec in self.fields]
-        self._wanted = frozenset(ext for alts in self._alts for ext in alts)
+        wanted = {ext for alts in self._alts for ext in alts}
+        self.jpeg_index = jpeg_index and any(e in wanted for e in JPEG_EXTS)
+        self._wanted = frozenset(wanted | ({INDEX_EXT} if self.jpeg_index else set()))
 
     def _sample(self, url: str, key: str, members_: dict[str, bytes | None]) -> Named:
         where = f"{url}#{key}"
         out = Named(where=where)
+        index = members_.get(INDEX_EXT) if self.jpeg_index else None
         for alts, spec in zip(self._alts, self.fields, strict=True):
             for ext in alts:
                 data = members_.get(ext)
                 if data is not None:
-                    out.append(wds_field(ext, data, f"{where}.{ext}"))
+                    value = wds_field(ext, data, f"{where}.{ext}")
+                    if index is not None and ext in JPEG_EXTS and isinstance(value, FileBytes):
+                        value.jpeg_index = bytes(index)
+                    out.append(value)
                     break
             else:
                 pick(members_, spec, where)  # raises: the sample has none of them

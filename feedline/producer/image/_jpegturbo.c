@@ -555,6 +555,27 @@ static PyObject *index_check(PyObject *self, PyObject *args) {
     return res;
 }
 
+/* index_seal(index) -> bytes: the index with its seal (its last 8 bytes: the XXH64 of
+ * the others) made right again, for tests and fuzzing that edit an index and must reach
+ * the checks behind the seal. ValueError for fewer than 48 bytes. */
+static PyObject *index_seal(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    PyObject *res;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*:index_seal", &view))
+        return NULL;
+    if (view.len < 48) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "an index has at least 48 bytes, got %zd",
+                            view.len);
+    }
+    res = PyBytes_FromStringAndSize((const char *)view.buf, view.len);
+    PyBuffer_Release(&view);
+    if (res != NULL)
+        ji_seal((unsigned char *)PyBytes_AS_STRING(res), (size_t)PyBytes_GET_SIZE(res));
+    return res;
+}
+
 /* synthetic_indexed(data, index, r0, r1, c0, c1) -> bytes: the JPEG decode() makes of a
  * rectangle of MCUs by a side index (for tests and debugging). */
 static PyObject *synthetic_indexed(PyObject *self, PyObject *args) {
@@ -614,6 +635,8 @@ static PyMethodDef methods[] = {
     {"index_check", index_check, METH_VARARGS,
      "index_check(data, index) -> (mcu_cols, mcu_rows, step, entries); BadIndex if the "
      "index does not fit the file."},
+    {"index_seal", index_seal, METH_VARARGS,
+     "index_seal(index) -> bytes: the index with its seal (last 8 bytes) recomputed."},
     {"synthetic_indexed", synthetic_indexed, METH_VARARGS,
      "synthetic_indexed(data, index, r0, r1, c0, c1) -> bytes: the JPEG of a rectangle of "
      "MCUs (c0, c1 on index entries) by a side index."},

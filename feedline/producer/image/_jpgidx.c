@@ -14,10 +14,10 @@
  * scale; every pixel away from its edges is the full image's. The file stays byte for byte
  * what it was: the index is a side file.
  *
- * Format (big-endian, version 1):
+ * Format (big-endian, version 2):
  *
  *   "FLJI"      4 bytes
- *   version     u8, 1
+ *   version     u8, 2
  *   step        u8, MCUs per entry within a row (1..255)
  *   ncomp       u8, components in the (one, interleaved) scan: 1..4
  *   zero        u8
@@ -30,6 +30,9 @@
  *   entries     u32: rows x ceil(cols / step)
  *   entries x   (varint: bits since the previous entry (the first: 0), then per component
  *                a zigzag varint: its prediction minus the previous entry's)
+ *   sealed      u64: XXH64 (seed 0) of the index's bytes before it: an index damaged where
+ *                it is stored (a bit flipped, bytes lost) is refused, as an edited entry
+ *                that passes the checks below would show other pixels
  *
  * Indexable files: one sequential Huffman scan (SOF0/SOF1) of every component, 8-bit, all
  * coefficients, no restart interval, its Huffman tables in the file, and tables that can
@@ -37,13 +40,14 @@
  * then says so). Anything else is JI_NOT_INDEXABLE: it decodes as it does without an index.
  *
  * Hostile input: ji_parse checks everything an index says before anything is copied: its
- * size (exactly its entries, nothing after), the checksum, frame size and sampling against
+ * own checksum, its size (exactly its entries, nothing after), the file's checksum, frame
+ * size and sampling against
  * the file's, each entry's bit after the previous one's, inside the scan and not inside a
  * stuffed byte, each prediction within what a DC value can be (|p| <= 2047), and rows
  * starting where the previous row's last entry allows. ji_synthetic then reads only inside
  * the scan and writes only inside the caller's buffer; the first MCU of each segment is
  * Huffman-decoded here (a bad code or a marker is an error) and must end inside its segment.
- * A forged index with the right checksum can make garbage pixels, never an overrun:
+ * An index forged with both checksums right can make garbage pixels, never an overrun:
  * libjpeg checks the synthetic file as it checks any.
  */
 #define PY_SSIZE_T_CLEAN
@@ -54,8 +58,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#define VERSION 1
+#define VERSION 2
 #define HEAD 40
+#define SEAL 8 /* the index's own XXH64, after its entries */
 #define MAX_DC 2047 /* a baseline DC value: category 11 at most */
 
 /* ------------------------------------------------------------------------- XXH64 */
@@ -743,7 +748,7 @@ int ji_build(const unsigned char *d, size_t n, unsigned step, unsigned char **ou
     per_row = (f.cols + step - 1) / step;
     entries = (size_t)per_row * f.rows;
     /* Each entry: at most 5 bytes of bits, 3 per prediction (|delta| <= 4094). */
-    cap = HEAD + entries * (5 + 3 * (size_t)f.ncomp);
+    cap = HEAD + entries * (5 + 3 * (size_t)f.ncomp) + SEAL;
     o = PyMem_RawMalloc(cap);
     if (o == NULL) {
         snprintf(err, JI_ERRLEN, "no memory for an index of %zu bytes", cap);
@@ -802,8 +807,15 @@ int ji_build(const unsigned char *d, size_t n, unsigned step, unsigned char **ou
     }
     put32(o + 36, (uint32_t)entries);
     *out = o;
-    *out_len = w;
+    *out_len = w + SEAL;
+    ji_seal(o, w + SEAL);
     return JI_OK;
+}
+
+void ji_seal(unsigned char *idx, size_t len) {
+    uint64_t h = ji_xxh64(idx, len - SEAL);
+    put32(idx + len - SEAL, (uint32_t)(h >> 32));
+    put32(idx + len - SEAL + 4, (uint32_t)h);
 }
 
 /* ------------------------------------------------------------------------- decoding */
@@ -856,6 +868,18 @@ int ji_parse(const unsigned char *d, size_t n, const unsigned char *idx, size_t 
                  VERSION);
         return JI_BAD;
     }
+    if (idx_len < HEAD + SEAL) {
+        snprintf(err, JI_ERRLEN, "the index is cut short (%zu bytes)", idx_len);
+        return JI_BAD;
+    }
+    h = ji_xxh64(idx, idx_len - SEAL);
+    if (be32(idx + idx_len - SEAL) != (uint32_t)(h >> 32) ||
+        be32(idx + idx_len - SEAL + 4) != (uint32_t)h) {
+        snprintf(err, JI_ERRLEN, "the index's own checksum does not match: it is damaged "
+                 "(cut short, edited or a bit flipped)");
+        return JI_BAD;
+    }
+    idx_len -= SEAL; /* the entries end where the seal starts */
     if (be32(idx + 16) != n) {
         snprintf(err, JI_ERRLEN, "the index is of a file of %u bytes, this one has %zu: "
                  "another file's index", be32(idx + 16), n);
@@ -923,15 +947,15 @@ int ji_parse(const unsigned char *d, size_t n, const unsigned char *idx, size_t 
          * is at least 2 bits a block), inside the scan, before its end. */
         if ((i == 0 && v != 0) || (i > 0 && v < 2) || bit >= ix->end_bits ||
             !data_bit(ix->scan, ix->scan_len, bit)) {
-            ji_free(ix);
             snprintf(err, JI_ERRLEN, "index entry %u at bit %zu: not after entry %u's %zu, "
                      "inside the scan's %u bits", i, bit, i ? i - 1 : 0, prev, ix->end_bits);
+            ji_free(ix); /* after the message: it clears ix */
             return JI_BAD;
         }
         ix->bits[i] = (uint32_t)bit;
         prev = bit;
         for (ci = 0; ci < f.ncomp; ci++) {
-            uint32_t z;
+            uint32_t z = 0; /* read by the message when the varint is cut short */
             int dv;
             if (!get_varint(idx, idx_len, &at, &z) || z > 8190) {
                 ji_free(ix);

@@ -51,6 +51,11 @@ size_t ji_synthetic_bound(const ji_index *ix);
 size_t ji_synthetic(const ji_index *ix, unsigned r0, unsigned r1, unsigned c0, unsigned c1,
                     unsigned char *out, size_t cap, char *err);
 
+/* Writes the last 8 bytes of idx[0, len) (len >= 48): the XXH64 of the bytes before them,
+ * the seal ji_parse checks first (for tests and fuzzing that edit an index and must reach
+ * the checks behind the seal). */
+void ji_seal(unsigned char *idx, size_t len);
+
 /* XXH64 (seed 0) of data[0, n): the checksum an index holds of its file. */
 uint64_t ji_xxh64(const unsigned char *p, size_t n);
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any, NamedTuple
 
 import cv2
@@ -175,16 +176,31 @@ def decode_box(data: np.ndarray, src_hw: tuple[int, int], box: tuple[float, floa
 
 
 _refused: set[str] = set()
+_refusals = 0  # every decode whose index was refused, in this process
+_refusals_lock = threading.Lock()  # map threads decode at once
+
+
+def index_refusals() -> int:
+    """How many decodes of this process found their side index refused (damaged, another
+    file's, ...) and decoded the image without it: the pixels are right, the time is a
+    plain decode's. Each file's first is also a WARNING naming it."""
+    return _refusals
 
 
 def refused_index(source: str, why: str) -> None:
-    """Logs, once per file, that its side index was refused (the file then decodes without
-    it)."""
-    if source in _refused:
-        return
-    if len(_refused) < 10000:  # bounded: a dataset of bad indexes warns for its first files
-        _refused.add(source)
-    log.warning("%s: %s; decoded without it (rebuild it: feedline index)", source, why)
+    """Counts a refused side index (:func:`index_refusals`) and logs it, once per file (the
+    file then decodes without it)."""
+    global _refusals
+    with _refusals_lock:
+        _refusals += 1
+        count = _refusals
+        if source in _refused:
+            return
+        if len(_refused) < 10000:  # bounded: a dataset of bad indexes warns for its first files
+            _refused.add(source)
+    log.warning("%s: %s; decoded without it, %d refused in this process (rebuild the index: "
+                "feedline index, or convert / lmdb build --index-jpeg)", source, why,
+                count)
 
 
 def _whole(lo: float, hi: float, size: int) -> tuple[int, int]:

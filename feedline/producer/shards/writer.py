@@ -58,8 +58,11 @@ class ShardJob:
 
 
 def write_shard(job: ShardJob, read: Callable[[int], tuple[bytes, int]],
-                transform: Callable[[bytes], bytes] | None = None) -> ShardInfo:
-    """Write samples ``job.samples`` (``read(i)`` -> (image bytes, label)) as one shard."""
+                transform: Callable[[bytes], bytes] | None = None,
+                side: Callable[[int, bytes], dict[str, bytes]] | None = None) -> ShardInfo:
+    """Write samples ``job.samples`` (``read(i)`` -> (image bytes, label)) as one shard.
+    ``side(i, image bytes)``: more members of sample ``i`` by extension (a side index:
+    ``{"jpgidx": ...}``), written after the image and before the label."""
     path = Path(job.path)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
@@ -69,8 +72,11 @@ def write_shard(job: ShardJob, read: Callable[[int], tuple[bytes, int]],
                 data, label = read(i)
                 if transform is not None:
                     data = transform(data)
-                write_sample(tar, f"{i:08d}", {image_ext(data): data,
-                                               "cls": str(int(label)).encode()})
+                fields = {image_ext(data): data}
+                if side is not None:
+                    fields.update(side(i, data))
+                fields["cls"] = str(int(label)).encode()
+                write_sample(tar, f"{i:08d}", fields)
         digest = hashlib.sha256()
         with open(tmp, "rb") as done:
             while block := done.read(1 << 20):
