@@ -69,10 +69,10 @@ class Planned:
     @staticmethod
     def _of(value: Any) -> Planned:
         if not isinstance(value, list) or not 2 <= len(value) <= 4:
-            raise ValueError("not 2 to 4 numbers")
+            raise JournalCorrupt("not 2 to 4 numbers")
         plan = ExactPlan(*(_count(x) for x in value))
         if plan.dataset_size < 1 or plan.unit_size < 1:
-            raise ValueError("no samples, or units of none")
+            raise JournalCorrupt("no samples, or units of none")
         return Planned(plan)
 
 
@@ -118,7 +118,7 @@ class RunFinished:
     @staticmethod
     def _of(value: Any) -> RunFinished:
         if value is not True:
-            raise ValueError("not true")
+            raise JournalCorrupt("not true")
         return RunFinished()
 
 
@@ -154,7 +154,7 @@ class Settled:
     @staticmethod
     def _of(value: Any) -> Settled:
         if not isinstance(value, list) or len(value) != 2 or not isinstance(value[1], list):
-            raise ValueError("not a unit and its batches")
+            raise JournalCorrupt("not a unit and its batches")
         u, idx = value
         if idx and not isinstance(idx[0], list):  # indices, as journals before runs hold
             return Settled(_count(u), from_runs([_count(i), 1] for i in idx))
@@ -199,7 +199,7 @@ class JobBegun:
     @staticmethod
     def _of(value: Any) -> JobBegun:
         if not isinstance(value, list) or len(value) != 6 or not isinstance(value[5], str):
-            raise ValueError("not a job's six fields")
+            raise JournalCorrupt("not a job's six fields")
         bytes.fromhex(value[5])
         return JobBegun(_count(value[0]), _count(value[1]), _count(value[2]),
                         bool(_count(value[3])), _count(value[4]), value[5])
@@ -228,7 +228,7 @@ class JobUnit:
         if not isinstance(value, list) or len(value) != 6 or value[1] not in (
                 "free", "open", "done") or not (value[2] is None or isinstance(value[2], str)) \
                 or not isinstance(value[4], list):
-            raise ValueError("not a unit's six fields")
+            raise JournalCorrupt("not a unit's six fields")
         return JobUnit(_count(value[0]), value[1], value[2], _count(value[3]),
                        from_runs(_pair(r) for r in value[4]),
                        None if value[5] is None else _count(value[5]))
@@ -252,19 +252,19 @@ def decode(raw: Any) -> Record:
         raise JournalCorrupt(f"no journal record is of the kind {key[:40]!r}")
     try:
         return kind(value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, JournalCorrupt) as e:
         raise JournalCorrupt(f"a journal record {key!r} is malformed: {e}") from None
 
 
 def _count(x: Any) -> int:
     if type(x) is not int or x < 0:
-        raise ValueError("not a count")
+        raise JournalCorrupt("not a count")
     return x
 
 
 def _pair(x: Any) -> tuple[int, int]:
     if not isinstance(x, list) or len(x) != 2:
-        raise ValueError("not two numbers")
+        raise JournalCorrupt("not two numbers")
     return _count(x[0]), _count(x[1])
 
 
