@@ -48,3 +48,29 @@ def test_a_batch_of_a_replaced_pipeline_is_not_servable() -> None:
     assert c.servable((0, 0, 0), NEW) and c.servable((0, 0, 0))  # 0: not said, as before
     assert not c.servable((0, 0, 0), OLD)
     assert c.of_plan(NEW) and c.of_plan(0) and not c.of_plan(OLD)
+
+
+def test_the_fingerprint_follows_the_dataset_not_only_its_length(tmp_path) -> None:
+    """The new-user review: a list source with other items of the same count, an image
+    folder with a file renamed, a sharded source with another shard had the fingerprint of
+    the old dataset, so a cursor of the old one resumed the new one without a word. Each
+    source now says which dataset it is (``identity()``), and the fingerprint holds it."""
+    from feedline.producer.dataflow import DataFromList, ImageFolder
+    from feedline.producer.exact import ExactPipeline
+
+    def fp(source) -> int:
+        return ExactPipeline(source, [], 1).fingerprint
+
+    assert fp(DataFromList([[1], [2]])) == fp(DataFromList([[1], [2]]))
+    assert fp(DataFromList([[1], [2]])) != fp(DataFromList([[1], [3]]))
+    assert fp(DataFromList([[np.zeros(2)]])) != fp(DataFromList([[np.ones(2)]]))
+    for cls in ("a", "b"):
+        (tmp_path / "imgs" / cls).mkdir(parents=True)
+        (tmp_path / "imgs" / cls / "x.jpg").write_bytes(b"\xff\xd8")
+    before = fp(ImageFolder(tmp_path / "imgs"))
+    (tmp_path / "imgs" / "b" / "x.jpg").rename(tmp_path / "imgs" / "b" / "y.jpg")
+    assert fp(ImageFolder(tmp_path / "imgs")) != before
+    # Where the folder is mounted does not matter: names are relative to the root.
+    (tmp_path / "imgs").rename(tmp_path / "moved")
+    (tmp_path / "moved" / "b" / "y.jpg").rename(tmp_path / "moved" / "b" / "x.jpg")
+    assert fp(ImageFolder(tmp_path / "moved")) == before

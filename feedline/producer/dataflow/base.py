@@ -16,7 +16,10 @@ What some stages offer besides are Protocols, checked with ``isinstance``:
 :class:`Shardable` (a source that keeps one shard), :class:`Counted` (a stage that counts
 what its skip policy dropped), :class:`Reseedable` (a random map function),
 :class:`Indexable` (a source exact delivery cuts into work units), :class:`UnitSource` (a
-source that cuts its own units: a sharded one).
+source that cuts its own units: a sharded one). An exact source may also say which dataset
+it is (``identity()``: text that changes when its samples do, see :func:`content_digest`),
+which goes into the pipeline's fingerprint, so that a cursor of another dataset of the same
+length is refused on resume.
 
 A datapoint may say where it was read (:class:`Named`, as the shard readers yield them), so
 that a later stage that refuses it (``batch``: a sample that does not stack with the
@@ -25,8 +28,11 @@ others) names it; :func:`name_of` finds that name.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from feedline.errors import FeedlineError
 
@@ -237,3 +243,32 @@ def stages(df: DataFlow) -> Iterator[DataFlow]:
         if not isinstance(df, ProxyDataFlow):
             return
         df = df.ds
+
+
+def content_digest(items: Iterable[Any]) -> str:
+    """A digest (hex) of ``items``' content: arrays by dtype, shape and bytes; lists, tuples
+    and dicts by their items; anything else by its ``repr``. Equal content, equal digest, in
+    any process."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def feed(x: Any) -> None:
+        if isinstance(x, np.ndarray):
+            h.update(f"a{x.dtype.str}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[")
+            for y in x:
+                feed(y)
+            h.update(b"]")
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=repr):
+                feed(k)
+                feed(x[k])
+            h.update(b"}")
+        else:
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+
+    for x in items:
+        feed(x)
+    return h.hexdigest()

@@ -28,6 +28,7 @@ from feedline.producer.dataflow.errors import check_policy
 log = logging.getLogger(__name__)
 Kind = tuple[Any, ...]
 _INT64 = (-(2**63), 2**63)
+_COMPOSITE = (list, tuple, dict)  # datapoints of components; anything else is one
 _STRUCTURE = "structure"  # the key of a datapoint's structure among the last batch's kinds
 
 
@@ -38,7 +39,8 @@ class BatchData(ProxyDataFlow):
     become a 1-D array); with ``use_list=True`` components are plain lists instead (for
     ragged data: nothing is stacked, nothing is odd). With ``remainder=True`` the last,
     smaller batch of a pass is yielded too, else dropped. Datapoints may be lists/tuples (a
-    list of components comes out) or dicts. A datapoint that does not stack with the others
+    list of components comes out) or dicts; anything else is a datapoint of one component
+    (a batch of plain numbers is ``[array]``). A datapoint that does not stack with the others
     (the module docstring) raises a DataError naming it, or with ``on_error="skip"`` is
     skipped, logged with its name and why, and counted in ``skipped``.
     """
@@ -79,6 +81,7 @@ class BatchData(ProxyDataFlow):
     def _make(self, holder: list[Any]) -> tuple[Any, list[Any]]:
         """(the batch of ``holder``, []); or, where some of them are odd and skipped,
         (None, the others: to fill up again)."""
+        holder = _components(holder)
         if self.use_list:
             return _aggregate(holder, True), []
         odd = odd_samples(holder, self._last)
@@ -110,6 +113,7 @@ class BatchData(ProxyDataFlow):
     def aggregate(dps: list[Any], use_list: bool = False) -> Any:
         """Stack a list of datapoints component-wise (DataError naming a datapoint that does
         not stack with the others: :func:`odd_samples` says which)."""
+        dps = _components(dps)
         if not use_list and len(dps) > 1:
             odd = odd_samples(dps)
             if odd:
@@ -117,6 +121,14 @@ class BatchData(ProxyDataFlow):
                 raise DataError(f"BatchData: {_named(dps[i], i)} {why}: it does not stack "
                                 "with them")
         return _aggregate(dps, use_list)
+
+
+def _components(dps: list[Any]) -> list[Any]:
+    """A datapoint that is neither a list/tuple nor a dict (a bare label, an image) is one
+    component: batched as ``[x]`` (a source of plain numbers batches into one array)."""
+    if all(isinstance(dp, _COMPOSITE) for dp in dps):
+        return dps
+    return [dp if isinstance(dp, _COMPOSITE) else [dp] for dp in dps]
 
 
 def _aggregate(dps: list[Any], use_list: bool) -> Any:
@@ -142,8 +154,11 @@ def odd_samples(dps: list[Any], last: dict[Any, Kind] | None = None) -> list[tup
     keys = list(dps[structs.index(ref)]) if ref[0] == "keys" else \
         range(ref[1]) if ref[0] == "length" else ()
     made: dict[Any, Kind] = {_STRUCTURE: ref}
+    # Each component's kind is the one most of the well-structured datapoints have, all of
+    # them, those odd on another component too: a datapoint is odd where it differs from
+    # the majority, not from what is left once others were set aside (which can leave a tie).
+    at = [i for i in range(len(dps)) if i not in odd]
     for k in keys:
-        at = [i for i in range(len(dps)) if i not in odd]
         values = [dps[i][k] for i in at]
         kinds = [_kind(v) for v in values]
         kref = _reference(kinds, last.get(k), f"component {k!r}")
@@ -152,6 +167,8 @@ def odd_samples(dps: list[Any], last: dict[Any, Kind] | None = None) -> list[tup
         if every and (kref != ("int",) or _INT64[0] <= min(values) and max(values) < _INT64[1]):
             continue
         for i, v, kind in zip(at, values, kinds, strict=True):
+            if i in odd:
+                continue  # said already, of an earlier component
             if kind != kref:
                 odd[i] = (f"component {k!r} is {_describe(kind)} where the others in its "
                           f"batch have {_describe(kref)}")

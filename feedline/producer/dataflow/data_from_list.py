@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from feedline.producer.dataflow.base import DataFlow
+from feedline.producer.dataflow.base import DataFlow, content_digest
 from feedline.producer.dataflow.shard import check_shard, shard_positions
 from feedline.producer.dataflow.worker import make_rng
 
@@ -23,6 +23,7 @@ class DataFromList(DataFlow):
         self.shuffle, self.seed = shuffle, seed
         self.set_shard(*shard)
         self._epoch = 0
+        self._identity: str | None = None
 
     def set_shard(self, index: int, count: int) -> None:
         self.shard = check_shard(index, count)
@@ -39,6 +40,13 @@ class DataFromList(DataFlow):
 
     def samples(self) -> int:
         return len(self.lst)
+
+    def identity(self) -> str:
+        """The items' content (exact delivery's fingerprint: another list of the same length
+        is another dataset)."""
+        if self._identity is None:
+            self._identity = content_digest(self.lst)
+        return self._identity
 
     def __iter__(self) -> Iterator[Any]:
         idx = list(shard_positions(len(self.lst), self.shard))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from feedline.errors import ConfigError, DataError, DataNotFound
-from feedline.producer.dataflow.base import DataFlow
+from feedline.producer.dataflow.base import DataFlow, content_digest
 from feedline.producer.dataflow.shard import check_shard, shard_positions
 from feedline.producer.dataflow.worker import make_rng
 
@@ -111,6 +111,9 @@ class ImageFolder(DataFlow):
                  read: bool = True, jpeg_index: bool = True) -> None:
         if root is None and list_file is None:
             raise ConfigError("ImageFolder needs root or list_file")
+        self._root = None if root is None else str(root)
+        self._list_file = None if list_file is None else str(list_file)
+        self._identity: str | None = None
         if list_file is not None:
             self.paths, self.labels = read_list_file(list_file, root)
             self.classes: list[str] = []
@@ -140,6 +143,16 @@ class ImageFolder(DataFlow):
 
     def samples(self) -> int:
         return len(self.paths)
+
+    def identity(self) -> str:
+        """The images' names (relative to the root, so hosts that mount it elsewhere agree)
+        and labels, for exact delivery's fingerprint; not their bytes."""
+        if self._identity is None:
+            base = self._root or (os.path.dirname(os.path.abspath(self._list_file))
+                                  if self._list_file else None)
+            names = [os.path.relpath(p, base) if base else str(p) for p in self.paths]
+            self._identity = content_digest([names, [int(x) for x in self.labels]])
+        return self._identity
 
     def __iter__(self) -> Iterator[list]:
         idx = list(shard_positions(len(self.paths), self.shard))

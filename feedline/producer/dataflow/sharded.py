@@ -533,7 +533,7 @@ class ShardedSource(DataFlow):
                 f"record takes at least {least}; the manifest does not describe this shard: "
                 f"rebuild it (feedline info URLS --manifest OUT.json)")
 
-    def fingerprint(self) -> list[str]:
+    def identity(self) -> list[str]:
         """What identifies the dataset for exact delivery: the shard names, in order."""
         return list(self.urls)
 
