@@ -46,6 +46,7 @@ from feedline.producer.dataflow.batch_data import odd_samples, sample_name
 from feedline.producer.dataflow.map_data import ComponentFunc, apply, reseed
 from feedline.producer.dataflow.worker import WorkerInfo, set_worker
 from feedline.producer.outbox import ExactSpec
+from feedline.producer.pipeline import training_fingerprint
 from feedline.producer.pipeline_spec import (
     MAP_STEPS,
     SOURCES,
@@ -55,7 +56,9 @@ from feedline.producer.pipeline_spec import (
     one_key,
 )
 from feedline.producer.sender import Sender, SendStats
+from feedline.protocol import wire
 from feedline.protocol.messages import DEFAULT_STREAM
+from feedline.version import code_version
 
 log = logging.getLogger(__name__)
 DEFAULT_UNIT = 1024
@@ -81,6 +84,9 @@ class ExactPipeline:
     shuffle: bool = True
     stream: str = DEFAULT_STREAM
     skipped: int = 0  # samples the batch step left out (on_error: skip), over the run
+    # The pipeline file's fingerprint (training_fingerprint of the map it was built from:
+    # what a batch's lineage names, with the code version; 0: not built from one).
+    file_fingerprint: int = 0
 
     @property
     def spec(self) -> ExactSpec:
@@ -110,6 +116,20 @@ class ExactPipeline:
         if self.shuffle:
             np.random.default_rng([self.seed & 0xFFFFFFFF, epoch, unit]).shuffle(order)
         return order
+
+    def batch_samples(self, epoch: int, unit: int, index: int) -> list[int]:
+        """The sample ids of the unit's batch ``index`` for ``epoch``, in their order (a
+        shard source reads the unit up to that batch to know them); what a batch's lineage
+        holds without carrying it (:mod:`feedline.exact.lineage`)."""
+        bs = self.batch_size
+        if isinstance(self.source, UnitSource):
+            ids = []
+            for i, _ in self.source.read_unit(epoch, unit, index * bs, self.shuffle):
+                ids.append(i)
+                if len(ids) == bs:
+                    break
+            return ids
+        return self.unit_samples(epoch, unit)[index * bs:(index + 1) * bs]
 
     def slots(self, epoch: int, unit: int) -> int:
         n = self.source.unit_length(epoch, unit) if isinstance(self.source, UnitSource) else \
@@ -205,6 +225,8 @@ class ExactPipeline:
         sent = 0
         stats = stats if stats is not None else SendStats()
         fingerprint = self.fingerprint
+        # What a batch's lineage holds that its place does not give: packed once.
+        lineage = wire.lineage_fields(self.file_fingerprint, code_version())
         while True:
             got = sender.next_unit(stop)
             if got is None:
@@ -216,7 +238,8 @@ class ExactPipeline:
                     empty.append(j)
                     continue
                 stats.bytes += sender.send(batch, epoch=got.epoch, stop=stop, unit=got.unit,
-                                           index=j, last=j == total - 1, pipeline=fingerprint)
+                                           index=j, last=j == total - 1, pipeline=fingerprint,
+                                           lineage=lineage)
                 sent += 1
                 stats.batches += 1
             sender.unit_done(got.epoch, got.unit, total, tuple(empty), stop)
@@ -288,7 +311,8 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
         raise ConfigError("steps: delivery: exact needs a batch step, last")
     epochs = cfg.get("epochs")
     return ExactPipeline(src, funcs, batch_size, seed, on_error, workers, unit_size or 0,
-                         int(epochs or 0), shuffle, str(cfg.get("stream", DEFAULT_STREAM)))
+                         int(epochs or 0), shuffle, str(cfg.get("stream", DEFAULT_STREAM)),
+                         file_fingerprint=training_fingerprint(cfg))
 
 
 def send_exact(pipe: ExactPipeline, addr: str | list[str], *, producer_id: str | None = None,

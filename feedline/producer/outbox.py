@@ -33,6 +33,7 @@ class BatchItem:
     index: int = 0
     last: bool = False
     pipeline: int = 0
+    lineage: bytes = b""  # exact delivery: wire.lineage_fields, packed once per producer
 
 
 @dataclass(frozen=True)

@@ -183,8 +183,10 @@ class Sender:
 
     # -------------------------------------------------------------------------- send
     def send(self, datapoint: Any, epoch: int = 0, stop: threading.Event | None = None, *,
-             unit: int = -1, index: int = 0, last: bool = False, pipeline: int = 0) -> int:
-        """Send one datapoint when credit allows; returns its array bytes.
+             unit: int = -1, index: int = 0, last: bool = False, pipeline: int = 0,
+             lineage: bytes = b"") -> int:
+        """Send one datapoint when credit allows; returns its array bytes. ``lineage``
+        (exact delivery): :func:`feedline.protocol.wire.lineage_fields`, packed once.
 
         Raises :class:`feedline.protocol.wire.EncodeError` (naming the limit) for a datapoint no
         broker would accept, :class:`feedline.producer.channel.BatchTooLarge` for one larger than
@@ -193,9 +195,11 @@ class Sender:
         meanwhile.
         """
         prepared = wire.prepare_batch(datapoint, self.limits, len(self.producer_id))
+        if lineage:  # its header holds these bytes too: credit must cover them
+            prepared.wire_bytes += len(lineage)
         if prepared.wire_bytes > self._out.largest:
             self._out.largest = prepared.wire_bytes
-        self._hand_over(BatchItem(prepared, epoch, unit, index, last, pipeline), stop)
+        self._hand_over(BatchItem(prepared, epoch, unit, index, last, pipeline, lineage), stop)
         self._seq += 1
         return prepared.nbytes
 

@@ -129,18 +129,37 @@ class Prepared:
 
     def frames(self, *, producer: bytes, session: int, seq: int, epoch: int,
                unit: int = -1, index: int = 0, last: bool = False,
-               pipeline: int = 0) -> list[Any]:
+               pipeline: int = 0, lineage: bytes = b"") -> list[Any]:
         """``[header, arrays...]``; ``producer`` is the packed producer id (:func:`packb`).
 
         Exact delivery: ``unit`` >= 0 adds the batch's place in its work unit: ``"u"`` the
         unit, ``"i"`` its index there, ``"l"`` true for the unit's last batch, ``"f"`` the
-        pipeline's fingerprint (what the consumers' cursors are tied to)."""
-        head = (b"\x89" if unit < 0 else b"\x8d") + _V_K \
-            + sender_fields(producer, session, seq, epoch)
-        if unit >= 0:
-            head += b"\xa1u" + uint(unit) + b"\xa1i" + uint(index) + b"\xa1l" \
-                + (b"\xc3" if last else b"\xc2") + b"\xa1f" + packb(pipeline)
+        pipeline's fingerprint (what the consumers' cursors are tied to); ``lineage``, the
+        two entries :func:`lineage_fields` packed (``"F"`` and ``"V"``), or nothing."""
+        if unit < 0:
+            head = b"\x89" + _V_K + sender_fields(producer, session, seq, epoch)
+        else:
+            head = (b"\x8f" if lineage else b"\x8d") + _V_K \
+                + sender_fields(producer, session, seq, epoch) \
+                + b"\xa1u" + uint(unit) + b"\xa1i" + uint(index) + b"\xa1l" \
+                + (b"\xc3" if last else b"\xc2") + b"\xa1f" + packb(pipeline) + lineage
         return [head + self.tail, *self.arrays]
+
+
+MAX_CODE_LEN = 64  # characters of a code version (feedline.version.code_version)
+
+
+def lineage_fields(file: int, code: str) -> bytes:
+    """An exact batch's lineage entries, packed once per producer: ``"F"`` the fingerprint
+    of the pipeline file it runs (0 .. 2**63 - 1), ``"V"`` its code version (a str of at
+    most :data:`MAX_CODE_LEN` characters). What the rest of a batch's lineage is (its sample
+    ids, their seeds) follows from the pipeline file and ``(epoch, unit, index)``: it is
+    recomputed, never sent (docs/architecture.md, "Lineage")."""
+    if not 0 <= file < 1 << 63:
+        raise EncodeError(f"a pipeline file's fingerprint is 0 .. 2**63 - 1, not {file}")
+    if len(code) > MAX_CODE_LEN:
+        raise EncodeError(f"a code version is at most {MAX_CODE_LEN} characters")
+    return b"\xa1F" + packb(file) + b"\xa1V" + packb(code)
 
 
 def sender_fields(producer: bytes, session: int, seq: int, epoch: int) -> bytes:

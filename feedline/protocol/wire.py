@@ -17,7 +17,11 @@ Batch header (producer -> broker, and broker -> consumer after an envelope frame
      "a": [["|u1", [64, 224, 224, 3]], ["<i4", [64]]]}         # dtype + shape of each frame
 
 Exact delivery's batches add ``"u"`` (work unit), ``"i"`` (index in it), ``"l"`` (the unit's
-last batch) and ``"f"`` (the pipeline's fingerprint, < 2**63).
+last batch) and ``"f"`` (the pipeline's fingerprint, < 2**63); and, from producers that
+say them (optional: an older producer's batches have neither), ``"F"`` (the fingerprint of
+the pipeline file, < 2**63) and ``"V"`` (the producer's code version, a str of at most 64
+characters): what a batch's lineage holds that its place cannot give
+(:mod:`feedline.exact.lineage`). A receiver ignores keys it does not know.
 
 ``d`` is the datapoint with each array replaced by msgpack ExtType code 1 holding the big-endian
 uint32 index of its frame (frames 1..n hold arrays 0..n-1). Python scalars, strings, bytes and
@@ -68,15 +72,23 @@ from feedline.protocol.codec import (
     packb,
     unpackb,
 )
-from feedline.protocol.encode import ARRAY_EXT, U32, Prepared, encode_batch, prepare_batch
+from feedline.protocol.encode import (
+    ARRAY_EXT,
+    MAX_CODE_LEN,
+    U32,
+    Prepared,
+    encode_batch,
+    lineage_fields,
+    prepare_batch,
+)
 from feedline.protocol.tensorpack_wire import decode_tensorpack
 
 __all__ = [
     "CONTAINER_BARE", "CONTAINER_DICT", "CONTAINER_LIST", "CONTAINER_TUPLE", "DEFAULT_LIMITS",
     "PROTOCOL_VERSION", "Batch", "DecodeError", "EncodeError", "Kind", "Limits", "Unpacker",
     "check_batch_header", "check_dtype", "check_frame_lengths", "decode_batch", "decode_header",
-    "decode_tensorpack", "encode_batch", "header_map", "packb", "prepare_batch", "Prepared",
-    "unpackb",
+    "decode_tensorpack", "encode_batch", "header_map", "lineage_fields", "packb",
+    "prepare_batch", "Prepared", "unpackb",
 ]
 
 
@@ -305,6 +317,8 @@ class Batch:
     index: int = -1  # ... its index in the unit
     last: bool = False  # ... the unit's last batch
     pipeline: int = 0  # ... the fingerprint of the pipeline that made it (0: not said)
+    pipeline_file: int = 0  # ... the fingerprint of its pipeline file (0: not said)
+    code: str = ""  # ... its producer's code version ("": not said)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -332,7 +346,7 @@ def decode_batch(
     structure = header.get("d")
     dp = datapoint(structure, arrays, header.get("c", CONTAINER_LIST), limits,
                    _in_order(structure, len(arrays)))
-    unit, index, last, pipeline = -1, -1, False, 0
+    unit, index, last, pipeline, pipeline_file, code = -1, -1, False, 0, 0, ""
     if "u" in header:
         unit, index = _int(header, "u", 0, 1 << 40), _int(header, "i", 0, 1 << 40)
         flag = header.get("l")
@@ -341,13 +355,19 @@ def decode_batch(
         last = flag
         if "f" in header:
             pipeline = _int(header, "f")
+        if "F" in header:  # lineage (optional: older producers say neither)
+            pipeline_file = _int(header, "F")
+            code = header.get("V", "")
+            if type(code) is not str or len(code) > MAX_CODE_LEN:
+                raise DecodeError("bad_header", "field 'V'")
     # Batch's own __init__ sets each field through object.__setattr__ (it is frozen): a
     # third of a microsecond per field, for every batch. Its fields are all given here.
     batch = object.__new__(Batch)
     batch.__dict__.update(
         producer=header["p"], session=header["q"], seq=header["s"], epoch=header["e"],
         datapoint=dp, nbytes=nbytes, wire_bytes=nbytes + len(_bytes_of(frames[0])),
-        unit=unit, index=index, last=last, pipeline=pipeline)
+        unit=unit, index=index, last=last, pipeline=pipeline,
+        pipeline_file=pipeline_file, code=code)
     return batch
 
 

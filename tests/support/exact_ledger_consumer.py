@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.consumer.drain import parse_schedule, step_at
 from feedline.exact.cursor import Cursor
 from feedline.transport.link import LinkConfig
@@ -63,8 +63,8 @@ def main() -> None:
         resume = Cursor.merge(Cursor.decode(Path(f).read_bytes()) for f in a.resume.split(","))
     taken = 0
     with open(a.ledger, "a", buffering=1) as out, \
-            RemoteDataZMQ(a.broker, stream=a.stream, window=a.window, return_meta=True,
-                          link=link, resume=resume) as src:
+            RemoteDataZMQ(a.broker, stream=a.stream, return_meta=True, resume=resume,
+                          options=ConsumerOptions(window=a.window, link=link)) as src:
         def closer() -> None:  # close() from another thread ends a waiting iteration
             stop.wait()
             src.close()

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.transport.link import LinkConfig
 from tests.support.ledger_data import check
@@ -40,8 +40,8 @@ def main() -> None:
     link = LinkConfig(heartbeat_interval=a.heartbeat_interval,
                       heartbeat_timeout=a.heartbeat_timeout)
     with open(a.ledger, "a", buffering=1) as out, \
-            RemoteDataZMQ(a.broker, window=a.window, timeout=0.2, return_meta=True,
-                          link=link, stream=a.stream) as src:
+            RemoteDataZMQ(a.broker, timeout=0.2, return_meta=True, stream=a.stream,
+                          options=ConsumerOptions(window=a.window, link=link)) as src:
 
         def stats() -> None:
             st = {k: dataclasses.asdict(v) for k, v in src.stats().items()}
