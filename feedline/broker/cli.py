@@ -67,6 +67,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-ephemeral", action="store_true",
                    help="without --state-dir, serve exact streams from memory only: a "
                    "restart loses their position (consumers mid-epoch are told so)")
+    p.add_argument("--coordinator", default=None, metavar="ADDR",
+                   help="serve exact streams as one host of a job served by several training "
+                   "hosts: the address of the job's `feedline coordinator` (e.g. "
+                   "tcp://10.0.0.5:7900); every host of the job gives the same one "
+                   "(docs/tensorflow.md, \"Exact delivery across several hosts\")")
+    p.add_argument("--host-name", default=None, metavar="NAME",
+                   help="with --coordinator: this host's name in the job, unique and the same "
+                   "across restarts (default: the machine's name and the ingress port)")
     p.add_argument("--max-streams", type=int, default=d.max_streams,
                    help="streams the broker keeps state for at once (named by a registered "
                    "peer, or exact streams in use); registrations of more are refused")
@@ -113,6 +121,8 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         metrics_addr=args.metrics_addr,
         curve=_curve_from_args(args),
         insecure=args.insecure,
+        coordinator=args.coordinator,
+        host_name=args.host_name,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,10 @@ class BrokerConfig:
     exact_ephemeral: bool = False  # without state_dir: serve exact streams from memory only
     max_streams: int = MAX_STREAMS  # streams with state (peers naming them, exact coordinators)
     insecure: bool = False  # listen on exposed addresses without CURVE keys (--insecure)
+    # Exact streams served by several training hosts: the job's coordinator (`feedline
+    # coordinator`) and this host's name in the job (default: hostname and ingress port).
+    coordinator: str | None = None
+    host_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_batches < 1:
@@ -64,6 +69,13 @@ class BrokerConfig:
             raise ConfigError("max_streams must be >= 1")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
+
+    def job_host(self) -> str:
+        """This host's name in a job served by several hosts: ``host_name``, or the machine's
+        name and the ingress port (stable across restarts, unique per broker)."""
+        if self.host_name:
+            return self.host_name
+        return f"{socket.gethostname()}:{self.ingress.rsplit(':', 1)[-1]}"
 
     @property
     def budget(self) -> Budget:
@@ -85,6 +97,7 @@ class BrokerConfig:
             tensorpack_stream=self.tensorpack_stream,
             exact=ExactConfig(Path(self.state_dir) if self.state_dir else None,
                               self.exact_ephemeral, self.max_streams,
-                              grace=self.heartbeat_timeout, idle=4 * self.heartbeat_timeout),
+                              grace=self.heartbeat_timeout, idle=4 * self.heartbeat_timeout,
+                              coordinator=self.coordinator, host=self.job_host()),
             insecure=self.insecure, by_bytes=True, bundle=MAX_BUNDLE, whole=True,
             join=JOIN_FORWARDED)

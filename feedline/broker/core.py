@@ -32,6 +32,7 @@ from feedline.broker.egress import ConsumerSide
 from feedline.broker.pipelines import Leftovers
 from feedline.broker.sizing import BrokerSizing
 from feedline.logs import RateLimitedLog
+from feedline.protocol import messages as m
 from feedline.protocol.wire import Batch
 from feedline.serving.held import Held
 from feedline.serving.metrics import BrokerMetrics
@@ -87,6 +88,28 @@ class _Sink:
 
     def epoch_end(self, stream: str, epoch: int) -> None:
         self._b.egress.epoch_end(stream, epoch)
+
+    def producer_joined(self, stream: str, producer: str) -> None:
+        # An ERROR waits in line for consumers; if none came before the stream was served
+        # again, a trainer started later would die of a crash that is over.
+        stale: list[str] = []
+
+        def void(h: Held) -> bool:
+            if not h.broadcast:
+                return False
+            msg = m.decode(h.frames[0])
+            if isinstance(msg, m.Error):
+                stale.append(msg.producer)
+                return True
+            return False
+
+        if self._b.buffer.discard(stream, void):
+            log.info("stream %s: the error of producer %s, which no consumer took, is "
+                     "dropped: producer %s serves the stream now", stream,
+                     ", ".join(sorted(set(stale))), producer)
+
+    def keys(self, stream: str) -> set[tuple[int, int, int]]:
+        return self._b.egress.held_keys(stream) | self._b.leftovers.keys(stream)
 
 
 class Broker:
@@ -154,6 +177,12 @@ class Broker:
         log.info("broker up: ingress %s, egress %s%s", self.ingress_endpoint,
                  self.egress_endpoint,
                  f", tensorpack {self.tensorpack_endpoint}" if self.tensorpack_endpoint else "")
+        if self.cfg.coordinator is not None:
+            # Nothing is said to the job's coordinator before an exact stream has state here
+            # (its first producer's HELLO): say so, or a silent log reads as a broken link.
+            log.info("host %s of a job: each exact stream joins the job's coordinator at %s "
+                     "when its first producer registers here", self.cfg.job_host(),
+                     self.cfg.coordinator)
         tick = max(0.001, self.cfg.heartbeat_interval / 4)
         next_tick = next_plan = time.monotonic()
         poller = zmq.Poller()

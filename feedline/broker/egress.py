@@ -72,6 +72,8 @@ class ConsumerSide:
         self.taken_since = 0
         self.exact.refuse = self._refuse_cursor
         self.exact.applied = self._applied
+        self.exact.probe = self._alive
+        self.exact.void = self._void
 
     # -- accounting ---------------------------------------------------------------------
     def inflight(self) -> tuple[int, int]:
@@ -212,13 +214,24 @@ class ConsumerSide:
             self.buffer.discard(stream, lambda h: h.batch is not None
                                 and not coord.servable(h.batch.key, h.batch.pipeline))
         if a.resumed:
-            coord.holding(self._held_keys(stream))
+            coord.holding(self.held_keys(stream))
         for epoch in a.ended:
             self.epoch_end(stream, epoch)
         if coord.complete(a.epoch) and a.epoch not in a.ended:
             self._control(ident, m.EpochEnd(broker=self.instance, epoch=a.epoch))
 
-    def _held_keys(self, stream: str) -> set[tuple[int, int, int]]:
+    def _void(self, stream: str) -> None:
+        """What is buffered of ``stream`` that its coordinator would not serve now goes (a
+        job's new launch voided the older one's units); what is still here counts as
+        accepted, so that it is not made again."""
+        coord = self.exact.get(stream)
+        if coord is None:
+            return
+        self.buffer.discard(stream, lambda h: h.batch is not None
+                            and not coord.servable(h.batch.key, h.batch.pipeline))
+        coord.holding(self.held_keys(stream))
+
+    def held_keys(self, stream: str) -> set[tuple[int, int, int]]:
         items = list(self.buffer.items(stream))
         for c in self.consumers:
             if c.stream == stream:
@@ -279,7 +292,8 @@ class ConsumerSide:
                 if item.broadcast:
                     self.buffer.pop(stream)
                     for ident in list(ring):
-                        self._send(ident, [item.frames[0]])
+                        if coord is None or not self.exact.waits(ident, stream):
+                            self._send(ident, [item.frames[0]])
                     continue
                 if coord is not None and item.batch is not None \
                         and not coord.of_plan(item.batch.pipeline):
@@ -292,7 +306,7 @@ class ConsumerSide:
                 unit = item.nbytes - item.array_bytes + item.array_bytes // item.count
                 if item.count > 1 and self._split(stream, ring, item, unit, True):
                     continue
-                c = self._next(ring, item, unit, coord is None)
+                c = self._next(ring, item, unit, coord is None, stream)
                 if c is None:
                     if item.count > 1 and self._split(stream, ring, item, unit, False):
                         continue
@@ -315,7 +329,8 @@ class ConsumerSide:
         """A bundle some consumer cannot be sent whole (``whole``), or else the part of it
         that fills one (:mod:`feedline.broker.parts`), in parts at the front of the buffer;
         True if split."""
-        consumers = [c for c in map(self.consumers.get, ring) if c is not None]
+        consumers = [c for c in map(self.consumers.get, ring)
+                     if c is not None and not self.exact.waits(c.ident, stream)]
         sizes = parts.split_for(consumers, item, unit, self.cap_batches) if whole else \
             parts.fill_for([c for c in consumers if c.ident not in self.orphans], item, unit)
         if sizes is None:
@@ -330,13 +345,16 @@ class ConsumerSide:
         """The DELIVER frame in front of a batch to ``c`` that follows ``gap`` lost ones."""
         return m.encode(m.Deliver(broker=self.instance, gap=gap, registration=c.registration))
 
-    def _next(self, ring: deque[bytes], item: Held, unit: int, deep: bool) -> Consumer | None:
+    def _next(self, ring: deque[bytes], item: Held, unit: int, deep: bool,
+              stream: str) -> Consumer | None:
         for _ in range(len(ring)):
             ident = ring[0]
             ring.rotate(-1)
             c = self.consumers.get(ident)
-            if c is not None and c.room(item.nbytes, self.cap, self.cap_batches,
-                                        self.orphans.get(ident), deep, item.count, unit):
+            if c is None or (not deep and self.exact.waits(ident, stream)):
+                continue  # a job's resume not answered yet: nothing for it
+            if c.room(item.nbytes, self.cap, self.cap_batches, self.orphans.get(ident), deep,
+                      item.count, unit):
                 return c
         return None
 

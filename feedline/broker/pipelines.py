@@ -94,6 +94,11 @@ class Leftovers:
             out[h.stream] = (b + h.batches, y + h.nbytes)
         return out
 
+    def keys(self, stream: str) -> set[tuple[int, int, int]]:
+        """The exact keys of ``stream``'s batches held back."""
+        return {i.batch.key for h in self.held_back.values() if h.stream == stream
+                for i in h.items if i.batch is not None}
+
     def heard(self, session: int) -> None:
         """A message of ``session`` arrived: what it had held back goes back in line, in
         front of it (its order is kept)."""

@@ -21,6 +21,7 @@ from feedline.version import __version__
 COMMANDS = {
     "broker": "feedline.broker.cli",
     "producer": "feedline.producer.cli",
+    "coordinator": "feedline.commands.coordinator",
     "fleet": "feedline.commands.fleet",
     "demo": "feedline.commands.demo",
     "lmdb": "feedline.producer.lmdb_cli",
@@ -28,6 +29,8 @@ COMMANDS = {
     "index": "feedline.producer.index_cli",
     "info": "feedline.producer.info_cli",
     "drain": "feedline.consumer.drain",
+    "replay": "feedline.commands.replay",
+    "diff": "feedline.commands.diff",
     "top": "feedline.commands.top",
     "keys": "feedline.keys",
 }

@@ -49,8 +49,9 @@ _STREAMING = 0.02  # seconds since the last batch arrived: more are on the way
 
 @dataclass(frozen=True)
 class DirectConfig:
-    """How a trainer in direct mode (``RemoteDataZMQ(addr, bind=True, direct=...)``) serves
-    its producers; the defaults are a broker's."""
+    """How a trainer in direct mode
+    (``RemoteDataZMQ(addr, bind=True, options=ConsumerOptions(direct=...))``) serves its
+    producers; the defaults are a broker's."""
 
     producer_window: int = PRODUCER_WINDOW  # most credit one producer holds at once
     credit_lease: float = CREDIT_LEASE  # credit unused this long is asked back when others wait
@@ -105,6 +106,13 @@ class _LocalSink:
 
     def epoch_end(self, stream: str, epoch: int) -> None:
         self.shared.queue.put_nowait(EpochMark(epoch))
+
+    def producer_joined(self, stream: str, producer: str) -> None:
+        pass  # an ERROR went to the trainer as it came: nothing is held for later
+
+    def keys(self, stream: str) -> set[tuple[int, int, int]]:
+        raise NotImplementedError("a direct-mode trainer is no host of a job served by several "
+                                  "hosts (no --coordinator): nothing asks what it holds")
 
     def refused(self, detail: str) -> None:
         """Our own resume= was refused (another pipeline's cursor): the iterator raises it."""

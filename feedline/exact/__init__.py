@@ -17,6 +17,12 @@ names below:
   consumers applied to them (:class:`Applied`);
 - :mod:`~feedline.exact.keeper`: a consumer's side (:class:`CursorKeeper`): what it took,
   what it reports when it registers again, the checkpoint it resumes from;
+- :mod:`~feedline.exact.job`, :mod:`~feedline.exact.member`, :mod:`~feedline.exact.scope`,
+  :mod:`~feedline.exact.job_wire`: one stream served by several hosts: the job's coordinator
+  (:class:`JobCoordinator`), a host's side of it (:class:`JobMember`, and :class:`JobScope`,
+  which limits the host's coordinator to the units the job opened there), and their frames;
+- :mod:`~feedline.exact.lineage`: where a batch came from (:class:`Lineage`), a consumer's
+  ledger of them (:class:`Ledger`) and the diff of two ledgers (:func:`diff`);
 - :mod:`~feedline.exact.succession`: whether a changed dataset's producer waits for the old
   one's producers (killed, not yet dropped) or is refused (:class:`Succession`).
 
@@ -28,11 +34,31 @@ from __future__ import annotations
 
 from feedline.exact.coordinator import RECORDS_PER_COMMIT, Coordinator
 from feedline.exact.cursor import MAX_CURSOR_BYTES, MAX_UNITS, Cursor
+from feedline.exact.job import JobCoordinator, JobRefused, View
+from feedline.exact.job import Join as JobJoin
+from feedline.exact.job_wire import MAX_FRAME as JOB_FRAME_MAX
+from feedline.exact.job_wire import decode as decode_job_frame
+from feedline.exact.job_wire import encode as encode_job_frame
+from feedline.exact.job_wire import encode_refusal as encode_job_refusal
 from feedline.exact.keeper import CursorKeeper
+from feedline.exact.lineage import (
+           Comparison,
+           Difference,
+           Ledger,
+           Lineage,
+           diff,
+           ledger_line,
+           read_ledger,
+)
+from feedline.exact.member import JobMember
 from feedline.exact.plan import Assignment, ExactPlan, NoUnit
+from feedline.exact.scope import JobScope
 from feedline.exact.streams import MAX_STREAMS, Applied, ExactConfig, ExactStreams
 from feedline.exact.succession import WAIT, Succession
 
-__all__ = ["MAX_CURSOR_BYTES", "MAX_STREAMS", "MAX_UNITS", "RECORDS_PER_COMMIT", "WAIT", "Applied",
-           "Assignment", "Coordinator", "Cursor", "CursorKeeper", "ExactConfig", "ExactPlan",
-           "ExactStreams", "NoUnit", "Succession"]
+__all__ = ["JOB_FRAME_MAX", "MAX_CURSOR_BYTES", "MAX_STREAMS", "MAX_UNITS", "RECORDS_PER_COMMIT",
+           "WAIT", "Applied", "Assignment", "Comparison", "Coordinator", "Cursor", "CursorKeeper",
+           "Difference", "ExactConfig", "ExactPlan", "ExactStreams", "JobCoordinator", "JobJoin",
+           "JobMember", "JobRefused", "JobScope", "Ledger", "Lineage", "NoUnit", "Succession",
+           "View", "decode_job_frame", "diff", "encode_job_frame", "encode_job_refusal",
+           "ledger_line", "read_ledger"]

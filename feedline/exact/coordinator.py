@@ -42,6 +42,7 @@ import time
 from typing import assert_never
 
 from feedline.exact.cursor import Cursor
+from feedline.exact.job import View
 from feedline.exact.journal import (
     EpochBegun,
     JobBegun,
@@ -56,7 +57,9 @@ from feedline.exact.journal import (
     UnitDone,
     UnitTotal,
 )
+from feedline.exact.member import Change
 from feedline.exact.plan import Assignment, ExactPlan, Key, NoUnit, UnitProgress
+from feedline.exact.scope import JobScope
 
 __all__ = ["RECORDS_PER_COMMIT", "Assignment", "Coordinator", "ExactPlan", "Key",
            "UnitProgress"]
@@ -116,6 +119,9 @@ class Coordinator:
         # when they register again: until then nothing is delivered and no unit is handed
         # out again (it might be one they have).
         self.recovering_until = 0.0
+        # Served with a job's coordinator (several hosts): only the units it opened here are
+        # handed out, and the epoch moves when the job's does (feedline.exact.scope).
+        self.job: JobScope | None = None
         if records:
             self._replay(records)
             if not self.finished:
@@ -139,6 +145,12 @@ class Coordinator:
 
     def _replay(self, records: list[Record]) -> None:
         for r in records:
+            u = getattr(r, "unit", None)
+            if u is not None and not 0 <= u < self.plan.units:
+                # Checksummed, yet not of this plan (edited, or another's): trusted, a "done"
+                # beyond the units would end the epoch without some of its samples.
+                raise JournalCorrupt(f"stream {self.stream!r}: its journal names unit {u}, "
+                                     f"and the stream has {self.plan.units}")
             match r:
                 case Planned():
                     pass  # the plan is the caller's (feedline.exact.streams)
@@ -313,6 +325,15 @@ class Coordinator:
         never given a unit; on a finished stream, if it registered after the run was served,
         it is a late producer of that run (:meth:`of_served_run`: told ``finished``), or else
         it starts the next run once the run's producers are gone."""
+        if self.finished and self.job is not None:
+            if first and not self._late_logged:
+                self._late_logged = True
+                log.warning("stream %s: the job's run was served, so a producer that "
+                            "registers now is told it is finished (a job served by several "
+                            "hosts runs once): to run the job again, give it another stream "
+                            "name, or start its coordinator and brokers on empty --state-dir "
+                            "directories", self.stream)
+            return NoUnit.FINISHED
         if self.finished:
             if not first or self.attached.get(owner) in self.members:
                 return NoUnit.FINISHED
@@ -338,6 +359,8 @@ class Coordinator:
                 return Assignment(self.epoch, u, p.first_missing())
         if self.recovering(now):
             return NoUnit.BUSY
+        if self.job is not None:
+            return self._request_of_job(self.job, owner, now)
         for u in sorted(self.units):  # units given back first (their owner is gone)
             p = self.units[u]
             if u not in self.done and p.owner is None and u < self._next and not p.produced():
@@ -354,6 +377,23 @@ class Coordinator:
             p.owner = owner
             return Assignment(self.epoch, u, p.first_missing())
         return NoUnit.BUSY
+
+    def _request_of_job(self, job: JobScope, owner: bytes, now: float) -> Assignment | NoUnit:
+        """A unit the job opened here, that no producer here makes (or ``busy``: one is
+        asked for)."""
+        spare = []
+        for u in job.open_units():
+            q = self.units.get(u)
+            if u not in self.done and (q is None or (q.owner is None and not q.produced())):
+                spare.append(u)
+        if not spare:
+            job.want(now)
+            return NoUnit.BUSY
+        p = self._unit(spare[0])
+        p.owner = owner
+        if len(spare) == 1:
+            job.want(now)  # one ahead: the next producer to ask does not wait for the job
+        return Assignment(self.epoch, spare[0], p.first_missing())
 
     def _new_run(self) -> None:
         readers = ("a consumer that came since" if self.read_since else
@@ -393,6 +433,9 @@ class Coordinator:
                 or u in self.done:
             self.duplicates += 1
             return False
+        if self.job is not None and not self.job.deliverable(epoch, u, i):
+            self.duplicates += 1  # its unit is not open here (any more): another host's
+            return False
         p = self._unit(u)
         if p.accepted >> i & 1 or (p.total is not None and i >= p.total):
             self.duplicates += 1
@@ -415,6 +458,8 @@ class Coordinator:
         epoch, u, i = key
         if epoch != self.epoch or self.finished or u in self.done:
             return False
+        if self.job is not None and not self.job.deliverable(epoch, u, i):
+            return False
         p = self.units.get(u)
         return p is None or not p.settled >> i & 1
 
@@ -433,6 +478,8 @@ class Coordinator:
         if epoch != self.epoch or self.finished or u in self.done \
                 or not 0 <= u < self.plan.units:
             return []
+        if self.job is not None and u not in self.job.member.open:
+            return []  # no longer open here: another host's to make
         p = self._unit(u)
         for i in empty or []:
             if 0 <= i < total:
@@ -473,6 +520,11 @@ class Coordinator:
         assert p.total is not None
         self.done[u] = p.total
         del self.units[u]
+        if self.job is not None:  # the epoch ends when the job's does (job_view)
+            self.job.unit_done(u, p.total)
+            if write:
+                self._flush(UnitDone(u, p.total))
+            return []
         if len(self.done) < self.plan.units:
             if write:
                 self._flush(UnitDone(u, p.total))
@@ -547,6 +599,76 @@ class Coordinator:
                 ended += self._check(u, write=False)
         self._rewrite()
         return changed, ended
+
+    # -- a job's coordinator's views (several hosts) -------------------------------------------
+    def job_view(self, view: View) -> tuple[list[int], Change]:
+        """A view of the job's coordinator arrived: the units open here and the job's epoch
+        as it says. Returns the epochs that ended (for EPOCH_END), and what it changed."""
+        job = self.job
+        assert job is not None
+        ch = job.take(view)
+        ended: list[int] = []
+        moved = (job.member.epoch, job.member.finished) != (self.epoch, self.finished)
+        if ch.new_launch or moved:
+            if not ch.new_launch and job.member.epoch >= self.epoch:
+                ended = list(range(self.epoch,
+                                   job.member.epoch + (1 if job.member.finished else 0)))
+            self.epoch, self.finished = job.member.epoch, job.member.finished
+            self.units, self.done, self._next = {}, {}, 0
+            if self.finished:
+                self.served_at = time.monotonic()
+            self._rewrite()
+            if ended:
+                log.info("stream %s: epoch %s complete on every host of the job%s", self.stream,
+                         ", ".join(map(str, ended)),
+                         "; every epoch of its run served" if self.finished else "")
+        for u in ch.closed:
+            if u not in self.done:
+                self.units.pop(u, None)
+        for u, _gen, taken in ch.opened:
+            if taken:
+                p = self._unit(u)
+                p.settled |= taken
+                p.accepted |= taken
+        if ch.opened or ch.closed or ended or ch.new_launch:
+            self.progress += 1
+        return ended, ch
+
+    def job_resumed(self, cursor: Cursor) -> None:
+        """A consumer's resume was admitted under the job's launch: what its cursor holds of
+        the epoch served here is taken (the job's view set the epoch and voided the older
+        launch; nothing taken here since is made untaken, as :meth:`resume` would)."""
+        if cursor.epoch != self.epoch or self.finished:
+            return
+        for u, b in cursor.bits.items():
+            if 0 <= u < self.plan.units and b and u not in self.done:
+                p = self._unit(u)
+                new = b & ~p.settled
+                if new:
+                    p.settled |= new
+                    p.accepted |= new
+                    self._unsaved[u] = self._unsaved.get(u, 0) | new
+        self.progress += 1
+        self.commit()
+
+    def job_tick(self, now: float, in_flight: set[Key]) -> None:
+        """Give back the units open here that no producer here can make (see
+        :mod:`feedline.exact.scope`): none registered for a while, and nothing of the unit
+        buffered or in flight here (``in_flight``: the keys of both)."""
+        job = self.job
+        assert job is not None
+        job.producers(len(self.attached), now)
+        if not job.joined or not job.give_back_due(now):
+            return
+        busy = {u for e, u, _ in in_flight if e == self.epoch}
+        for u in job.open_units():
+            if u in self.done or u in busy:
+                continue
+            p = self.units.get(u)
+            if p is not None and p.accepted & ~p.settled:
+                continue  # accepted, not settled: still here somewhere
+            job.back(u, p.settled if p is not None else 0)
+            self.units.pop(u, None)
 
     def holding(self, keys: set[Key]) -> None:
         """After a resume: the batches still here (buffered, in flight) count as accepted."""

@@ -48,10 +48,19 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from feedline.errors import FeedlineError
 from feedline.exact.cursor import Cursor
-from feedline.exact.journal import JobBegun, JobUnit, Journal, JournalCorrupt, Planned, Record
+from feedline.exact.journal import (
+    JobBegun,
+    JobUnit,
+    Journal,
+    JournalCorrupt,
+    JournalStale,
+    Planned,
+    Record,
+)
 from feedline.exact.plan import ExactPlan, NoUnit
 from feedline.liveness import HEARTBEAT_TIMEOUT
 
@@ -127,13 +136,16 @@ class Back:
 @dataclass(frozen=True)
 class Resume:
     """A consumer registered with ``resume=cursor``; ``alive``: the host's other consumers
-    of the current launch whose connection is open now (it probed them)."""
+    of the current launch whose connection is open now (it probed them); ``launch``: the
+    launch the host knew of when it sent this (a count of an older launch than the one the
+    host's last resume began says nothing of that launch's consumers there)."""
 
     host: str
     session: int
     seq: int
     cursor: Cursor
     alive: int = 0
+    launch: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +187,10 @@ class View:
     opened: OpenUnit | None = None  # the unit an Ask opened
     wait: NoUnit | None = None  # why an Ask opened none; BUSY to a Resume: send it again
     probe: bool = False  # count the consumers of the launch now, and say so (Beat)
+    # The seq of the host's last Resume taken, in its session (0: none): a consumer whose
+    # resume it is not, once ``seq`` passed it, sends it again (it was lost, refused, or
+    # answered BUSY; the coordinator will not take a message older than ``seq``).
+    resumed: int = 0
     # The order views were made in (the coordinator's restarts, then a count): one that
     # comes after a newer one (reordered) is not taken.
     version: tuple[int, int] = (0, 0)
@@ -205,6 +221,7 @@ class HostState:
     readers: int = 0  # its consumers of the current launch still connected (Beat)
     readers_at: float = 0.0  # when it said so
     probe: bool = False  # its next view asks it to count them again at once
+    resumed: int = 0  # the seq of its last Resume taken (not answered "send it again")
     open: set[int] = field(default_factory=set)
 
 
@@ -230,6 +247,10 @@ class JobCoordinator:
         self.restored = False
         self.messages = 0  # taken, for the cost figures
         self._probe_at = 0.0  # a resume asked for fresh consumer counts at this time
+        # Whether a unit was opened since the current launch began (True after a restart:
+        # not known): while not, nothing of the launch was served anywhere, and a host's
+        # resume sent before it heard of the launch its earlier resume began joins that launch.
+        self._served_in_launch = False
         self._restored: dict[str, set[int]] = {}  # host -> units open there, from the journal
         self._pool()
         records = journal.read(stream) if journal is not None else []
@@ -240,7 +261,34 @@ class JobCoordinator:
             self._replay(records)
             self.restored = True
             self._counts_known_at = now + timeout
+            self._served_in_launch = True
         self._rewrite()
+
+    @classmethod
+    def open(cls, state_dir: Path, stream: str, plan: ExactPlan, timeout: float,
+             now: float) -> JobCoordinator:
+        """The coordinator of ``stream`` journaled in ``state_dir`` (``STREAM.job.jsonl``),
+        restored from it if it is there; :class:`JobRefused` (``journal_corrupt``) if it
+        cannot be used, and ``pipeline_mismatch`` if it is of another pipeline."""
+        journal = Journal(state_dir / f"{stream}.job.jsonl")
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            return cls(stream, plan, journal, timeout=timeout, now=now)
+        except (JournalCorrupt, JournalStale) as e:
+            raise JobRefused("journal_corrupt", str(e)) from None
+        except OSError as e:
+            raise JobRefused("journal_corrupt", f"stream {stream!r}: cannot use the state "
+                             f"directory {state_dir}: {e.strerror}") from None
+
+    def counts(self) -> dict[str, int]:
+        """The epoch's units by state (free, open, done)."""
+        out = {u.value: 0 for u in Unit}
+        if self.finished:  # its run was served: every unit of its last epoch is done
+            out[Unit.DONE.value] = len(self.units)
+            return out
+        for s in self.units:
+            out[s.state.value] += 1
+        return out
 
     # -- journal ------------------------------------------------------------------------
     def _snapshot(self) -> list[Record]:
@@ -332,8 +380,9 @@ class JobCoordinator:
             raise JobRefused("position_lost",
                              f"host {msg.host!r} served stream {self.stream!r} for another "
                              "coordinator (this one started without its journal, or the job "
-                             "has two): restart the job from its checkpoint (resume=), with "
-                             "one coordinator, started with its --state-dir")
+                             "has two): give the job one coordinator, on the --state-dir it "
+                             "had; to start the job over, stop its brokers and coordinator "
+                             "and start them on empty --state-dir directories")
         h = self.hosts.get(msg.host)
         if h is not None and h.session == msg.session and msg.seq <= h.seq:
             return []  # an old Join
@@ -360,6 +409,7 @@ class JobCoordinator:
         s = self.units[u]
         s.state, s.host, s.gen = Unit.OPEN, h.name, s.gen + 1
         h.open.add(u)
+        self._served_in_launch = True
         self._save(self._record(u))
         return self._view(h, opened=(u, s.gen, s.taken))
 
@@ -449,15 +499,22 @@ class JobCoordinator:
                     x.probe = True
                 return [self._view(h, wait=NoUnit.BUSY)] + [self._view(x) for x in stale]
             self._probe_at = 0.0
-            if msg.alive or others:  # the same launch: nothing changes
+            # This host's earlier resume began (or joined) the current launch, it sent this
+            # one before it heard so, and nothing of the launch was served yet: its ranks
+            # resuming at once, of the same launch (its ``alive`` counts the older launch's
+            # consumers, none of this one's).
+            unheard = (h.launch == self.launch and h.readers > 0 and msg.launch != self.launch
+                       and not self._served_in_launch)
+            if msg.alive or others or unheard:  # the same launch: nothing changes
                 if h.launch == self.launch:
                     h.readers += 1
                     h.readers_at = now
-                h.launch = self.launch
+                h.launch, h.resumed = self.launch, msg.seq
                 return [self._view(h)]
         self._probe_at = 0.0
         totals = [s.batches for s in self.units] if c.epoch == self.epoch else []
         self.launch += 1
+        self._served_in_launch = False
         self.resumed = ident
         self.epoch, self.finished = c.epoch, False
         if self.plan.epochs and c.epoch >= self.plan.epochs:  # its run was served whole
@@ -475,7 +532,7 @@ class JobCoordinator:
             x.open.clear()
             x.readers = 0
         self._restored.clear()
-        h.launch, h.readers, h.readers_at = self.launch, 1, now
+        h.launch, h.readers, h.readers_at, h.resumed = self.launch, 1, now, msg.seq
         self._pool()
         ended = self._done == len(self.units)
         if ended:
@@ -492,7 +549,7 @@ class JobCoordinator:
         open_ = tuple(sorted((u, self.units[u].gen, self.units[u].taken) for u in h.open))
         self._made += 1
         return View(h.name, h.session, h.seq, self.job, self.launch, self.epoch, self.finished,
-                    open_, opened, wait, probe, (self.boot, self._made))
+                    open_, opened, wait, probe, h.resumed, (self.boot, self._made))
 
     def _views(self, h: HostState, ended: bool) -> list[View]:
         """``h``'s view, and if the epoch ended, every other host's (they hear at once)."""

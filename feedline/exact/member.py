@@ -11,9 +11,11 @@ What the host does with it:
   of it comes with what was taken);
 - a unit every batch of which was taken here is :meth:`done`; one it cannot finish (no
   producer left for it) it gives back (:meth:`back`) after dropping what it buffered of it;
-- a consumer's ``resume=`` cursor goes to the coordinator (:meth:`resume`); a consumer is
-  admitted (served) only once a view newer than its HELLO came (:meth:`admit_after`), under
-  the launch that view names;
+- a consumer's HELLO goes to the coordinator as a beat, or as a resume with its ``resume=``
+  cursor (:meth:`resume`); the consumer is admitted (served) only once a view answers that
+  message (:meth:`answer`), under the launch that view names; a resume the coordinator went
+  past without taking (lost, refused when the coordinator restarted, answered BUSY) is sent
+  again;
 - a view of a new launch voids every unit of the older one (:attr:`Change.new_launch`):
   the host drops their buffered batches and refuses the older launch's consumers;
 - an epoch's end (:attr:`Change.ended`) is told to its consumers.
@@ -25,6 +27,7 @@ with what was taken of them (its own coordinator's journal holds the takes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from feedline.exact.cursor import Cursor
 from feedline.exact.job import Ask, Back, Beat, Done, Join, Leave, OpenUnit, Resume, View
@@ -43,6 +46,14 @@ class Change:
     closed: list[int] = field(default_factory=list)  # no longer open here
     wait: NoUnit | None = None
     probe: bool = False  # count the launch's consumers now and beat
+
+
+class Answer(Enum):
+    """What a view says of a consumer's registration (its beat or resume)."""
+
+    PENDING = "pending"  # not answered yet: wait for another view
+    AGAIN = "again"  # a resume not taken (lost, refused, BUSY): send it again
+    ADMITTED = "admitted"  # serve the consumer, under the member's launch
 
 
 class JobMember:
@@ -96,7 +107,7 @@ class JobMember:
         return Beat(self.host, self.session, self._next(), self.launch, readers)
 
     def resume(self, cursor: Cursor, alive: int) -> Resume:
-        return Resume(self.host, self.session, self._next(), cursor, alive)
+        return Resume(self.host, self.session, self._next(), cursor, alive, self.launch)
 
     def leave(self) -> Leave:
         return Leave(self.host, self.session, self._next())
@@ -142,6 +153,22 @@ class JobMember:
         for u in [u for u, seq in self._released.items() if v.seq >= seq]:
             del self._released[u]
         return out
+
+    def answer(self, v: View, seq: int, resume: bool) -> Answer:
+        """What ``v`` (taken by :meth:`view` just now) says of this host's registration of a
+        consumer, sent as message ``seq`` (a :meth:`resume` if ``resume``, else a beat).
+
+        Only the view last taken decides (an older one, reordered, says nothing: the member's
+        launch is a newer view's). A beat is answered by any view that took it into account;
+        a resume only by one that took it: the coordinator keeps a host's messages in order
+        and never takes one older than the last it took, so a view past ``seq`` that did not
+        take the resume means it never will."""
+        if v.host != self.host or v.session != self.session or v.version != self.version \
+                or v.seq < seq:
+            return Answer.PENDING
+        if resume and v.resumed != seq:
+            return Answer.AGAIN
+        return Answer.ADMITTED
 
     def deliverable(self, epoch: int, unit: int, index: int) -> bool:
         """A batch of unit ``unit`` may be delivered here: the unit is open here, of this

@@ -19,6 +19,12 @@ restored from their journals, kept to one pipeline and one delivery mode, and re
   ranks of one job roll back once and a job that crashes again rolls back again) or a
   *report* (what it took last, when it registers again). One that comes before its stream has
   a coordinator waits (a bounded number of them), judged when the coordinator is made.
+- **A job's resume.** On a host of a job served by several hosts (``coordinator``) a resume
+  cursor goes to the job's coordinator (:mod:`feedline.exact.scope`), and the consumer waits
+  (served nothing) until the job's answer admits it under the launch the resume began or
+  joined; a view of a newer launch refuses this host's consumers of the older one
+  (``relaunched``: the job was restarted from a checkpoint elsewhere) and drops what it
+  buffered for them.
 - **Bounded.** At most ``max_streams`` streams have state (coordinators, and any stream a
   registered peer names: ``live``); the state of an exact stream nobody has used for ``idle``
   seconds is reclaimed (its journal stays, unless the stream never settled a batch).
@@ -27,6 +33,7 @@ restored from their journals, kept to one pipeline and one delivery mode, and re
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,7 +41,10 @@ from pathlib import Path
 from feedline.errors import DecodeError, Refusal
 from feedline.exact.coordinator import Coordinator, ExactPlan
 from feedline.exact.cursor import MAX_UNITS, Cursor
+from feedline.exact.job import JobRefused, View
 from feedline.exact.journal import Journal, JournalCorrupt, JournalStale, Planned, Record
+from feedline.exact.member import JobMember
+from feedline.exact.scope import JobScope
 from feedline.exact.succession import WAIT, Succession
 from feedline.logs import RateLimitedLog
 
@@ -67,20 +77,29 @@ class ExactConfig:
     max_streams: int = MAX_STREAMS
     grace: float = 0.0  # after a restart: seconds for the consumers to report first
     idle: float = 20.0  # seconds unused before an exact stream's state is reclaimed
+    # Several hosts serve each stream with a job's coordinator at this address (`feedline
+    # coordinator`); ``host``: this host's name in the job (unique, stable across restarts).
+    coordinator: str | None = None
+    host: str = ""
 
 
 class ExactStreams:
     """The coordinators of a broker's exact streams. A consumer's cursor that waited for its
-    stream's coordinator is answered by ``refuse(ident, reason, detail)`` or by
-    ``applied(ident, stream, applied)``; ``live()`` names the streams registered peers use
-    (for the stream limit); ``succession`` tells a killed producer of a replaced pipeline from
-    a running one (None: every registered one runs)."""
+    stream's coordinator (or, on a job's host, for the job's answer) is answered by
+    ``refuse(ident, reason, detail)`` or by ``applied(ident, stream, applied)``; ``probe``
+    filters consumers to those whose connection is open; ``void(stream)`` drops what is
+    buffered of a stream that its coordinator would not serve now (a job's new launch);
+    ``live()`` names the streams registered peers use (for the stream limit); ``succession``
+    tells a killed producer of a replaced pipeline from a running one (None: every registered
+    one runs)."""
 
     def __init__(self, cfg: ExactConfig | None = None) -> None:
         self.cfg = cfg or ExactConfig()
         self.streams: dict[str, Coordinator] = {}
         self.refuse: Callable[[bytes, str, str], None] = lambda ident, reason, detail: None
         self.applied: Callable[[bytes, str, Applied], None] = lambda ident, stream, a: None
+        self.probe: Callable[[list[bytes]], list[bytes]] = lambda idents: idents
+        self.void: Callable[[str], None] = lambda stream: None
         self.live: Callable[[], set[str]] = set
         self.succession: Succession | None = None
         self._producers: dict[str, list[int]] = {}  # stream -> [exact, training] registered
@@ -138,6 +157,8 @@ class ExactStreams:
         c = self.streams.get(stream)
         if c is not None:
             c.read_by(ident, session, of_run)
+            if c.job is not None:
+                c.job.admit(ident)
 
     def unread(self, ident: bytes) -> None:
         """Consumer ``ident``'s registration ended (a bye, a timeout, registered again)."""
@@ -150,6 +171,8 @@ class ExactStreams:
         for ident, (s, session) in self._readers.items():
             if s == stream:
                 c.read_by(ident, session)
+                if c.job is not None:
+                    c.job.admit(ident)
 
     # -- coordinators -------------------------------------------------------------------
     def join(self, stream: str, plan: ExactPlan, now: float, owner: bytes | None = None,
@@ -247,11 +270,26 @@ class ExactStreams:
                         old.describe(), plan.describe())
             records = []
         self.admit(stream)
-        c = Coordinator(stream, plan, journal, records, self.cfg.grace, now)
+        try:
+            c = self._make(stream, plan, journal, records, now)
+        except JournalCorrupt as e:  # well-formed records that do not fit the plan
+            text = (f"{e}: its journal {journal.path if journal else ''} does not fit its "
+                    "plan: delete the file to start the stream at epoch 0")
+            self._log.log(logging.ERROR, "%s", text)
+            raise Refusal("journal_corrupt", text) from None
         self._tell_readers(stream, c)
         self.streams[stream] = c
         self._active[stream] = now
         self._judge_pending(stream, c, now)
+        return c
+
+    def _make(self, stream: str, plan: ExactPlan, journal: Journal | None,
+              records: list[Record], now: float) -> Coordinator:
+        c = Coordinator(stream, plan, journal, records, self.cfg.grace if records else 0.0,
+                        now)
+        if self.cfg.coordinator is not None:  # one host of a job: the job's units only
+            member = JobMember(self.cfg.host, stream, plan, secrets.randbits(62) | 1)
+            c.job = JobScope(member, self.cfg.coordinator, now)
         return c
 
     def _replace(self, stream: str, old: Coordinator, plan: ExactPlan,
@@ -259,7 +297,7 @@ class ExactStreams:
         log.warning("stream %s: a producer of another pipeline (%s) replaces the one whose "
                     "producers left (%s): the stream starts at epoch 0", stream,
                     plan.describe(), old.plan.describe())
-        c = Coordinator(stream, plan, old.journal)
+        c = self._make(stream, plan, old.journal, [], now)
         self._tell_readers(stream, c)
         self.streams[stream] = c
         return c
@@ -269,8 +307,9 @@ class ExactStreams:
                others_alive: Callable[[list[bytes]], list[bytes]] = lambda xs: xs,
                ) -> Applied | None:
         """A consumer's cursor (its HELLO's): applied now, or kept until its stream has a
-        coordinator (None); :class:`Refusal` if it is refused. ``others_alive`` filters other
-        consumers to those still connected (the broker probes them)."""
+        coordinator or (a resume on a job's host) until the job answers (None; then
+        ``applied`` or ``refuse``); :class:`Refusal` if it is refused. ``others_alive``
+        filters other consumers to those still connected (the broker probes them)."""
         try:
             name, _, _, resume = Cursor.peek(data)
         except DecodeError as e:
@@ -294,7 +333,7 @@ class ExactStreams:
         return self._apply(ident, c, data, others_alive)
 
     def _apply(self, ident: bytes, c: Coordinator, data: bytes,
-               others_alive: Callable[[list[bytes]], list[bytes]]) -> Applied:
+               others_alive: Callable[[list[bytes]], list[bytes]]) -> Applied | None:
         try:
             cursor = Cursor.decode(data, max_units=c.plan.units)
         except DecodeError as e:
@@ -307,6 +346,12 @@ class ExactStreams:
                           f"(fingerprint {cursor.pipeline:x}, not {c.plan.fingerprint:x}: its "
                           "seed, unit or batch size, or dataset changed): resume from a "
                           "checkpoint of this pipeline, or start without resume=")
+        if c.job is not None:
+            if cursor.resume:  # the job's: it waits for the job's answer (job_view)
+                c.job.resume(ident, cursor, len(others_alive(c.job.of_launch(but=ident))))
+                return None
+            if c.job.stale(ident):
+                raise Refusal("relaunched", _relaunched(c))
         if not cursor.resume:
             ended, lost = c.merge(cursor)
             if lost:
@@ -340,11 +385,68 @@ class ExactStreams:
                 continue
             del self._pending[ident]
             try:
-                got = self._apply(ident, c, data, lambda xs: xs)
+                got = self._apply(ident, c, data, self.probe)
             except Refusal as e:
                 self.refuse(ident, e.reason, e.detail)
             else:
-                self.applied(ident, stream, got)
+                if got is not None:
+                    self.applied(ident, stream, got)
+
+    # -- a job's host -----------------------------------------------------------------------
+    def job_view(self, c: Coordinator, view: View, now: float) -> list[int]:
+        """A view of the job's coordinator for stream ``c``: applied to it, and what it says
+        of this host's consumers (admitted, sent again, refused: an older launch's). Returns
+        the epochs that ended (for EPOCH_END)."""
+        job = c.job
+        assert job is not None
+        ended, ch = c.job_view(view)
+        got = job.answers(view, ch, now)
+        for ident in got.stale:  # (it stays of its launch: registered again, refused again)
+            self.refuse(ident, "relaunched", _relaunched(c))
+        if ch.new_launch:
+            log.log(logging.WARNING if got.stale else logging.INFO,
+                    "stream %s: the job is at launch %d (restarted from a checkpoint): what "
+                    "was buffered here of the launch before is dropped%s", c.stream,
+                    job.member.launch, f", and its {len(got.stale)} consumer(s) here refused"
+                    if got.stale else "")
+            self.void(c.stream)
+        for ident, cursor in got.again:
+            self._resume_again(c, ident, cursor)
+        for ident, cursor, first in got.admitted:
+            c.job_resumed(cursor)
+            epoch = min(cursor.epoch, c.epoch)
+            if first:
+                log.info("stream %s: resumed from a checkpoint's cursor under the job's launch "
+                         "%d (epoch %d, %d batches taken)", c.stream, job.member.launch,
+                         cursor.epoch, cursor.count())
+            self.applied(ident, c.stream, Applied(c, epoch, resumed=True))
+        if ch.probe:
+            job.beat(job.readers(c.readers), now)
+        return ended
+
+    def job_tick(self, c: Coordinator, now: float) -> None:
+        """Once a tick: resumes answered busy sent again when due."""
+        job = c.job
+        assert job is not None
+        for ident, cursor in job.due(now):
+            self._resume_again(c, ident, cursor)
+
+    def job_refused(self, c: Coordinator, refused: JobRefused, now: float) -> None:
+        """The job refused a message of this host: the consumers it was about are refused
+        with its line; the host's own state follows (:meth:`JobScope.refuse`)."""
+        job = c.job
+        assert job is not None
+        for ident in job.refused_consumers(refused):
+            self.refuse(ident, refused.reason, refused.text)
+        job.refuse(refused, now)
+
+    def _resume_again(self, c: Coordinator, ident: bytes, cursor: Cursor) -> None:
+        job = c.job
+        assert job is not None
+        if not self.probe([ident]):
+            return  # its connection is closed: it went (forget)
+        if job.waits(ident):
+            job.resume(ident, cursor, len(self.probe(job.of_launch(but=ident))))
 
     def forget(self, ident: bytes, gone: bool = False) -> None:
         """A consumer's registration ended: its waiting cursor goes; ``gone`` (its connection
@@ -353,6 +455,14 @@ class ExactStreams:
         self._resuming.pop(ident, None)
         if gone:
             self._resumed.pop(ident, None)
+        for c in self.streams.values():
+            if c.job is not None:
+                c.job.forget(ident, gone)
+
+    def waits(self, ident: bytes, stream: str) -> bool:
+        """Consumer ``ident``'s resume waits for the job's answer: serve it nothing yet."""
+        c = self.streams.get(stream)
+        return c is not None and c.job is not None and c.job.waits(ident)
 
     # -- time -----------------------------------------------------------------------------
     def commit(self, now: float) -> None:
@@ -384,3 +494,9 @@ class ExactStreams:
             log.info("stream %s: unused for %.0fs: its state is reclaimed%s", stream,
                      self.cfg.idle, "" if empty or c.journal is None else
                      " (its journal stays: it goes on from there when its producers return)")
+
+
+def _relaunched(c: Coordinator) -> str:
+    return (f"stream {c.stream!r}: the job was restarted from a checkpoint elsewhere (its "
+            "coordinator began a new launch), so this training process is of the job before "
+            "that restart and is served no more: stop it (the restarted job's processes go on)")

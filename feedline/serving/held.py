@@ -58,3 +58,13 @@ class Sink(Protocol):
     def epoch_end(self, stream: str, epoch: int) -> None:
         """Exact delivery: every batch of ``epoch`` was taken; tell the stream's consumers."""
         ...
+
+    def producer_joined(self, stream: str, producer: str) -> None:
+        """A producer registered for ``stream``: a producer's ERROR held for consumers that
+        never came is stale now (the stream is served again) and goes."""
+        ...
+
+    def keys(self, stream: str) -> set[tuple[int, int, int]]:
+        """Exact delivery: the keys of ``stream``'s batches held here (buffered, in flight to
+        consumers, or to consumers that left): what a job's host may not give back."""
+        ...

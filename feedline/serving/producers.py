@@ -209,6 +209,7 @@ class ProducerSide:
             self._warn.warning("producer %s registered again: %d batches it sent never "
                                "arrived (counted as lost)", msg.producer, lost)
         self.planner.join(ident, msg.max_batch_bytes, msg.stream)
+        self.sink.producer_joined(msg.stream, msg.producer)
         self._info.info("producer %s joined stream %s (%d connected)", msg.producer,
                         msg.stream, len(self.producers))
         self._welcome(p)

@@ -40,6 +40,7 @@ from feedline.protocol.messages import DEFAULT_STREAM
 from feedline.security import ServerKeys
 from feedline.serving.budget import Budget
 from feedline.serving.endpoint import Endpoint, Refusals, Side
+from feedline.serving.job_link import JobLink
 from feedline.serving.metrics import BrokerMetrics
 from feedline.serving.producers import IngressConfig, ProducerSide, Sink
 from feedline.serving.tensorpack import TensorpackIngress
@@ -59,7 +60,8 @@ class Remedy:
 
 BROKER = Remedy()
 DIRECT = Remedy(keys="pass curve=ServerKeys.load(secret, allowed_dir)",
-                insecure="insecure=True", ingress="RemoteDataZMQ(bind=True) address",
+                insecure="options=ConsumerOptions(insecure=True)",
+                ingress="RemoteDataZMQ(bind=True) address",
                 tensorpack="DirectConfig(tensorpack=)")
 
 
@@ -99,7 +101,7 @@ class ServingConfig:
     """What the core needs of its host's configuration, built from it in one call: a
     broker's by :meth:`feedline.broker.config.BrokerConfig.serving` (its flags), a direct-mode
     trainer's by :meth:`feedline.consumer.direct.DirectConfig.serving` (its
-    ``RemoteDataZMQ(bind=True)`` arguments)."""
+    ``RemoteDataZMQ(bind=True)`` arguments and options)."""
 
     ingress: str
     budget: Budget
@@ -182,6 +184,10 @@ class Server:
                                              self.producers.planner,
                                              cfg.stream or cfg.tensorpack_stream)
                            if tp_ep is not None else None)
+        # Several hosts serve each exact stream: the link to the job's coordinator.
+        self.job = (JobLink(ctx, cfg.exact.coordinator, self.exact, sink.epoch_end, sink.keys,
+                            lambda reason: metrics.rejected.labels(reason).inc())
+                    if cfg.exact.coordinator is not None else None)
 
     def bind(self, addr: str, name: str, flag: str, kind: int, rcvhwm: int, max_message: int,
              heartbeats: bool = True, curve: bool = True) -> Endpoint:
@@ -214,6 +220,8 @@ class Server:
         credit (its PUSH's high-water mark then pushes back on the sender, the only flow
         control a tensorpack producer knows). Call once a loop turn."""
         out = [ep.sock for ep, _ in self._sides]
+        if self.job is not None:
+            out.append(self.job.sock)
         tp = self.tensorpack
         if tp is not None:
             if tp.has_room():
@@ -241,6 +249,11 @@ class Server:
         if tp is not None and tp.sock in ready and tp.drain(self._refuse_tensorpack):
             got = self.producers.dirty = True
         now = time.monotonic()
+        if self.job is not None:  # its views, and what the producers' asks made
+            if self.job.sock in ready:
+                self.job.on_ready(now)
+            else:
+                self.job.flush()
         if now - t0 > self.cfg.heartbeat_timeout / 2:
             # The peers' messages waited behind a long drain: their silence was ours.
             self._stalled(now)
@@ -264,6 +277,8 @@ class Server:
         m.credit_outstanding.set(out_b)
         m.reserved_bytes.set(out_y)
         m.peers.labels("producer").set(len(self.producers.peers))
+        if self.job is not None:
+            self.job.tick(now)
         self.exact.commit(now)
         self.exact.reclaim(now, self.live_streams() | set(self.sink.held_by_stream()))
 
@@ -283,6 +298,9 @@ class Server:
 
     def close(self) -> None:
         """Close every endpoint (bounded linger, ipc files), stop the authenticator."""
+        if getattr(self, "job", None) is not None:
+            self.job.close()  # type: ignore[union-attr]
+            self.job = None
         for ep in self._endpoints:
             ep.close()
         self._endpoints.clear()

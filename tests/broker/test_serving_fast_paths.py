@@ -307,6 +307,12 @@ class _Sink:
     def epoch_end(self, stream: str, epoch: int) -> None:
         pass
 
+    def producer_joined(self, stream: str, producer: str) -> None:
+        pass
+
+    def keys(self, stream: str) -> set[tuple[int, int, int]]:
+        return set()
+
 
 def test_received_batches_count_in_the_producers_series_looked_up_once() -> None:
     """Three producers with room for two labels: the third shares "other" with nobody

@@ -11,7 +11,7 @@ import pytest
 from feedline.exact.cursor import Cursor
 from feedline.exact.job import JobCoordinator, JobRefused, Message
 from feedline.exact.journal import Journal
-from feedline.exact.member import Change, JobMember
+from feedline.exact.member import Answer, Change, JobMember
 from feedline.exact.plan import ExactPlan, NoUnit
 
 PLAN = ExactPlan(4, 1, 2, 0xABC)
@@ -114,7 +114,7 @@ def test_wrong_configurations_are_one_line_errors() -> None:
     stray.job = 12345  # served another coordinator (this one lost its journal, or a second)
     with pytest.raises(JobRefused) as e:
         jc.handle(stray.join(), 0.0)
-    assert e.value.reason == "position_lost" and "resume=" in e.value.text
+    assert e.value.reason == "position_lost" and "empty --state-dir" in e.value.text
 
 
 def test_the_ranks_of_one_launch_resume_once_and_a_relaunch_resumes_again() -> None:
@@ -134,6 +134,39 @@ def test_the_ranks_of_one_launch_resume_once_and_a_relaunch_resumes_again() -> N
     talk(jc, ms, ms["b"].beat(0), 4.0)
     ch = talk(jc, ms, ms["a"].resume(cursor, 0), 5.0)
     assert jc.launch == 3 and ch["a"].new_launch
+
+
+def test_a_resume_the_coordinator_never_took_is_sent_again(tmp_path: Path) -> None:
+    """The model's finding: a rank's resume reached a coordinator that had just restarted
+    (refused: the host had not joined it again); the answer to the host's Join, newer than
+    the resume, must not admit the rank under the old launch (it would take the epoch its
+    checkpoint passed). The host sends the resume again; its own answer admits the rank."""
+    path = tmp_path / "s.job"
+    jc = JobCoordinator("s", PLAN, Journal(path))
+    ms = hosts(jc, "a")
+    a = ms["a"]
+    jc2 = JobCoordinator("s", PLAN, Journal(path), now=10.0, timeout=1.0)
+    cursor = Cursor("s", 1, {}, PLAN.fingerprint, resume=True)
+    msg = a.resume(cursor, 0)
+    with pytest.raises(JobRefused) as e:
+        jc2.handle(msg, 10.0)
+    assert e.value.reason == "not_registered"
+    views = jc2.handle(a.join(readers=0), 10.0)
+    a.view(views[0])
+    assert a.answer(views[0], msg.seq, resume=True) is Answer.AGAIN
+    assert a.launch == 1 and a.epoch == 0  # still the old launch: admitting now would be wrong
+    again = a.resume(cursor, 0)
+    views = jc2.handle(again, 12.0)
+    a.view(views[0])
+    assert a.answer(views[0], again.seq, resume=True) is Answer.ADMITTED
+    assert (a.launch, a.epoch) == (2, 1)
+    # A beat is answered by any view that took it into account; an older view decides nothing.
+    beat = a.beat(1)
+    old = views[0]
+    views = jc2.handle(beat, 13.0)
+    a.view(views[0])
+    assert a.answer(old, beat.seq, resume=False) is Answer.PENDING
+    assert a.answer(views[0], beat.seq, resume=False) is Answer.ADMITTED
 
 
 def test_cost_per_unit_is_a_few_messages_whatever_the_number_of_hosts() -> None:

@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from feedline.exact.cursor import Cursor
 from feedline.exact.job import JobCoordinator, JobRefused, Message, View
 from feedline.exact.journal import Journal
-from feedline.exact.member import JobMember
-from feedline.exact.plan import ExactPlan, NoUnit
+from feedline.exact.member import Answer, JobMember
+from feedline.exact.plan import ExactPlan
 
 Key = tuple[int, int, int]
 STREAM = "s"
@@ -42,7 +42,7 @@ class Rank:
 
     launch: int  # the model's launch (job restart) it belongs to
     admitted: int = 0  # the coordinator's launch it was admitted under; 0: not yet
-    after: int = 0  # admitted once a view answering this seq (or later) came
+    after: int = 0  # the seq of its registration (a beat or a resume)
     resume: Cursor | None = None  # its resume=, until admitted
     alive: bool = True
     epoch_ends: list[int] = field(default_factory=list)
@@ -99,11 +99,16 @@ class JobModel(RuleBasedStateMachine):
     def _add_rank(self, h: Host, resume: Cursor | None) -> None:
         r = Rank(self.launch, resume=resume)
         h.ranks.append(r)
+        self._register(h, r)
+
+    def _register(self, h: Host, r: Rank) -> None:
+        """``r``'s registration at ``h``, as a consumer's HELLO: a resume (with the host's
+        consumers of its current launch, counted as a host probes them) or a beat."""
         msg: Message
-        if resume is not None:
+        if r.resume is not None:
             alive = sum(1 for x in h.ranks if x.alive and x.admitted == h.member.launch
                         and x.admitted)
-            msg = h.member.resume(resume, alive)
+            msg = h.member.resume(r.resume, alive)
         else:
             msg = h.member.beat(self._readers(h))
         r.after = msg.seq
@@ -164,13 +169,14 @@ class JobModel(RuleBasedStateMachine):
         if ch.closed:
             h.buffer = {k for k in h.buffer if h.member.deliverable(*k)}
         for r in h.ranks:
-            if r.alive and not r.admitted and v.seq >= r.after and v.session == h.member.session:
-                if r.resume is not None and ch.wait is NoUnit.BUSY:
-                    msg = h.member.resume(r.resume, 0)  # asked to send it again
-                    r.after = msg.seq
-                    self._send(h, msg)
-                else:
-                    r.admitted, r.resume = h.member.launch, None
+            if not r.alive or r.admitted:
+                continue
+            answer = h.member.answer(v, r.after, r.resume is not None)
+            if answer is Answer.AGAIN:
+                self._register(h, r)  # lost, refused or BUSY: sent again
+                event("job: a resume sent again")
+            elif answer is Answer.ADMITTED:
+                r.admitted, r.resume = h.member.launch, None
         if ch.probe:
             self._send(h, h.member.beat(self._readers(h)))
 
@@ -287,6 +293,9 @@ class JobModel(RuleBasedStateMachine):
         m.open, m.done_units = dict(old.open), dict(old.done_units)
         h.member, h.buffer, h.joined, h.up = m, set(), False, True
         self._send(h, m.join(self._readers(h)))
+        for r in h.ranks:  # those not admitted yet register again, with the new broker
+            if r.alive and not r.admitted:
+                self._register(h, r)
 
     @rule(data=st.data())
     def partition(self, data: st.DataObject) -> None:
