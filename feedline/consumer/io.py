@@ -31,7 +31,7 @@ from feedline.logs import RateLimitedLog
 from feedline.protocol import bundle, wire
 from feedline.protocol import messages as m
 from feedline.protocol.bundle import MAX_BUNDLE
-from feedline.protocol.refusals import CONSUMER_FATAL
+from feedline.protocol.refusals import CONSUMER_FATAL, Reason
 from feedline.security import ClientKeys
 from feedline.serving.budget import depth, report_after
 from feedline.transport.client import ClientLoop, Waker
@@ -341,7 +341,7 @@ class ConsumerIO:
                     f"{msg.detail}"
                 # wrong_port: a producers' address (a broker's ingress, a direct-mode trainer):
                 # the address is the mistake, as a ConfigError (ValueError) says.
-                self._put(Marker(AddressError(text) if msg.reason == "wrong_port"
+                self._put(Marker(AddressError(text) if msg.reason == Reason.WRONG_PORT
                                  else FeedlineError(text)))
         else:
             self._count_reject("unexpected_kind")

@@ -127,7 +127,13 @@ class Cursor:
         anything else."""
         try:
             out = Cursor(str(d["stream"]), int(d["epoch"]), pipeline=int(d.get("pipeline", 0)))
+            if not 0 <= out.epoch < 1 << 63:
+                raise ConfigError(f"epoch {out.epoch} is not a count below 2**63")
+            if not 0 <= out.pipeline < 1 << 64:
+                raise ConfigError(f"pipeline fingerprint {out.pipeline} is not 64 bits")
             for u, items in dict(d.get("taken") or {}).items():
+                if not 0 <= int(u) < MAX_UNITS:
+                    raise ConfigError(f"unit {u} is not below {MAX_UNITS}")
                 for item in items:
                     if isinstance(item, (list, tuple)):
                         start, length = (int(x) for x in item)
@@ -284,6 +290,8 @@ def _indices_bytes(b: int) -> bytes:
 
 
 def _varint(n: int) -> bytes:
+    if n < 0:  # n >> 7 of a negative number is never 0: it would loop for ever
+        raise ConfigError(f"a negative count ({n}) has no varint")
     out = bytearray()
     while True:
         byte = n & 0x7F

@@ -257,7 +257,7 @@ def decode(raw: Any) -> Record:
 
 
 def _count(x: Any) -> int:
-    if type(x) is not int or x < 0:
+    if type(x) is not int or not 0 <= x < 1 << 63:  # what a cursor and the wire can carry
         raise JournalCorrupt("not a count")
     return x
 

@@ -54,7 +54,7 @@ from feedline.producer.targets import Targets
 from feedline.protocol import messages as m
 from feedline.protocol import wire
 from feedline.protocol.bundle import bundle_frames
-from feedline.protocol.refusals import EXACT_PRODUCER_FATAL
+from feedline.protocol.refusals import EXACT_PRODUCER_FATAL, PRODUCER_FATAL
 from feedline.security import ClientKeys
 from feedline.transport.link import Link, LinkConfig
 
@@ -221,11 +221,11 @@ class ProducerIO:
             self.out.error = FeedlineError(f"the broker at {ch.link.addr} refused this "
                                            f"producer ({msg.reason}): {msg.detail}")
             self.out.refused = True
-        if msg.reason == "wrong_port" and not ch.link.welcomed:
+        if msg.reason in PRODUCER_FATAL and not ch.link.welcomed:
             # A consumer's address (a broker's egress): no retry changes that. One line,
             # raised by the owner, instead of a producer that waits there for ever.
             self.out.error = AddressError(f"{ch.link.addr} refused this producer "
-                                          f"(wrong_port): {msg.detail}")
+                                          f"({msg.reason}): {msg.detail}")
             self.out.refused = True
         if msg.reason == "batch_too_large":
             ch.welcome = m.Welcome(broker=msg.broker, max_batch_bytes=msg.limit,
@@ -331,7 +331,7 @@ class ProducerIO:
         frames = item.prepared.frames(producer=self._packed_id, session=self.out.session,
                                       seq=ch.seq, epoch=item.epoch, unit=item.unit,
                                       index=item.index, last=item.last,
-                                      pipeline=item.pipeline)
+                                      pipeline=item.pipeline, lineage=item.lineage)
         if not ch.link.send_frames(frames, copy=False):
             return 0  # not connected or pipe full: keep it, the link recovers
         self._sent(ch, [item], len(frames[0]))

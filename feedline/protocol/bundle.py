@@ -188,7 +188,8 @@ def decode_bundle(frames: Sequence[Any], limits: Limits, header: dict,
         batch.__dict__.update(
             producer=pid, session=session, seq=seq0 + i, epoch=epoch, datapoint=dp,
             nbytes=nbytes, wire_bytes=nbytes + (header_bytes if i == 0 else 0),
-            unit=-1, index=-1, last=False, pipeline=0)
+            unit=-1, index=-1, last=False, pipeline=0, pipeline_file=0,
+            code="")
         out.append(batch)
     return out
 

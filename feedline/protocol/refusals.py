@@ -1,11 +1,16 @@
-"""Why a host refuses a peer's message: every reason, one enum, and what each means to the
-peer that is told.
+"""Why a host refuses a peer's registration or message, one enum, and what each means to
+the peer that is told. A message that does not decode is refused by the codec with a reason
+of its own (``empty``, ``bad_msgpack``, ``bad_header``, ``bad_<kind>``: what failed to
+decode, :class:`~feedline.errors.DecodeError`), counted under the same metric and never
+sent back; a producer counts a message of a kind it never expects as ``unexpected_kind``.
 
 A reason is a metric label (``feedline_*_rejected_messages_total{reason=...}``), the
 ``reason`` of a :class:`~feedline.errors.Refusal` and, where the peer is told, of a REFUSED
 message. On the wire it is the value's string (a :class:`Reason` is a ``str``: the strings of
 a peer of another version compare equal); here each says whether a retry can change it:
 
+- ``producer_fatal``: any producer's registration refused for this is not retried (it
+  connected to a broker's egress): it stops with one line;
 - ``consumer_fatal``: a consumer's registration refused for this is not retried; the
   iterator raises it in one line instead of waiting for batches that will not come (the
   cursor it carries, the stream's mode, the broker's state);
@@ -47,12 +52,19 @@ class Reason(str, Enum):
     BAD_CURSOR = "bad_cursor"  # not a cursor, or another stream's
     CURSOR_MISMATCH = "cursor_mismatch"  # a cursor of another pipeline
     POSITION_LOST = "position_lost"  # a cursor older than what the journal keeps
+    # A consumer of a job served by several hosts (--coordinator) admitted under a launch
+    # before the job's current one: the job was restarted from a checkpoint elsewhere.
+    RELAUNCHED = "relaunched"
     # A stream's dataset changed while its old producers are still registered, none heard
     # from since: wait (say HELLO again) until they are dropped (feedline.exact.succession).
     WAIT_OLD_PRODUCERS = "wait_old_producers"
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def producer_fatal(self) -> bool:
+        return self in _PRODUCER_FATAL
 
     @property
     def consumer_fatal(self) -> bool:
@@ -63,14 +75,16 @@ class Reason(str, Enum):
         return self in _EXACT_PRODUCER_FATAL
 
 
+_PRODUCER_FATAL = frozenset({Reason.WRONG_PORT})
 _CONSUMER_FATAL = frozenset({
     Reason.WRONG_PORT, Reason.NOT_EXACT, Reason.TOO_MANY_STREAMS, Reason.TOO_MANY_PENDING,
     Reason.JOURNAL_CORRUPT, Reason.JOURNAL_STALE, Reason.BAD_CURSOR, Reason.CURSOR_MISMATCH,
-    Reason.POSITION_LOST})
+    Reason.POSITION_LOST, Reason.RELAUNCHED})
 _EXACT_PRODUCER_FATAL = frozenset({
     Reason.DELIVERY_MISMATCH, Reason.NO_STATE_DIR, Reason.JOURNAL_CORRUPT,
     Reason.JOURNAL_STALE, Reason.TOO_MANY_STREAMS, Reason.TOO_MANY_UNITS})
 
 # As the peers compare a REFUSED message's reason (a plain string from the wire).
+PRODUCER_FATAL = frozenset(r.value for r in _PRODUCER_FATAL)
 CONSUMER_FATAL = frozenset(r.value for r in _CONSUMER_FATAL)
 EXACT_PRODUCER_FATAL = frozenset(r.value for r in _EXACT_PRODUCER_FATAL)

@@ -66,10 +66,19 @@ class Refusals:
         self.metrics, self.log = metrics, log
         self.counts: dict[str, int] = {}
         self._log = RateLimitedLog(log, interval=5.0)
+        self._unknown = RateLimitedLog(log, interval=5.0)
 
     def __call__(self, reason: str, detail: str, where: str, who: str) -> None:
         self.metrics.rejected.labels(reason).inc()
         self.counts[reason] = self.counts.get(reason, 0) + 1
+        if reason == "unknown_peer":
+            # What every peer of the broker's life before a restart sends until it hears the
+            # Reset it is answered with (beats, batches in flight): expected, counted in the
+            # metric as ever, and said at INFO, not as a warning.
+            self._unknown.log(logging.INFO, "a peer not registered here (one of this "
+                              "broker's before it restarted, or one it dropped) sent %s on "
+                              "the %s: told to register again", detail, where)
+            return
         self._log.warning("rejected a message on the %s from %s: %s%s", where, who, reason,
                           f": {detail}" if detail else "")
 

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
+from feedline.errors import ConfigError
 from feedline.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from feedline.logs import RateLimitedLog
 from feedline.protocol import messages as m
@@ -92,6 +93,12 @@ class LinkConfig:
     flush_ms: int = 3000  # on a final close: let queued batches, EOS and BYE go out, bounded
     limits: Limits = DEFAULT_LIMITS
     credit_warn: float = 30.0  # a producer's batch waiting this long for credit is logged
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
+            raise ConfigError(f"LinkConfig: heartbeat_interval ({self.heartbeat_interval}) "
+                              f"must be > 0 and below heartbeat_timeout "
+                              f"({self.heartbeat_timeout}), or a live peer is dropped")
 
 
 class Backoff:

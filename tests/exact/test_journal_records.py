@@ -246,6 +246,9 @@ MALFORMED: list[Any] = [
     {"settled": [0, [[0, 1 << 40]]]},
     {"plan": [10]}, {"plan": [10, 0]}, {"plan": [0, 4]}, {"plan": [10, 4, 2, 7, 9]},
     {"plan": [10, 4, -2]}, {"plan": "10,4"},
+    # The attack review: an epoch past what a cursor carries refused every producer's HELLO
+    # with an OverflowError that named no journal.
+    {"epoch": 10**30}, {"done": [0, 1 << 63]},
 ]
 
 
@@ -300,3 +303,32 @@ def test_anything_is_a_record_or_refused_in_one_line(raw: Any):
         assert "\n" not in str(e)
     else:
         assert decode(record.encode()) == record
+
+
+@pytest.mark.parametrize("obj", [{"done": [999, 4]}, {"settled": [3, [[0, 1]]]},
+                                 {"total": [7, 2]}])
+def test_a_record_of_a_unit_beyond_the_plan_is_a_corrupt_journal(tmp_path: Path, obj: Any):
+    """The attack review: a checksummed "done" of unit 999 (of 3) was trusted and counted,
+    the epoch ended early and the consumer got 24 of 32 samples without a word. A record of
+    a unit the plan does not have is refused in one line."""
+    path = tmp_path / "val.exact.jsonl"
+    lines = [old_line({"plan": [10, 4, 2, 7]}), old_line({"epoch": 0}), old_line(obj)]
+    path.write_bytes(b"".join(lines) + old_line({"epoch": 0}))
+    with pytest.raises(JournalCorrupt, match="names unit") as e:
+        restored(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("d", [{"stream": "val", "epoch": -1},
+                               {"stream": "val", "epoch": 0, "taken": {"-1": [0]}},
+                               {"stream": "val", "epoch": 0, "pipeline": -1},
+                               {"stream": "val", "epoch": 0, "pipeline": 1 << 70},
+                               {"stream": "val", "epoch": 1 << 70}])
+def test_a_dict_cursor_out_of_bounds_is_one_config_error(d: dict) -> None:
+    """The attack review: ``resume={"epoch": -1}`` hung the process (a varint of a negative
+    number never ends) and a 70-bit fingerprint raised a bare struct.error."""
+    from feedline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a cursor"):
+        Cursor.from_dict(d).encode()
+

@@ -60,3 +60,22 @@ def test_a_reason_is_its_wire_string_and_says_who_gives_up() -> None:
     assert not {"too_many_peers", "hello_flood", "buffer_full"} & (CONSUMER_FATAL
                                                                   | EXACT_PRODUCER_FATAL)
     assert Reason.JOURNAL_CORRUPT.consumer_fatal and Reason.JOURNAL_CORRUPT.exact_producer_fatal
+
+
+def test_only_the_enum_says_which_reasons_stop_a_peer() -> None:
+    """The fresh-eyes review: that ``wrong_port`` stops every producer was written in
+    producer/channel.py as a string of its own. The peers' rules read the enum's sets only:
+    no reason literal is compared in the consumer's and the producer's refusal handling."""
+    from feedline.protocol.refusals import PRODUCER_FATAL
+
+    assert Reason.WRONG_PORT.producer_fatal and PRODUCER_FATAL == {"wrong_port"}
+    for mod in modules():
+        if mod.rel not in ("feedline/producer/channel.py", "feedline/consumer/io.py"):
+            continue
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in {r.value for r in Reason}
+                    and c.value in CONSUMER_FATAL | EXACT_PRODUCER_FATAL | PRODUCER_FATAL
+                    for c in node.comparators):
+                raise AssertionError(f"{mod.rel}:{node.lineno}: a fatal reason compared as "
+                                     "a string: use the sets of feedline.protocol.refusals")
