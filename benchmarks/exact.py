@@ -44,7 +44,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from feedline.consumer import RemoteDataZMQ  # noqa: E402
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ  # noqa: E402
 from feedline.procs import Child, free_port, wait_for  # noqa: E402
 
 STREAM = "bench"
@@ -104,8 +104,8 @@ class Run:
         producers = [self._python("feedline.producer", ["--config", str(path), "--broker", ingress,
                                                "--id", f"p{i}", "--log-level", "WARNING"],
                                   f"p{i}") for i in range(a.producers)]
-        with RemoteDataZMQ(egress, stream=STREAM, window=a.window, timeout=120,
-                           return_meta=True) as src:
+        with RemoteDataZMQ(egress, stream=STREAM, timeout=120,
+                           return_meta=True, options=ConsumerOptions(window=a.window)) as src:
             it = iter(src)
             next(it)
             t_warm = time.perf_counter() + a.warmup

@@ -75,14 +75,15 @@ SENDERS = textwrap.dedent("""
 # The consumer: counts per producer, printed as one JSON line ("C" time counts) every 0.5 s.
 CONSUMER = textwrap.dedent("""
     import json, sys, threading, time
-    from feedline.consumer import RemoteDataZMQ
+    from feedline.consumer import ConsumerOptions, RemoteDataZMQ
     counts = {}
     def report():
         while True:
             print("C", time.monotonic(), json.dumps(counts), flush=True)
             time.sleep(0.5)
     threading.Thread(target=report, daemon=True).start()
-    with RemoteDataZMQ(sys.argv[1], timeout=None, return_meta=True, window=16) as src:
+    with RemoteDataZMQ(sys.argv[1], timeout=None, return_meta=True,
+                       options=ConsumerOptions(window=16)) as src:
         for b in src:
             counts[b.producer] = counts.get(b.producer, 0) + 1
 """)

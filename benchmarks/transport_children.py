@@ -121,10 +121,16 @@ CONSUMER = textwrap.dedent("""
         window = DEEP if deep else 2 * 4 if direct else 4
         # bind= only where it is needed: --before may be a checkout that predates it.
         extra = {"bind": True} if direct else {}
+        options = {"window": window}
         if direct and deep:  # the producers' window a user of small batches sets too
             from feedline.consumer.direct import DirectConfig
-            extra["direct"] = DirectConfig(producer_window=DEEP)
-        src = RemoteDataZMQ(addr, timeout=60, window=window, **extra)
+            options["direct"] = DirectConfig(producer_window=DEEP)
+        try:
+            from feedline.consumer import ConsumerOptions
+        except ImportError:  # a --before checkout from before ConsumerOptions
+            src = RemoteDataZMQ(addr, timeout=60, **extra, **options)
+        else:
+            src = RemoteDataZMQ(addr, timeout=60, **extra, options=ConsumerOptions(**options))
         it = iter(src)
         def one():
             images, labels = next(it)

@@ -24,7 +24,7 @@ import tensorflow as tf  # noqa: E402
 from local_feed import add_data_flags, feed  # noqa: E402  (examples/, next to this file)
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from feedline import OccupancyMonitor, QueueInput, RemoteDataZMQ, StagingInput  # noqa: E402
+from feedline import ConsumerOptions, OccupancyMonitor, QueueInput, RemoteDataZMQ, StagingInput  # noqa: E402
 from feedline.metrics import serve_metrics  # noqa: E402
 
 
@@ -55,7 +55,8 @@ def main() -> None:
     registry = CollectorRegistry()
     serve_metrics(registry, args.metrics_port or None)
     with feed(args.egress, args.data) as egress, \
-            QueueInput(RemoteDataZMQ(egress, timeout=120, registry=registry),
+            QueueInput(RemoteDataZMQ(egress, timeout=120,
+                                     options=ConsumerOptions(registry=registry)),
                        capacity=args.capacity) as queue:
         staged = StagingInput(queue, nr_stage=args.nr_stage).start()
         monitor = OccupancyMonitor(queue, every=args.log_every, registry=registry)

@@ -38,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 from train_loop import build_model  # noqa: E402  (examples/, next to this file)
 
-from feedline import RemoteDataZMQ  # noqa: E402
+from feedline import ConsumerOptions, RemoteDataZMQ  # noqa: E402
 from feedline.metrics import serve_metrics  # noqa: E402
 from feedline.procs import Daemon, free_port, wait_for  # noqa: E402
 from feedline.producer.dataflow.image_folder import scan_folder  # noqa: E402
@@ -200,7 +200,8 @@ def main() -> int:
     tally = Tally()
     killed: str | None = None
     with feed as cluster, RemoteDataZMQ(cluster.egress, stream=STREAM, timeout=120,
-                                        return_meta=True, registry=registry) as remote:
+                                        return_meta=True,
+                                        options=ConsumerOptions(registry=registry)) as remote:
         for batch in remote.epoch():
             images, labels = batch.datapoint
             tally.add(batch.producer, batch.unit, batch.index, batch.last, labels,

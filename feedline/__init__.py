@@ -8,7 +8,7 @@ share (the wire protocol, links, security, flags).
 
 The names most programs need are importable from here::
 
-    from feedline import RemoteDataZMQ, send_dataflow
+    from feedline import ConsumerOptions, RemoteDataZMQ, send_dataflow
 
 They are resolved on first use, so ``import feedline`` (or any kernel module) imports neither
 ZeroMQ's consumers nor TensorFlow.
@@ -24,6 +24,7 @@ from feedline.version import __version__
 # name -> the module that defines it (imported on first use: see __getattr__)
 _EXPORTS: dict[str, str] = {
     "RemoteDataZMQ": "feedline.consumer.remote",
+    "ConsumerOptions": "feedline.consumer.remote",
     "ProducerStats": "feedline.consumer.remote",
     "QueueInput": "feedline.consumer.queue_input",
     "StagingInput": "feedline.consumer.staging",
@@ -46,10 +47,10 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
-    "Broker", "BrokerConfig", "ClientKeys", "CudaPrefetcher", "Cursor", "CursorState",
-    "DummyConstantInput", "FeedlineError", "OccupancyMonitor", "ProducerStats", "QueueInput",
-    "RemoteDataZMQ", "RemoteTorchDataset", "Sender", "ServerKeys", "StagingInput", "__version__",
-    "as_dataset", "send_dataflow", "send_dataflow_zmq", "to_torch",
+    "Broker", "BrokerConfig", "ClientKeys", "ConsumerOptions", "CudaPrefetcher", "Cursor",
+    "CursorState", "DummyConstantInput", "FeedlineError", "OccupancyMonitor", "ProducerStats",
+    "QueueInput", "RemoteDataZMQ", "RemoteTorchDataset", "Sender", "ServerKeys", "StagingInput",
+    "__version__", "as_dataset", "send_dataflow", "send_dataflow_zmq", "to_torch",
 ]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports
@@ -60,7 +61,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
     from feedline.consumer.dataset import as_dataset
     from feedline.consumer.dummy import DummyConstantInput
     from feedline.consumer.queue_input import QueueInput
-    from feedline.consumer.remote import ProducerStats, RemoteDataZMQ
+    from feedline.consumer.remote import ConsumerOptions, ProducerStats, RemoteDataZMQ
     from feedline.consumer.staging import StagingInput
     from feedline.consumer.torch_input import RemoteTorchDataset, to_torch
     from feedline.consumer.torch_prefetch import CudaPrefetcher

@@ -187,7 +187,8 @@ def serve_metrics(
 
     Returns the HTTP server (call ``.shutdown()`` and ``.server_close()`` to stop it), or
     None. A training process serves its consumer metrics this way: pass the same registry to
-    ``RemoteDataZMQ(registry=...)`` and ``serve_metrics(registry, 9400)``.
+    ``RemoteDataZMQ(options=ConsumerOptions(registry=...))`` and to
+    ``serve_metrics(registry, 9400)``.
 
     A port that cannot be bound (in use, privileged, an address not of this host) raises
     :class:`feedline.endpoints.AddressError` with a one-line message naming ``flag``, the

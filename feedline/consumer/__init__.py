@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from feedline.consumer.remote import ProducerStats, RemoteDataZMQ
+from feedline.consumer.remote import ConsumerOptions, ProducerStats, RemoteDataZMQ
 
-__all__ = ["ProducerStats", "RemoteDataZMQ"]
+__all__ = ["ConsumerOptions", "ProducerStats", "RemoteDataZMQ"]
 
 # name -> module, for the TensorFlow-side classes (imported lazily, see __getattr__)
 _LAZY: dict[str, str] = {

@@ -146,17 +146,18 @@ def _drain(args: argparse.Namespace, addr: str, curve: Any, registry: Any,
            schedule: list[tuple[float, float]], stop: Any) -> tuple[int, int, bool]:
     """Read until the duration ends or a signal; (batches, bytes, whether a broker accepted
     us)."""
-    from feedline.consumer import RemoteDataZMQ
+    from feedline.consumer import ConsumerOptions, RemoteDataZMQ
     from feedline.errors import ReceiveTimeout
 
     t0 = last = time.monotonic()
     end = None if args.duration is None else t0 + args.duration
     count = nbytes = last_count = last_bytes = 0
     # A short receive timeout only so that SIGTERM is noticed while no batch comes.
-    with RemoteDataZMQ(addr, window=args.window, timeout=0.5, consumer_id=args.id,
-                       return_meta=True, registry=registry, curve=curve,
-                       bind=args.bind is not None, insecure=args.insecure,
-                       stream=args.stream) as source:
+    with RemoteDataZMQ(addr, timeout=0.5, return_meta=True, curve=curve,
+                       bind=args.bind is not None, stream=args.stream,
+                       options=ConsumerOptions(window=args.window, consumer_id=args.id,
+                                               registry=registry,
+                                               insecure=args.insecure)) as source:
         while not stop.is_set() and (end is None or time.monotonic() < end):
             try:
                 for batch in source:

@@ -25,9 +25,11 @@ import random
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -37,7 +39,7 @@ from feedline import endpoints
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
 from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
-from feedline.exact import Cursor
+from feedline.exact import Cursor, Ledger, Lineage
 from feedline.protocol.messages import DEFAULT_STREAM, check_stream
 from feedline.security import ClientKeys, ServerKeys
 from feedline.serving.budget import DEPTH
@@ -46,7 +48,7 @@ from feedline.serving.server import DIRECT, check_exposure
 from feedline.transport.client import ClientLoop, Waker
 from feedline.transport.link import LinkConfig
 
-__all__ = ["ConsumerConfig", "ProducerStats", "RemoteDataZMQ"]
+__all__ = ["ConsumerConfig", "ConsumerOptions", "ProducerStats", "RemoteDataZMQ"]
 
 _CLOSED = object()
 WINDOW = 4  # batches a consumer may hold ahead of its model, by default
@@ -62,6 +64,98 @@ class ConsumerConfig:
     stream: str = DEFAULT_STREAM
 
 
+@dataclass(frozen=True)
+class ConsumerOptions:
+    """The settings of a :class:`RemoteDataZMQ` that most programs leave as they are:
+    ``RemoteDataZMQ(addr, timeout=60, options=ConsumerOptions(window=8))``.
+
+    ``window``: batches this process may hold ahead of the model (1 to
+    ``link.limits.max_window``); ``max_bytes``: bytes it may hold (the broker delivers while
+    both allow, and at least one batch at a time). ``consumer_id``: the name the broker's log
+    and metrics give this process (None: ``HOST-PID``, taken when the RemoteDataZMQ is made).
+    ``on_error``: ``"raise"`` a producer's failure in the iterating thread as
+    :class:`~feedline.errors.ProducerError`, or ``"log"`` it and go on. ``link``: liveness
+    and limits of the link (:class:`~feedline.transport.link.LinkConfig`). ``registry``: the
+    Prometheus registry the consumer's metrics go in (None: a registry of its own, so two
+    consumers in one process do not collide). ``direct`` and ``insecure`` apply with
+    ``bind=True`` only: ``direct`` tunes how the trainer serves its producers
+    (:class:`~feedline.consumer.direct.DirectConfig`), ``insecure=True`` lets it bind a
+    non-loopback address without CURVE keys. ``ledger``: a file to append one JSON line to
+    per batch the model takes, its lineage (:mod:`feedline.exact.lineage`: buffered, flushed
+    at each epoch's end and at close; ``feedline replay`` and ``feedline diff`` read it).
+
+    One value serves any number of RemoteDataZMQs (it is frozen; a shared ``registry`` is
+    shared by them). A setting that can never work is a one-line
+    :class:`~feedline.errors.ConfigError` here, when the options are made.
+    """
+
+    window: int = WINDOW
+    max_bytes: int = MAX_BYTES
+    consumer_id: str | None = None
+    on_error: str = "raise"
+    link: LinkConfig = field(default_factory=LinkConfig)
+    registry: CollectorRegistry | None = None
+    direct: DirectConfig = field(default_factory=DirectConfig)
+    insecure: bool = False
+    ledger: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        for name, kind, what in (("window", int, "a count of batches"),
+                                 ("max_bytes", int, "a count of bytes"),
+                                 ("insecure", bool, "True or False"),
+                                 ("link", LinkConfig, "a LinkConfig"),
+                                 ("direct", DirectConfig, "a DirectConfig")):
+            v = getattr(self, name)
+            if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+                raise ConfigError(f"ConsumerOptions: {name} must be {what}, not "
+                                  f"{type(v).__name__} {v!r}")
+        if self.consumer_id is not None and not isinstance(self.consumer_id, str):
+            raise ConfigError(f"ConsumerOptions: consumer_id must be a string, not "
+                              f"{type(self.consumer_id).__name__}")
+        if self.registry is not None and not isinstance(self.registry, CollectorRegistry):
+            raise ConfigError("ConsumerOptions: registry must be a prometheus_client "
+                              f"CollectorRegistry, not {type(self.registry).__name__}")
+        if not 0 < self.window <= self.link.limits.max_window:
+            raise ConfigError(f"window must be in 1..{self.link.limits.max_window}")
+        if self.on_error not in ("raise", "log"):
+            raise ConfigError("on_error must be 'raise' or 'log'")
+        if self.max_bytes < 1:
+            raise ConfigError("max_bytes must be >= 1")
+        if self.ledger is not None and not isinstance(self.ledger, (str, Path)):
+            raise ConfigError("ledger must be a path (str or Path) or None")
+
+
+# The keywords RemoteDataZMQ took before ConsumerOptions held them, accepted with a warning
+# until the next release (docs/tensorflow.md, "RemoteDataZMQ's keywords and ConsumerOptions").
+MOVED = tuple(f.name for f in fields(ConsumerOptions) if f.name != "ledger")
+_NONE_IS_DEFAULT = ("window", "max_bytes", "link", "direct")  # as keywords, None: default
+
+
+def moved_options(who: str, options: ConsumerOptions | None, moved: dict[str, Any],
+                  stacklevel: int = 3) -> ConsumerOptions:
+    """``options`` (None: the defaults), or the ConsumerOptions that ``who``'s keywords of an
+    earlier release spell (``window=8``), with one DeprecationWarning that gives the new
+    spelling. A keyword that is no option, or one given with ``options=`` too, is a one-line
+    TypeError. ``stacklevel``: the caller of ``who``, for the warning's line."""
+    unknown = [k for k in moved if k not in MOVED]
+    if unknown:
+        raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+    if options is not None and not isinstance(options, ConsumerOptions):
+        raise TypeError(f"{who}: options= takes a ConsumerOptions, not "
+                        f"{type(options).__name__}")
+    if not moved:
+        return options if options is not None else ConsumerOptions()
+    spelled = ", ".join(f"{k}=..." for k in moved)
+    if options is not None:
+        raise TypeError(f"{who}: {spelled} cannot go with options=; set it there: "
+                        f"options=ConsumerOptions({spelled})")
+    warnings.warn(f"{who}({spelled}) is deprecated (it goes in the next release): write "
+                  f"{who}(addr, options=ConsumerOptions({spelled}))", DeprecationWarning,
+                  stacklevel=stacklevel)
+    given = {k: v for k, v in moved.items() if not (v is None and k in _NONE_IS_DEFAULT)}
+    return ConsumerOptions(**given)
+
+
 class RemoteDataZMQ:
     """An iterable of batches from the broker at ``addr`` (``ipc://`` or ``tcp://``).
 
@@ -69,23 +163,25 @@ class RemoteDataZMQ:
     :class:`feedline.protocol.wire.Batch` with its metadata when ``return_meta=True``. Several
     processes on one broker share the stream; each batch goes to exactly one of them.
 
-    ``window``: batches this process may hold ahead of the model; ``max_bytes``: bytes it
-    may hold (the broker delivers while both allow, and at least one batch at a time).
-    Batches under 8 MiB are counted by their bytes: up to 128 x ``window`` of them
-    (:func:`feedline.serving.budget.depth`; docs/tensorflow.md, "Small batches"), except an
-    exact stream's (one each: its ranks split each epoch).
     ``timeout``: seconds to wait for a batch before raising :class:`ReceiveTimeout`
-    (``None``: wait forever). ``on_error``: ``"raise"`` a producer's failure here as
-    :class:`ProducerError`, or ``"log"`` it and go on. ``curve``: this process's keys when
-    the broker has CURVE keys (it then requires them on ``ipc://`` too), e.g.
+    (``None``: wait forever). ``curve``: this process's keys when the broker has CURVE keys
+    (it then requires them on ``ipc://`` too), e.g.
     ``feedline.security.ClientKeys.load("trainer.key_secret", "broker.key")``.
-    ``stream``: the named stream to receive (producers declare theirs).
+    ``stream``: the named stream to receive (producers declare theirs). ``resume``: an exact
+    stream's cursor to go on from (:meth:`state`).
+
+    ``options``: the rest (:class:`ConsumerOptions`: the window, the byte budget, the link,
+    the metrics registry, ...). Batches under 8 MiB are counted by their bytes: up to
+    128 x ``options.window`` of them (:func:`feedline.serving.budget.depth`;
+    docs/tensorflow.md, "Small batches"), except an exact stream's (one each: its ranks
+    split each epoch). Those options given as keywords (``window=8``), as before
+    ConsumerOptions, still work in this release with a DeprecationWarning.
 
     ``bind=True`` (direct mode, as tensorpack's RemoteDataZMQ binds): this process serves its
     producers itself at ``addr``, no broker, one network hop (:mod:`feedline.consumer.direct`);
     ``curve`` is then this trainer's :class:`~feedline.security.ServerKeys`, required on a
-    non-loopback address unless ``insecure=True``; ``direct`` tunes the producers' window,
-    the credit lease and a tensorpack ingress.
+    non-loopback address unless ``options.insecure``; ``options.direct`` tunes the
+    producers' window, the credit lease and a tensorpack ingress.
 
     Iteration ends with :class:`ReceiveTimeout`, :class:`ProducerError`, a
     :class:`FeedlineError` if the I/O thread failed, or ``StopIteration`` once
@@ -96,34 +192,35 @@ class RemoteDataZMQ:
         self,
         addr: str,
         *,
-        window: int = WINDOW,
-        max_bytes: int | None = None,
-        timeout: float | None = None,
-        consumer_id: str | None = None,
-        return_meta: bool = False,
-        on_error: str = "raise",
-        link: LinkConfig | None = None,
-        registry: CollectorRegistry | None = None,
-        curve: ClientKeys | ServerKeys | None = None,
         stream: str = DEFAULT_STREAM,
-        bind: bool = False,
-        direct: DirectConfig | None = None,
-        insecure: bool = False,
         resume: Cursor | dict | bytes | None = None,
+        timeout: float | None = None,
+        return_meta: bool = False,
+        curve: ClientKeys | ServerKeys | None = None,
+        bind: bool = False,
+        options: ConsumerOptions | None = None,
+        **moved: Any,
     ) -> None:
-        link = link or LinkConfig()
-        if not 0 < window <= link.limits.max_window:
-            raise ConfigError(f"window must be in 1..{link.limits.max_window}")
-        if on_error not in ("raise", "log"):
-            raise ConfigError("on_error must be 'raise' or 'log'")
-        if max_bytes is not None and max_bytes < 1:
-            raise ConfigError("max_bytes must be >= 1")
-        self.addr, self.window, self.timeout = addr, window, timeout
-        self.config = ConsumerConfig(window, max_bytes or ConsumerConfig.max_bytes, stream)
-        self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.return_meta, self.on_error = return_meta, on_error
+        opts = moved_options("RemoteDataZMQ", options, moved)
+        window, link, insecure = opts.window, opts.link, opts.insecure
+        if not isinstance(addr, str):
+            raise ConfigError(f"RemoteDataZMQ: the address must be a string such as "
+                              f"'tcp://host:port', not {type(addr).__name__} {addr!r}")
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ConfigError(f"RemoteDataZMQ: timeout must be a number of seconds > 0 (or "
+                              f"None: wait for ever), not {timeout!r}")
+        self.addr, self.timeout, self.options = addr, timeout, opts
+        self.window = window
+        self.config = ConsumerConfig(window, opts.max_bytes, stream)
+        self.consumer_id = opts.consumer_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.return_meta, self.on_error = return_meta, opts.on_error
+        self.stream = stream
+        self._ledger: Ledger | None = None  # opened by the first iteration (opts.ledger)
+        self._last: tuple | None = None  # the lineage of the batch taken last, as a tuple
+        self._ended = -1  # the last epoch whose end an epoch() iteration here returned at
         self.link_config, self.curve, self.bind = link, curve, bind
-        self.direct, self.insecure = direct or DirectConfig(), insecure
+        self.direct, self.insecure = opts.direct, insecure
         check_stream(stream, link.limits)
         if bind:
             if curve is not None and not isinstance(curve, ServerKeys):
@@ -143,9 +240,9 @@ class RemoteDataZMQ:
             # answer to "127.0.0.1:7879" was a ZMQError from the I/O thread, deep in a
             # traceback. The name is not resolved: libzmq resolves it on each attempt.
             endpoints.check_connect(addr, "RemoteDataZMQ: address", resolve=False)
+        registry = opts.registry if opts.registry is not None else CollectorRegistry()
         self._shared = Shared(self.consumer_id, random.getrandbits(62), self.config.window,
-                              self.config.max_bytes, stream, on_error,
-                              registry if registry is not None else CollectorRegistry(),
+                              self.config.max_bytes, stream, opts.on_error, registry,
                               slots=DEPTH * window)
         self.metrics = self._shared.setup.metrics
         self.metrics.set_stream(stream)
@@ -161,6 +258,13 @@ class RemoteDataZMQ:
     # --------------------------------------------------------------------- public API
     def reset_state(self) -> None:
         """DataFlow contract; the connection is made lazily by the first ``__iter__``."""
+
+    @property
+    def lineage(self) -> Lineage | None:
+        """Where the batch this iterator yielded last came from (None before the first):
+        :class:`~feedline.exact.lineage.Lineage`, made when asked (nothing per batch)."""
+        last = self._last
+        return None if last is None else Lineage(self.stream, *last)
 
     def stats(self) -> dict[str, ProducerStats]:
         """Per producer id: batches received, bytes, batches lost, finished."""
@@ -191,7 +295,11 @@ class RemoteDataZMQ:
 
     def _deliveries(self, shared: Shared, epoch: int | None) -> Iterator[Any]:
         """Yield batches; ``epoch`` None: forever; -1: the epoch of the first batch, until
-        its end."""
+        its end (or the end of an epoch after the last one that ended here, if it comes
+        first: one this consumer took nothing of)."""
+        ledger = self._ledger
+        if ledger is None and self.options.ledger is not None:
+            ledger = self._ledger = Ledger(self.options.ledger, self.stream)
         while True:
             item = self._get(shared)
             if item is _CLOSED:
@@ -199,7 +307,14 @@ class RemoteDataZMQ:
             if isinstance(item, Marker):
                 raise item.exc
             if isinstance(item, EpochMark):
-                if epoch is not None and epoch >= 0 and item.epoch >= epoch:
+                if ledger is not None:
+                    ledger.flush()
+                if epoch is not None and item.epoch > self._ended and (
+                        epoch == -1 or item.epoch >= epoch):
+                    # The end of our epoch; or, before any batch of it, of an epoch in which
+                    # this consumer took nothing (the job's other consumers, or other hosts,
+                    # took it all): that epoch is over for us too, empty.
+                    self._ended = item.epoch
                     return
                 continue
             assert isinstance(item, Delivery)
@@ -208,6 +323,11 @@ class RemoteDataZMQ:
                 continue  # see Shared.took
             if epoch == -1 and b.unit >= 0:
                 epoch = b.epoch
+            # A tuple, not the batch: holding that would hold its frames past the model.
+            self._last = (b.epoch, b.unit, b.index, b.producer, b.pipeline, b.pipeline_file,
+                          b.code)
+            if ledger is not None:
+                ledger.write(b)
             yield b if self.return_meta else b.datapoint
 
     def close(self) -> None:
@@ -222,6 +342,9 @@ class RemoteDataZMQ:
         if io is not None:
             io.stop(timeout=self.link_config.heartbeat_interval * 2
                     + self.link_config.flush_ms / 1000 + 5)
+        ledger, self._ledger = self._ledger, None
+        if ledger is not None:
+            ledger.close()
 
     def __enter__(self) -> RemoteDataZMQ:
         return self

@@ -42,8 +42,11 @@ except ModuleNotFoundError as e:  # one line naming the extra, not "No module na
         raise
     raise TorchMissing() from None
 
-from feedline.consumer.remote import RemoteDataZMQ
+from feedline.consumer.remote import ConsumerOptions, RemoteDataZMQ, moved_options
+from feedline.exact import Cursor
 from feedline.protocol import wire
+from feedline.protocol.messages import DEFAULT_STREAM
+from feedline.security import ClientKeys, ServerKeys
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +109,10 @@ def default_consumer_id() -> str:
 class RemoteTorchDataset(IterableDataset):
     """Batches from the broker at ``addr`` as tensors (``to_torch``), one connection per iterator.
 
-    ``remote_kwargs`` go to :class:`RemoteDataZMQ` unchanged (``window``, ``timeout``,
-    ``curve``, ...); ``consumer_id`` defaults to :func:`default_consumer_id`, resolved when
-    iteration starts. With ``return_meta=True`` each item is a :class:`feedline.protocol.wire.Batch`
-    whose ``datapoint`` holds tensors.
+    The keywords are :class:`RemoteDataZMQ`'s, passed on to it (``timeout``, ``curve``,
+    ``options=ConsumerOptions(window=8)``, ...); ``options.consumer_id`` defaults to
+    :func:`default_consumer_id`, resolved when iteration starts. With ``return_meta=True``
+    each item is a :class:`feedline.protocol.wire.Batch` whose ``datapoint`` holds tensors.
 
     Use it with ``DataLoader(ds, batch_size=None)``: a producer batch is one item, the
     DataLoader adds no batching. ``num_workers=0`` is the intended setting: the producers did
@@ -119,16 +122,38 @@ class RemoteTorchDataset(IterableDataset):
     warning says so once per worker. The stream is endless: bound a loop by steps.
     """
 
-    def __init__(self, addr: str, *, copy: bool = False, **remote_kwargs: Any) -> None:
+    def __init__(
+        self,
+        addr: str,
+        *,
+        copy: bool = False,
+        stream: str = DEFAULT_STREAM,
+        resume: Cursor | dict | bytes | None = None,
+        timeout: float | None = None,
+        return_meta: bool = False,
+        curve: ClientKeys | ServerKeys | None = None,
+        bind: bool = False,
+        options: ConsumerOptions | None = None,
+        **moved: Any,
+    ) -> None:
         super().__init__()
-        self.addr, self.copy, self.remote_kwargs = addr, copy, remote_kwargs
+        self.addr, self.copy = addr, copy
+        self.options = moved_options("RemoteTorchDataset", options, moved)
+        self.remote_kwargs: dict[str, Any] = dict(
+            stream=stream, resume=resume, timeout=timeout, return_meta=return_meta, curve=curve,
+            bind=bind)
 
     def connect(self) -> RemoteDataZMQ:
         """A new :class:`RemoteDataZMQ` for the calling process, named for its rank/worker."""
-        kwargs = dict(self.remote_kwargs)
-        if kwargs.get("consumer_id") is None:
-            kwargs["consumer_id"] = default_consumer_id()
-        return RemoteDataZMQ(self.addr, **kwargs)
+        options = self.options
+        if options.consumer_id is None:
+            options = dataclasses.replace(options, consumer_id=default_consumer_id())
+        info = get_worker_info()
+        if options.ledger is not None and info is not None:
+            # A ledger per DataLoader worker: two processes' buffered appends to one file
+            # could interleave within a line.
+            options = dataclasses.replace(options, ledger=f"{options.ledger}.worker{info.id}")
+        return RemoteDataZMQ(self.addr, **self.remote_kwargs, options=options)
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()

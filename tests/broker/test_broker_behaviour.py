@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import zmq
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ProducerError, ReceiveTimeout
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender, send_dataflow
@@ -52,7 +52,7 @@ def test_gaps_in_a_producer_sequence_are_counted_once(thread_broker, endpoints):
 
     t = threading.Thread(target=produce, daemon=True)
     t.start()
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, options=ConsumerOptions(link=FAST)) as src:
         got = [int(dp[0][0]) for dp in itertools.islice(src, 10)]
         stats = src.stats()
     t.join(10)
@@ -73,7 +73,7 @@ def test_a_pipeline_error_reaches_the_consumer_with_its_traceback(thread_broker,
 
     t = threading.Thread(target=produce, daemon=True)
     t.start()
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, options=ConsumerOptions(link=FAST)) as src:
         it = iter(src)
         next(it)
         with pytest.raises(ProducerError) as err:
@@ -83,12 +83,13 @@ def test_a_pipeline_error_reaches_the_consumer_with_its_traceback(thread_broker,
 
 
 def test_receive_timeout_says_what_is_missing(tmp_path, thread_broker, endpoints):
-    with RemoteDataZMQ(f"ipc://{tmp_path}/nobody.sock", timeout=0.5, link=FAST) as src:
+    with RemoteDataZMQ(f"ipc://{tmp_path}/nobody.sock", timeout=0.5,
+                       options=ConsumerOptions(link=FAST)) as src:
         with pytest.raises(ReceiveTimeout, match="never connected to a broker: nothing accepts"
                            ".*is the broker running"):
             next(iter(src))
     thread_broker()  # a broker that answers, and no producer behind it
-    with RemoteDataZMQ(endpoints.egress, timeout=1.0, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=1.0, options=ConsumerOptions(link=FAST)) as src:
         with pytest.raises(ReceiveTimeout, match="producers seen so far: none"):
             next(iter(src))
 
@@ -214,7 +215,7 @@ def test_hostile_messages_are_refused_counted_and_the_stream_goes_on(thread_brok
                              endpoints.ingress), kwargs={"epochs": 1, "link": FAST},
                              daemon=True)
         t.start()
-        with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, timeout=20, options=ConsumerOptions(link=FAST)) as src:
             got = list(itertools.islice(src, 5))
         t.join(10)
         assert len(got) >= 5 and tb.thread.is_alive()
@@ -240,7 +241,7 @@ def test_tensorpack_send_dataflow_zmq_is_served_safely(thread_broker, endpoints,
     proc = subprocess.Popen([sys.executable, "-c", script], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        with RemoteDataZMQ(endpoints.egress, timeout=90, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, timeout=90, options=ConsumerOptions(link=FAST)) as src:
             got = list(itertools.islice(src, 20))
     finally:
         proc.kill()
@@ -383,7 +384,7 @@ def test_a_broker_stopped_by_a_signal_says_so_and_what_it_held(tmp_path, endpoin
         for stream in ("default", "idle"):
             send_dataflow(([np.full(4, i, np.int32)] for i in range(5)), endpoints.ingress,
                           epochs=1, producer_id=stream, link=FAST, stream=stream)
-        with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, timeout=20, options=ConsumerOptions(link=FAST)) as src:
             assert len(list(itertools.islice(src, 5))) == 5
         wait_for(lambda: scrape(port).total("feedline_broker_inflight_batches") == 0 and
                  scrape(port).total("feedline_broker_buffer_batches") == 5, 20,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.metrics import BoundedLabel
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender
@@ -94,7 +94,8 @@ def test_a_streams_consumer_count_falls_to_zero_when_its_last_consumer_leaves(
     consumer while ``feedline_broker_peers`` said 0. Now it falls to 0."""
     port = free_port()
     broker_proc("--metrics-port", str(port))
-    src = RemoteDataZMQ(endpoints.egress, stream="lonely", timeout=30, link=FAST)
+    src = RemoteDataZMQ(endpoints.egress, stream="lonely", timeout=30,
+                        options=ConsumerOptions(link=FAST))
     try:
         src._start()  # registers (its HELLO) without waiting for a batch
         wait_for(lambda: _metric(port, "feedline_broker_stream_peers", stream="lonely",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ConfigError
 from feedline.procs import wait_for
 from feedline.producer import Sender
@@ -53,7 +53,8 @@ def test_a_departed_pipelines_leftovers_are_dropped_once_another_produces(
         tmp_path, "new", [[16]], ["float32"]), "new")
     wait_for(lambda: metrics.value("feedline_broker_peers", role="producer") == 1, 20,
              what="the new pipeline's producer")
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST, return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         got = list(itertools.islice(src, TAKE))
     shapes = {(b.producer, b.datapoint[0].shape, str(b.datapoint[0].dtype)) for b in got}
     assert shapes == {("new", (16,), "float32")}, shapes
@@ -81,10 +82,35 @@ def test_a_replaced_runs_error_does_not_reach_a_trainer_started_after(
         tmp_path, "new", [[16]], ["float32"]), "new")
     wait_for(lambda: metrics.value("feedline_broker_peers", role="producer") == 1, 20,
              what="the new pipeline's producer")
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST, return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         got = [b.producer for b in itertools.islice(src, TAKE)]
     assert got == ["new"] * TAKE, got
     assert metrics.value("feedline_broker_replaced_batches_total", stream="default") == 3
+
+
+def test_a_crashed_runs_error_does_not_reach_a_trainer_started_after_its_restart(
+        tmp_path: Path, broker_proc, daemons, endpoints) -> None:
+    """The new-user review: a producer crashed (its pipeline raised) while no trainer read,
+    the user mended the data and started the same pipeline again, then the trainer: it died
+    of the old crash's ``ProducerError``. The error nobody took is dropped once a producer
+    serves the stream again (said at INFO); the old run's batches, of the same pipeline,
+    are served."""
+    broker, metrics = start_broker(broker_proc)
+    cfg = tmp_path / "failing.yaml"
+    mended = tmp_path / "mended"
+    cfg.write_text(yaml.safe_dump({"factory": "tests.support.stream_data:failing",
+                                   "args": {"after": 3, "fixed": str(mended)}, "epochs": 1}))
+    old = start_producer(daemons, endpoints.ingress, cfg, "first")
+    wait_for(lambda: not old.alive(), 30, what="the failing run's exit")
+    mended.touch()
+    start_producer(daemons, endpoints.ingress, cfg, "again")
+    wait_for(lambda: "which no consumer took, is dropped" in broker.log_text(), 20,
+             what="the broker dropping the stale error")
+    with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
+        got = [b.producer for b in itertools.islice(src, TAKE)]
+    assert got[:3] == ["first"] * 3 and set(got[3:]) == {"again"}, got
 
 
 def test_leftovers_served_when_nothing_else_produces_are_named(
@@ -97,7 +123,8 @@ def test_leftovers_served_when_nothing_else_produces_are_named(
     old = start_producer(daemons, endpoints.ingress, fake_yaml(
         tmp_path, "old", [[4, 8]], ["uint8"], size=5, epochs=1), "old")
     wait_for(lambda: not old.alive(), 30, what="the run's exit")
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST, return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         got = [b.producer for b in itertools.islice(src, 5)]
     assert got == ["old"] * 5
     lines = wait_for(lambda: log_lines(broker.log_text(), "WARNING", "stream default: serving "
@@ -138,7 +165,8 @@ def test_two_pipelines_feeding_one_stream_lose_nothing_when_one_ends(
     wait_for(lambda: not a.alive(), 30, what="a's exit")
     assert metrics.value("feedline_broker_received_batches_total", producer="a") == 5
     counts: dict[str, int] = {}
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST, return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         for b in itertools.islice(src, 2000):
             counts[b.producer] = counts.get(b.producer, 0) + 1
             if counts.get("a") == 5:
@@ -169,7 +197,8 @@ def test_a_killed_pipelines_leftovers_do_not_reach_the_next_pipelines_trainer(
         tmp_path, "new", [[16]], ["float32"]), "new")
     wait_for(lambda: metrics.value("feedline_broker_peers", role="producer") == 2, 20,
              what="the new pipeline's producer, beside the killed one not yet dropped")
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST, return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         got = list(itertools.islice(src, TAKE))
     shapes = {(b.producer, b.datapoint[0].shape, str(b.datapoint[0].dtype)) for b in got}
     assert shapes == {("new", (16,), "float32")}, shapes
@@ -198,7 +227,8 @@ def test_a_quiet_live_producers_batches_are_served_beside_another_pipeline(
         wait_for(lambda: metrics.value("feedline_broker_peers", role="producer") == 2, 20,
                  what="the other pipeline's producer")
         counts: dict[str, int] = {}
-        with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST, return_meta=True) as src:
+        with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True,
+                           options=ConsumerOptions(link=FAST)) as src:
             for b in itertools.islice(src, 5000):
                 counts[b.producer] = counts.get(b.producer, 0) + 1
                 if counts.get("quiet") == 5:

@@ -18,7 +18,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from feedline.broker.consumers import Consumer
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.procs import wait_for
 from feedline.serving.budget import DEPTH, SMALL_BATCH, Budget, depth, top_up
 from feedline.serving.credit import CreditPlanner
@@ -139,8 +139,8 @@ def test_a_consumer_that_stops_taking_holds_its_window_counted_by_bytes(
         "shapes": [shape], "dtypes": ["uint8"], "size": 1000, "random": False}}}))
     start_producer(daemons, endpoints.ingress, cfg, "p")
     registry = CollectorRegistry()
-    with RemoteDataZMQ(endpoints.egress, window=2, timeout=30, link=FAST,
-                       registry=registry) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30,
+                       options=ConsumerOptions(window=2, link=FAST, registry=registry)) as src:
         samples = queue_when_settled(iter(src), registry)
     assert most - top_up(most) < max(samples) <= most, samples
 
@@ -153,8 +153,8 @@ def test_an_exact_streams_consumer_counts_its_window_in_batches(broker_proc, dae
     broker_proc("--state-dir", str(tmp_path / "state"))
     producer(daemons, pipeline(tmp_path, epochs=1), endpoints.ingress, "p")
     registry = CollectorRegistry()
-    with RemoteDataZMQ(endpoints.egress, stream="val", window=2, timeout=30, link=FAST,
-                       registry=registry) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30,
+                       options=ConsumerOptions(window=2, link=FAST, registry=registry)) as src:
         samples = queue_when_settled(iter(src.epoch()), registry)
         window = registry.get_sample_value("feedline_consumer_window_batches")
     assert max(samples) == 2 and window == 2, (samples, window)

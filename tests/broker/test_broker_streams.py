@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from feedline.commands import top
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.procs import wait_for
 from tests.support.flow_support import (
@@ -59,7 +59,8 @@ def test_an_unread_streams_batches_leave_a_read_stream_its_floor(
     start_producer(daemons, endpoints.ingress, fake_yaml(
         tmp_path, "train", [[600, 1000]], ["float32"]), "train", "--stream", "train")
     got = 0
-    with RemoteDataZMQ(endpoints.egress, stream="train", timeout=20, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="train", timeout=20,
+                       options=ConsumerOptions(link=FAST)) as src:
         try:
             for got, _ in enumerate(src, 1):
                 if got >= TRAIN:
@@ -170,7 +171,8 @@ def test_a_paused_consumers_batches_leave_another_stream_its_floor(
         start_producer(daemons, endpoints.ingress, fake_yaml(
             tmp_path, "train", [[600, 1000]], ["float32"]), "train", "--stream", "train")
         got = 0
-        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=20, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=20,
+                           options=ConsumerOptions(link=FAST)) as src:
             try:
                 for got, _ in enumerate(src, 1):
                     if got >= TRAIN:

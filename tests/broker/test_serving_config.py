@@ -21,7 +21,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from feedline.broker import Broker, BrokerConfig
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import Shared
 from feedline.exact import MAX_STREAMS
@@ -120,8 +120,8 @@ def test_the_hosts_run_on_what_their_constructor_derives(tmp_path: Path) -> None
         broker.close()
 
     addr = f"tcp://127.0.0.1:{free_port()}"
-    remote = RemoteDataZMQ(addr, bind=True, window=6, stream="val",
-                           direct=DirectConfig(credit_lease=1.5))
+    remote = RemoteDataZMQ(addr, bind=True, stream="val",
+                           options=ConsumerOptions(window=6, direct=DirectConfig(credit_lease=1.5)))
     shared: Shared = remote._shared
     ctx = zmq.Context()
     io = DirectIO(ctx, addr, remote.link_config, None, shared, remote.direct,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.endpoints import AddressError
 from feedline.errors import ReceiveTimeout
 from feedline.procs import free_port, wait_for
@@ -84,14 +84,14 @@ def test_a_second_trainer_cannot_take_over_a_live_ipc_address(tmp_path):
     to the first trainer."""
     addr = f"ipc://{tmp_path}/trainer.sock"
     stop = threading.Event()
-    with RemoteDataZMQ(addr, bind=True, timeout=10, link=FAST) as first:
+    with RemoteDataZMQ(addr, bind=True, timeout=10, options=ConsumerOptions(link=FAST)) as first:
         it = iter(first)
         t = threading.Thread(target=_send, args=(addr, "p", stop), daemon=True)
         t.start()
         try:
             next(it)
             with pytest.raises(AddressError) as err:
-                RemoteDataZMQ(addr, bind=True, timeout=5, link=FAST)
+                RemoteDataZMQ(addr, bind=True, timeout=5, options=ConsumerOptions(link=FAST))
             for _ in range(20):
                 next(it)
         finally:
@@ -109,8 +109,8 @@ def test_a_second_trainer_started_late_cannot_take_over_either(tmp_path):
 
     Before: both bound; the second took the path over."""
     addr = f"ipc://{tmp_path}/trainer.sock"
-    first = RemoteDataZMQ(addr, bind=True, timeout=0.5, link=FAST)
-    second = RemoteDataZMQ(addr, bind=True, timeout=0.5, link=FAST)
+    first = RemoteDataZMQ(addr, bind=True, timeout=0.5, options=ConsumerOptions(link=FAST))
+    second = RemoteDataZMQ(addr, bind=True, timeout=0.5, options=ConsumerOptions(link=FAST))
     try:
         with pytest.raises(ReceiveTimeout):
             next(iter(first))  # binds, then waits for a batch nobody sends
@@ -218,8 +218,8 @@ def test_idle_registrations_on_streams_of_their_own_leave_a_working_stream_its_f
         t = threading.Thread(target=_send, args=(endpoints.ingress, "honest", stop, "train",
                                                   MiB), daemon=True)
         t.start()
-        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=0.5, link=FAST,
-                           window=8) as src:
+        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=0.5,
+                           options=ConsumerOptions(link=FAST, window=8)) as src:
             end = time.monotonic() + 10
             while time.monotonic() < end and len(got) < 100:
                 try:

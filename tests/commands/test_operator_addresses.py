@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.procs import free_port, wait_for
 from feedline.producer import send_dataflow
 from feedline.transport.link import LinkConfig
@@ -66,7 +66,7 @@ def test_a_second_broker_on_a_live_ipc_egress_refuses_and_the_first_keeps_servin
     one_line_failure(r, "feedline broker:", "--egress", egress, "another process is listening")
 
     sender = _send(f"tcp://127.0.0.1:{port}", 5)
-    with RemoteDataZMQ(egress, timeout=20, link=FAST) as src:
+    with RemoteDataZMQ(egress, timeout=20, options=ConsumerOptions(link=FAST)) as src:
         got = list(itertools.islice(src, 5))
     sender.join(10)
     assert sorted(int(dp[0][0, 0]) for dp in got) == list(range(5))

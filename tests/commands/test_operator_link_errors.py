@@ -18,7 +18,7 @@ import pytest
 import yaml
 import zmq
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import AddressError, ConfigError, ReceiveTimeout
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender
@@ -181,7 +181,7 @@ def test_a_consumer_with_nothing_listening_is_told_so() -> None:
     Before: "did not answer within 1.0s. Is it running at that address? If it has CURVE
     keys ..." (both guesses, whichever it was)."""
     addr = f"tcp://127.0.0.1:{free_port()}"
-    with RemoteDataZMQ(addr, timeout=1.5, link=FAST) as src:
+    with RemoteDataZMQ(addr, timeout=1.5, options=ConsumerOptions(link=FAST)) as src:
         with pytest.raises(ReceiveTimeout) as err:
             next(iter(src))
     assert NEVER in str(err.value) and f"nothing accepts connections at {addr}" in str(
@@ -198,14 +198,15 @@ def test_a_consumer_without_keys_on_a_curve_broker_is_told_the_handshake_never_c
     Before: "did not answer within 2.0s. Is it running at that address? If it has CURVE keys,
     it needs ours ..." for both, and for a broker that is not there."""
     curve_broker(broker_proc, keys)
-    with RemoteDataZMQ(endpoints.egress, timeout=2.0, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=2.0, options=ConsumerOptions(link=FAST)) as src:
         with pytest.raises(ReceiveTimeout) as err:
             next(iter(src))
     text = str(err.value)
     assert "handshake never completed" in text and "CURVE keys" in text, text
     assert "curve=ClientKeys.load" in text, text
     wrong = ClientKeys.load(keys.files["consumer"][1], keys.files["stranger"][0])
-    with RemoteDataZMQ(endpoints.egress, timeout=2.0, link=FAST, curve=wrong) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=2.0, curve=wrong,
+                       options=ConsumerOptions(link=FAST)) as src:
         with pytest.raises(ReceiveTimeout) as err:
             next(iter(src))
     text = str(err.value)
@@ -221,7 +222,7 @@ def test_a_consumer_whose_broker_died_is_told_the_broker_is_silent(broker_proc, 
     connected to its ingress, with this stream?" though its link knew the broker was
     silent."""
     broker = broker_proc()
-    with RemoteDataZMQ(endpoints.egress, timeout=3.0, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=3.0, options=ConsumerOptions(link=FAST)) as src:
         with pytest.raises(ReceiveTimeout):  # registered, no producer: the broker answers
             next(iter(src))
         broker.kill9()

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
 
-from feedline.consumer import RemoteDataZMQ, io, remote
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ, io, remote
 from feedline.consumer.io import ConsumerIO, Shared
 from feedline.procs import free_port, wait_for
 from feedline.protocol import messages as m
@@ -288,11 +288,13 @@ def test_a_model_slower_than_its_producer_wakes_the_io_thread_per_top_up(
     if kind == "broker":
         start_broker(broker_proc)
         start_producer(daemons, endpoints.ingress, cfg, "p")
-        src = RemoteDataZMQ(endpoints.egress, window=4, timeout=30, link=FAST)
+        src = RemoteDataZMQ(endpoints.egress, timeout=30,
+                            options=ConsumerOptions(window=4, link=FAST))
     else:
         addr = f"tcp://127.0.0.1:{free_port()}"
         start_producer(daemons, addr, cfg, "p")
-        src = RemoteDataZMQ(addr, bind=True, window=4, timeout=30, link=FAST)
+        src = RemoteDataZMQ(addr, bind=True, timeout=30,
+                            options=ConsumerOptions(window=4, link=FAST))
     with src:
         batches = iter(src)
         next(batches)

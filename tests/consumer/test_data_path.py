@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from feedline.broker.config import BrokerConfig
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.procs import free_port, wait_for
 from feedline.producer.outbox import BACKLOG_ITEMS
@@ -56,7 +56,8 @@ def test_n_producers_m_consumers_every_batch_once_intact(broker_proc, daemons, e
     done = threading.Event()
 
     def consume(ledger: list) -> None:
-        with RemoteDataZMQ(endpoints.egress, timeout=0.5, return_meta=True, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, timeout=0.5, return_meta=True,
+                           options=ConsumerOptions(link=FAST)) as src:
             while not done.is_set():
                 try:
                     receive(src, 1, ledger)
@@ -94,7 +95,8 @@ def test_kill9_producer_others_go_on_and_loss_is_bounded(broker_proc, daemons, e
     a = start_producer(daemons, endpoints, tmp_path, "a", nbytes=16384, log=str(log_a))
     start_producer(daemons, endpoints, tmp_path, "b", nbytes=16384, seed=1)
     ledger: list = []
-    with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         while sum(1 for p, _, _ in ledger if p == "a") < 20:
             receive(src, 1, ledger)
         a.kill9()
@@ -132,7 +134,8 @@ def test_kill9_broker_restart_resumes_without_restarting_peers(broker_proc, daem
     broker = broker_proc()
     prod = start_producer(daemons, endpoints, tmp_path, "p", nbytes=16384)
     ledger: list = []
-    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         receive(src, 20, ledger)
         broker.kill9()
         broker_proc()
@@ -150,7 +153,8 @@ def test_producer_started_before_broker_connects(broker_proc, daemons, endpoints
     time.sleep(0.5)  # the scenario: the broker is not up yet
     broker_proc()
     ledger: list = []
-    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         receive(src, 10, ledger)
     assert sorted(i for _, _, i in ledger) == list(range(10))
 
@@ -158,7 +162,7 @@ def test_producer_started_before_broker_connects(broker_proc, daemons, endpoints
 def test_sigterm_exits_cleanly(broker_proc, daemons, endpoints, tmp_path):
     broker = broker_proc()
     prod = start_producer(daemons, endpoints, tmp_path, "p", nbytes=1024)
-    with RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, options=ConsumerOptions(link=FAST)) as src:
         next(iter(src))
     assert prod.stop(timeout=10) == 0, prod.log_text()
     assert broker.stop(timeout=10) == 0, broker.log_text()
@@ -173,7 +177,8 @@ def test_stalled_consumer_memory_stays_bounded_then_resumes(broker_proc, daemons
     prod = start_producer(daemons, endpoints, tmp_path, "p", nbytes=batch)
     procs = {"broker": psutil.Process(broker.pid), "producer": psutil.Process(prod.pid)}
     ledger: list = []
-    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         receive(src, 10, ledger)
         base = {k: p.memory_info().rss for k, p in procs.items()}
         peak = dict(base)
@@ -195,7 +200,8 @@ def test_a_finite_producer_delivers_every_batch_and_its_end_of_stream(broker_pro
                                                                       endpoints, tmp_path):
     broker_proc()
     ledger: list = []
-    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         # The producer exits right after its last send, so its last batches, its EOS and its
         # BYE may still be queued in its socket: closing must flush them (this failed 1 in 3
         # runs while the close dropped them).

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.consumer.direct import DirectConfig
 from feedline.errors import ReceiveTimeout
 from feedline.procs import free_port, wait_for
@@ -53,7 +53,8 @@ def producer(daemons, cfg: Path, *brokers: str, name: str = "p", extra: tuple = 
 def test_the_same_producer_and_yaml_feed_a_trainer_directly(daemons, tmp_path):
     addr = f"tcp://127.0.0.1:{free_port()}"
     producer(daemons, pipeline(tmp_path, "fake", size=50, epochs=1), addr, name="direct-1")
-    with RemoteDataZMQ(addr, bind=True, timeout=30, link=FAST, return_meta=True) as src:
+    with RemoteDataZMQ(addr, bind=True, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         got = list(itertools.islice(src, 50))
         wait_for(lambda: src.stats().get("direct-1") and src.stats()["direct-1"].finished, 20,
                  what="end of stream")
@@ -79,8 +80,8 @@ def test_a_trainer_that_stops_taking_holds_its_window_counted_by_bytes(daemons, 
         "shapes": [shape], "dtypes": ["uint8"], "size": 1000, "random": False}}}))
     producer(daemons, cfg, addr, name="p")
     registry = CollectorRegistry()
-    with RemoteDataZMQ(addr, bind=True, window=2, timeout=30, link=FAST,
-                       registry=registry) as src:
+    with RemoteDataZMQ(addr, bind=True, timeout=30,
+                       options=ConsumerOptions(window=2, link=FAST, registry=registry)) as src:
         samples = queue_when_settled(iter(src), registry)
     assert max(samples) == most, samples
 
@@ -95,8 +96,8 @@ def test_direct_mode_with_curve_keys_lets_in_only_allowed_producers(daemons, tmp
         producer(daemons, cfg, addr, name=name, extra=(
             "--curve-secret", str(keys.files[name][1]),
             "--curve-broker-key", str(keys.files["broker"][0])))
-    with RemoteDataZMQ(addr, bind=True, curve=keys.server(), timeout=30, link=FAST,
-                       return_meta=True, registry=registry) as src:
+    with RemoteDataZMQ(addr, bind=True, curve=keys.server(), timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST, registry=registry)) as src:
         got = list(itertools.islice(src, 30))
         wait_for(lambda: (registry.get_sample_value("feedline_broker_curve_denied_total")
                           or 0) >= 1, 20, what="the stranger refused at the handshake")
@@ -115,8 +116,8 @@ def test_a_producer_killed_and_restarted_keeps_the_trainer_fed(daemons, tmp_path
     cfg = pipeline(tmp_path, "fake")
     registry = CollectorRegistry()
     first = producer(daemons, cfg, addr, name="victim")
-    with RemoteDataZMQ(addr, bind=True, timeout=30, link=FAST, return_meta=True,
-                       registry=registry) as src:
+    with RemoteDataZMQ(addr, bind=True, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST, registry=registry)) as src:
         it = iter(src)
         assert {next(it).producer for _ in range(20)} == {"victim"}
         first.kill9()
@@ -155,7 +156,8 @@ class Trainer:
         self._thread.start()
 
     def _run(self) -> None:
-        with RemoteDataZMQ(self.addr, bind=True, timeout=0.3, link=FAST) as src:
+        with RemoteDataZMQ(self.addr, bind=True, timeout=0.3,
+                           options=ConsumerOptions(link=FAST)) as src:
             while not self._stop.is_set():
                 try:
                     for dp in src:

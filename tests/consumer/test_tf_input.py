@@ -14,6 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 
 from feedline.consumer import (  # noqa: E402
+    ConsumerOptions,
     DummyConstantInput,
     OccupancyMonitor,
     QueueInput,
@@ -44,7 +45,7 @@ def _send_in_thread(data: list, addr: str, pid: str) -> threading.Thread:
 def test_batches_reach_the_model_unchanged_and_in_producer_order(thread_broker, endpoints):
     thread_broker()
     senders = [_send_in_thread(_numbered(p, 30), endpoints.ingress, f"p{p}") for p in (1, 2)]
-    remote = RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST)
+    remote = RemoteDataZMQ(endpoints.egress, timeout=30, options=ConsumerOptions(link=FAST))
     with QueueInput(remote, capacity=8) as q:
         staged = StagingInput(q, nr_stage=2).start()
 
@@ -74,7 +75,7 @@ def test_keras_fit_from_a_live_broker(thread_broker, endpoints):
     data = [[rng.random((16, 8), dtype=np.float32), rng.random((16, 1), dtype=np.float32)]
             for _ in range(40)]
     sender = _send_in_thread(data, endpoints.ingress, "keras")
-    remote = RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST)
+    remote = RemoteDataZMQ(endpoints.egress, timeout=30, options=ConsumerOptions(link=FAST))
     with QueueInput(remote, capacity=8) as q:
         monitor = OccupancyMonitor(q, every=0)
         model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(4),
@@ -158,7 +159,7 @@ def test_occupancy_moves_with_the_slow_side(caplog):
 def test_enqueue_thread_stops_cleanly_when_the_broker_is_gone(thread_broker, endpoints):
     tb = thread_broker()
     sender = _send_in_thread(_numbered(1, 5), endpoints.ingress, "p")
-    remote = RemoteDataZMQ(endpoints.egress, timeout=None, link=FAST)
+    remote = RemoteDataZMQ(endpoints.egress, timeout=None, options=ConsumerOptions(link=FAST))
     q = QueueInput(remote, capacity=4).start()
     for _ in range(5):
         q.dequeue()
@@ -181,7 +182,8 @@ def test_a_producer_error_surfaces_at_dequeue(thread_broker, endpoints):
     t = threading.Thread(target=lambda: pytest.raises(ValueError, send_dataflow, broken(),
                          endpoints.ingress, epochs=1, link=FAST), daemon=True)
     t.start()
-    with QueueInput(RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST), capacity=4) as q:
+    with QueueInput(RemoteDataZMQ(endpoints.egress, timeout=30,
+                                  options=ConsumerOptions(link=FAST)), capacity=4) as q:
         q.dequeue()
         with pytest.raises(Exception, match="bad shard 3"):
             q.dequeue()

@@ -25,7 +25,14 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: pip insta
 
 from torch.utils.data import DataLoader  # noqa: E402
 
-from feedline.consumer import CudaPrefetcher, RemoteDataZMQ, RemoteTorchDataset, to_torch  # noqa: E402
+from feedline.consumer import (  # noqa: E402
+    ConsumerOptions,
+    CudaPrefetcher,
+    RemoteDataZMQ,
+    RemoteTorchDataset,
+    to_torch,
+)
+from feedline.consumer.torch_input import default_consumer_id  # noqa: E402
 from feedline.consumer.torch_prefetch import _prefetch, _Staging  # noqa: E402
 from feedline.producer import send_dataflow  # noqa: E402
 from feedline.transport.link import LinkConfig  # noqa: E402
@@ -102,7 +109,8 @@ def test_a_read_only_array_converts_without_a_copy_and_without_the_warning():
 def test_tensors_share_memory_with_the_received_frames(thread_broker, endpoints):
     thread_broker()
     _send(_numbered(40), endpoints.ingress)
-    with RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST, return_meta=True) as remote:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as remote:
         kept = None
         for k, batch in enumerate(itertools.islice(remote, 40)):
             dp = batch.datapoint
@@ -122,7 +130,7 @@ def test_tensors_share_memory_with_the_received_frames(thread_broker, endpoints)
 def test_dataloader_yields_tensor_batches_in_their_structure(thread_broker, endpoints):
     thread_broker()
     _send(_numbered(20), endpoints.ingress)
-    ds = RemoteTorchDataset(endpoints.egress, timeout=30, link=FAST)
+    ds = RemoteTorchDataset(endpoints.egress, timeout=30, options=ConsumerOptions(link=FAST))
     seen = []
     for b in itertools.islice(DataLoader(ds, batch_size=None), 20):
         assert isinstance(b["x"], torch.Tensor) and b["x"].shape == (8, 4)
@@ -134,7 +142,8 @@ def test_dataloader_yields_tensor_batches_in_their_structure(thread_broker, endp
 def test_return_meta_gives_batches_with_tensors(thread_broker, endpoints):
     thread_broker()
     _send(_numbered(3), endpoints.ingress, pid="meta")
-    ds = RemoteTorchDataset(endpoints.egress, timeout=30, link=FAST, return_meta=True)
+    ds = RemoteTorchDataset(endpoints.egress, timeout=30, return_meta=True,
+                            options=ConsumerOptions(link=FAST))
     for b in itertools.islice(ds, 3):
         assert b.producer == "meta" and b.epoch == 0
         assert isinstance(b.datapoint["x"], torch.Tensor)
@@ -157,7 +166,8 @@ def test_a_model_learns_from_the_stream(thread_broker, endpoints):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(RemoteTorchDataset(endpoints.egress, timeout=30, link=FAST),
+    loader = DataLoader(RemoteTorchDataset(endpoints.egress, timeout=30,
+                                           options=ConsumerOptions(link=FAST)),
                         batch_size=None)
     losses = []
     for x, y in itertools.islice(CudaPrefetcher(loader, depth=2), 60):  # CPU: pass-through
@@ -203,7 +213,7 @@ def test_staging_path_on_the_cpu(thread_broker, endpoints):
     shapes = [(8, 4)] * 6 + [(2, 2)] * 4  # a layout change half way
     _send([[np.full(s, i, np.float32), np.int64(i)] for i, s in enumerate(shapes)],
           endpoints.ingress)
-    with RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST) as remote:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, options=ConsumerOptions(link=FAST)) as remote:
         frames = _Counted(itertools.islice(remote, len(shapes)))
         staging = _Staging(torch.device("cpu"), slots=3)
         depth, buffers = 2, []
@@ -226,7 +236,8 @@ def test_prefetcher_on_cuda_stages_through_pinned_buffers(thread_broker, endpoin
     _send(_linear_task(40), endpoints.ingress)
     model = torch.nn.Linear(8, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(RemoteTorchDataset(endpoints.egress, timeout=30, link=FAST),
+    loader = DataLoader(RemoteTorchDataset(endpoints.egress, timeout=30,
+                                           options=ConsumerOptions(link=FAST)),
                         batch_size=None)
     prefetcher = CudaPrefetcher(loader, device="cuda", depth=3)
     losses = []
@@ -244,6 +255,22 @@ def test_prefetcher_on_cuda_stages_through_pinned_buffers(thread_broker, endpoin
     assert staging.hand_over(out, event)[0].cpu().tolist() == [0, 1, 2, 3, 4]
 
 
+def test_the_dataset_takes_options_and_warns_at_the_callers_line_for_old_keywords():
+    nowhere = "ipc:///tmp/feedline-torch-options-nobody.sock"  # never iterated
+    with pytest.warns(DeprecationWarning) as record:
+        old = RemoteTorchDataset(nowhere, timeout=5, window=2)
+    (w,) = record
+    assert w.filename == __file__ and str(w.message).startswith(
+        "RemoteTorchDataset(window=...) is deprecated"), (w.filename, str(w.message))
+    assert old.options == ConsumerOptions(window=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'windw'"):
+        RemoteTorchDataset(nowhere, windw=2)
+    ds = RemoteTorchDataset(nowhere, timeout=5, stream="val", options=ConsumerOptions(window=2))
+    with ds.connect() as remote:  # what each iterator opens: the options, its own name
+        assert remote.options == ConsumerOptions(window=2, consumer_id=default_consumer_id())
+        assert (remote.timeout, remote.config.stream) == (5, "val")
+
+
 # ------------------------------------------------------------------ workers and ranks
 
 
@@ -251,7 +278,8 @@ def test_each_dataloader_worker_gets_its_own_share(thread_broker, endpoints, cap
     thread_broker()
     _send(_numbered(30), endpoints.ingress)
     caplog.set_level(logging.INFO, logger="feedline.broker")
-    ds = RemoteTorchDataset(endpoints.egress, timeout=10, link=FAST, window=2)
+    ds = RemoteTorchDataset(endpoints.egress, timeout=10,
+                            options=ConsumerOptions(link=FAST, window=2))
     it = iter(DataLoader(ds, batch_size=None, num_workers=2, in_order=False))
     seen = [next(it)["i"] for _ in range(30)]
     del it  # stops the workers (their connections close)
@@ -264,15 +292,15 @@ RANK = """
 import json, sys
 import torch.distributed as dist
 from torch.utils.data import DataLoader
-from feedline.consumer import RemoteTorchDataset
+from feedline.consumer import ConsumerOptions, RemoteTorchDataset
 from feedline.consumer.torch_input import default_consumer_id
 from feedline.errors import ReceiveTimeout
 from feedline.transport.link import LinkConfig
 
 rank, init, egress, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-ds = RemoteTorchDataset(egress, timeout=3, window=2,
-                        link=LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5))
+fast = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
+ds = RemoteTorchDataset(egress, timeout=3, options=ConsumerOptions(window=2, link=fast))
 it = iter(DataLoader(ds, batch_size=None))
 got = [int(next(it)[1][0])]
 dist.barrier()  # both ranks hold a connection and a batch: the rest is shared

@@ -208,8 +208,10 @@ def test_tensorflow_blocks_run(session: Session):
     _, metrics = _plain_broker(session, f"ipc://{sock}", images=True)
     session.subst["/tmp/feedline.sock"] = str(sock)
     todo = [b for b in runnable("tensorflow.md") if "depth(" not in b.code]
-    assert [b.lang for b in todo] == ["python", "python"]
-    loop, keras = todo
+    assert [b.lang for b in todo] == ["python", "python", "python"]
+    options, loop, keras = todo
+    # ConsumerOptions: it takes its 20 batches and exits 0 (no progress counts as done)
+    session.run_python(options, prelude(options.code), lambda _pid: 0.0, enough=1)
     # the custom loop ends after `steps`
     session.run_python(loop, prelude(loop.code), lambda _pid: counter(
         metrics, "feedline_broker_forwarded_batches_total"), enough=MORE_THAN_QUEUED)

@@ -35,6 +35,8 @@ from tests.support.jpeg_data import make_folder
 (PAGE,) = [d for d in DOCS if d.name == "tensorpack.md"]
 IMAGES = {"source": {"fake": {"shapes": [[8, 32, 32, 3], [8]], "dtypes": ["uint8", "int32"],
                               "random": True, "size": 1000}}}
+# The training process of "Across machines" (its last line, then TestDataSpeed's)
+TRAINER = "bind=True, options=ConsumerOptions(insecure=True))\nprint"
 
 
 def runnable() -> list[Block]:
@@ -64,7 +66,7 @@ def test_every_runnable_block_is_one_a_test_here_runs() -> None:
     every tensorpack block says it is not run."""
     langs = [b.lang for b in runnable()]
     assert langs == ["python"] * 5 + ["yaml", "sh"] + ["python"] * 3, langs
-    picked = ["ImageNetTrain(224)", "Augment([", "bind=True, insecure=True)\nprint",
+    picked = ["ImageNetTrain(224)", "Augment([", TRAINER,
               "send_dataflow_zmq(df", "AugmentImageComponent", "factory:",
               "feedline producer", "StagingInput(queue", "random=False", "DummyConstantInput("]
     assert [block_with(t) for t in picked] == runnable()
@@ -100,7 +102,7 @@ def test_the_training_process_serves_send_dataflow_zmq(session: Session) -> None
     port = free_port()
     session.subst.update({"tcp://0.0.0.0:8877": f"tcp://127.0.0.1:{port}",
                           "tcp://trainer.example:8877": f"tcp://127.0.0.1:{port}"})
-    trainer = block_with("bind=True, insecure=True)\nprint")
+    trainer = block_with(TRAINER)
     data = block_with("send_dataflow_zmq(df")
     script = session.cwd / "data_machine.py"
     script.write_text(session.text(data.code))

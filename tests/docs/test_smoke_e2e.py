@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.producer import send_dataflow
 from feedline.transport.link import LinkConfig
 
@@ -22,7 +22,7 @@ def test_batches_arrive_intact_and_in_order(thread_broker, endpoints):
         target=send_dataflow, args=(data, endpoints.ingress),
         kwargs={"epochs": 1, "producer_id": "p0", "link": FAST}, daemon=True)
     sender.start()
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, options=ConsumerOptions(link=FAST)) as src:
         got = list(itertools.islice(src, 50))
     sender.join(10)
     assert not sender.is_alive()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.procs import wait_for
 from feedline.producer.exact import build_exact
 from tests.support import ROOT
@@ -39,8 +39,8 @@ def test_two_producers_two_epochs_every_sample_exactly_once(broker_proc, daemons
     cfg = pipeline(tmp_path)
     for i in range(2):
         producer(daemons, cfg, endpoints.ingress, f"p{i}")
-    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, link=FAST,
-                       return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         for epoch in range(2):
             seen = list(itertools.chain.from_iterable(samples(b) for b in src.epoch()))
             assert_exactly_once(seen, cfg, epoch)
@@ -54,8 +54,8 @@ def test_a_producer_killed_mid_unit_loses_and_repeats_nothing(broker_proc, daemo
     cfg = pipeline(tmp_path, epochs=1, delay=0.01)
     victim = producer(daemons, cfg, endpoints.ingress, "victim")
     producer(daemons, cfg, endpoints.ingress, "survivor")
-    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, link=FAST,
-                       return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         seen: list[tuple[int, bytes]] = []
         for batch in src.epoch():
             seen += samples(batch)
@@ -71,8 +71,8 @@ def test_a_broker_killed_and_restarted_loses_and_repeats_nothing(broker_proc, da
     cfg = pipeline(tmp_path, epochs=1, delay=0.005)
     for i in range(2):
         producer(daemons, cfg, endpoints.ingress, f"p{i}")
-    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, link=FAST,
-                       return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         seen: list[tuple[int, bytes]] = []
         for batch in src.epoch():
             seen += samples(batch)
@@ -86,12 +86,13 @@ def test_a_broker_killed_and_restarted_loses_and_repeats_nothing(broker_proc, da
 CONSUMER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[3])
-    from feedline.consumer import RemoteDataZMQ
+    from feedline.consumer import ConsumerOptions, RemoteDataZMQ
     from feedline.transport.link import LinkConfig
     from tests.support.ledger_data import check
-    link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    options = ConsumerOptions(window=2, link=LinkConfig(heartbeat_interval=0.2,
+                                                         heartbeat_timeout=1.5))
     with open(sys.argv[2], "a", buffering=1) as ledger, \\
-            RemoteDataZMQ(sys.argv[1], stream="val", timeout=60, link=link, window=2) as src:
+            RemoteDataZMQ(sys.argv[1], stream="val", timeout=60, options=options) as src:
         for images, meta in src.epoch():
             ledger.write(" ".join(str(check([images[k], meta[k]])) for k in range(len(meta)))
                          + "\\n")
@@ -145,8 +146,8 @@ def test_a_trainer_resumes_from_its_cursor(broker_proc, daemons, endpoints, tmp_
     for i in range(2):
         producer(daemons, cfg, endpoints.ingress, f"p{i}")
     before: list[tuple[int, bytes]] = []
-    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, link=FAST,
-                       return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         it = src.epoch()
         for batch in itertools.islice(it, 7):
             before += samples(batch)
@@ -154,8 +155,8 @@ def test_a_trainer_resumes_from_its_cursor(broker_proc, daemons, endpoints, tmp_
         for _ in itertools.islice(it, 5):
             pass  # taken after the checkpoint: the process "dies" with them
     after: list[tuple[int, bytes]] = []
-    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, link=FAST,
-                       return_meta=True, resume=saved) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, return_meta=True, resume=saved,
+                       options=ConsumerOptions(link=FAST)) as src:
         for batch in src.epoch():
             after += samples(batch)
         assert src.state().count() == -(-N // BATCH)

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 import zmq
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.exact.cursor import Cursor
 from feedline.procs import wait_for
 from feedline.protocol import messages as m
@@ -106,7 +106,8 @@ def test_an_exact_producer_cannot_take_a_training_stream(broker_proc, daemons, e
     plain.write_text(yaml.safe_dump({"factory": "tests.support.ledger_data:make",
                                      "args": {"nbytes": 1024, "rate": 200}}))
     producer(daemons, plain, endpoints.ingress, "trainer-data")
-    with RemoteDataZMQ(endpoints.egress, timeout=10, link=FAST, return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=10, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         it = iter(src)
         assert all(next(it).unit < 0 for _ in range(20))
         # The exact pipeline file says stream "val"; --stream gives it the training stream's.

@@ -231,10 +231,11 @@ def shard_producer(daemons, cfg: Path, broker: str, name: str):
 def take_ids(egress: str, n: int, until: set[int] | None = None, most: int = 20000) -> Counter:
     """``n`` samples of stream ``train``, counted by id (with ``until``: until those ids are
     seen too, at most ``most`` samples: what an earlier producer left buffered comes first)."""
-    from feedline.consumer import RemoteDataZMQ
+    from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 
     seen: Counter = Counter()
-    with RemoteDataZMQ(egress, stream="train", timeout=30, link=FAST, return_meta=True) as src:
+    with RemoteDataZMQ(egress, stream="train", timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=FAST)) as src:
         it = iter(src)
         while sum(seen.values()) < n or (until and not until <= set(seen)
                                          and sum(seen.values()) < most):

@@ -28,7 +28,7 @@ TRAINER = textwrap.dedent("""
     sys.path.insert(0, sys.argv[4])
     import numpy as np
     import tensorflow as tf
-    from feedline.consumer import CursorState, RemoteDataZMQ
+    from feedline.consumer import ConsumerOptions, CursorState, RemoteDataZMQ
     from feedline.transport.link import LinkConfig
 
     egress, ckpt_dir, phase = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -42,7 +42,8 @@ TRAINER = textwrap.dedent("""
         ckpt.restore(latest)
     seen = json.loads(ckpt.seen.numpy().decode() or "[]")
     link = LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5)
-    remote = RemoteDataZMQ(egress, stream="val", timeout=60, link=link, resume=state.cursor)
+    remote = RemoteDataZMQ(egress, stream="val", timeout=60, resume=state.cursor,
+                           options=ConsumerOptions(link=link))
     state.track(remote)
 
     def step(data, meta):

@@ -21,7 +21,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.procs import wait_for
 from feedline.protocol import wire
 from feedline.transport.link import LinkConfig
@@ -222,7 +222,8 @@ def test_a_malformed_deliver_envelope_does_not_kill_the_consumer(bad):
     instance = 77
     got: list = []
     body = [batch_header("p", 1, 0, [ARRAY(0)], [("<i4", [1])])]
-    with RemoteDataZMQ(fake.addr, timeout=10, link=FAST, registry=registry) as src:
+    with RemoteDataZMQ(fake.addr, timeout=10,
+                       options=ConsumerOptions(link=FAST, registry=registry)) as src:
 
         def take() -> None:
             try:

@@ -24,7 +24,7 @@ import yaml
 import zmq
 
 from feedline.broker import Broker, BrokerConfig
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.endpoints import AddressError
 from feedline.procs import free_port, wait_for
 from feedline.producer import send_dataflow
@@ -146,7 +146,8 @@ def test_a_consumer_at_the_ingress_is_told_to_use_the_egress(host):
     the refusal, but only at the timeout (ReceiveTimeout)."""
     h = host()
     # At the timeout it would be a ReceiveTimeout (not an AddressError): what arrives first.
-    with RemoteDataZMQ(h.ingress, timeout=20.0, consumer_id="wrong-way", link=FAST) as src:
+    with RemoteDataZMQ(h.ingress, timeout=20.0,
+                       options=ConsumerOptions(consumer_id="wrong-way", link=FAST)) as src:
         with pytest.raises(AddressError) as err:
             next(iter(src))
     assert "egress" in str(err.value) and "did not answer" not in str(err.value), err.value
@@ -168,14 +169,14 @@ def test_a_dropped_consumer_releases_everything(broker_proc, daemons, endpoints,
     start_producer(daemons, endpoints.ingress,
                    fake_yaml(tmp_path, "feed", [[8]], ["float32"]), "feed")
     me = psutil.Process()
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, options=ConsumerOptions(link=FAST)) as src:
         next(iter(src))
     gc.collect()
     threads, os_threads, fds = threading.active_count(), me.num_threads(), me.num_fds()
     refs = []
     try:
         for _ in range(50):
-            src = RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST)
+            src = RemoteDataZMQ(endpoints.egress, timeout=20, options=ConsumerOptions(link=FAST))
             next(iter(src))
             refs.append(weakref.ref(src))
             del src
@@ -251,3 +252,28 @@ def _stop_leaked_authenticators() -> None:
         if isinstance(obj, ThreadAuthenticator) and obj.thread is not None \
                 and obj.thread.is_alive():
             obj.stop()
+
+
+def test_a_peer_of_the_broker_before_its_restart_is_counted_without_a_warning(caplog):
+    """The new-user review: after a broker restart every producer's and trainer's beat was
+    logged as a WARNING "rejected a message ... unknown_peer: Heartbeat", which reads as a
+    fault. It is what a restart makes: counted as ever, said once at INFO; a malformed
+    message is still a warning."""
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from feedline.serving.endpoint import Refusals
+    from feedline.serving.metrics import BrokerMetrics
+
+    metrics = BrokerMetrics(CollectorRegistry())
+    refusals = Refusals(metrics, logging.getLogger("feedline.test.refusals"))
+    with caplog.at_level(logging.INFO, logger="feedline.test.refusals"):
+        for _ in range(3):
+            refusals("unknown_peer", "Heartbeat", "ingress", "an unregistered peer (ab)")
+        refusals("bad_msgpack", "", "ingress", "an unregistered peer (ab)")
+    assert refusals.counts == {"unknown_peer": 3, "bad_msgpack": 1}
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(infos) == 1 and "told to register again" in infos[0].getMessage()
+    assert len(warnings) == 1 and "bad_msgpack" in warnings[0]

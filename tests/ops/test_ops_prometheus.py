@@ -13,7 +13,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from feedline.commands import top
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.metrics import serve_metrics
 from feedline.procs import free_port, wait_for
 from feedline.serving.budget import DEPTH, depth, top_up
@@ -54,8 +54,8 @@ def test_prometheus_rates_and_queue_agree_with_the_consumer(
         "trainer": [f"127.0.0.1:{consumer_port}"],
     }), tmp_path / "prometheus")
     try:
-        with RemoteDataZMQ(endpoints.egress, window=WINDOW, timeout=30,
-                           registry=registry) as source:
+        with RemoteDataZMQ(endpoints.egress, timeout=30,
+                           options=ConsumerOptions(window=WINDOW, registry=registry)) as source:
             prom.wait_all_up(4)
             it = iter(source)
             next(it)  # everything is connected and batches flow

@@ -25,7 +25,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from feedline.commands import top
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.metrics import serve_metrics
 from feedline.procs import free_port, wait_for
 from feedline.scrape import Scrape, scrape
@@ -84,8 +84,9 @@ class Trainer:
 def trainer(addr: str, stream: str = "default", **kw: Any) -> Trainer:
     registry, port = CollectorRegistry(), free_port()
     server = serve_metrics(registry, port, "127.0.0.1")
-    return Trainer(RemoteDataZMQ(addr, stream=stream, timeout=60, link=FAST, registry=registry,
-                                 **kw), port, server)
+    options = ConsumerOptions(link=FAST, registry=registry)
+    return Trainer(RemoteDataZMQ(addr, stream=stream, timeout=60, options=options, **kw), port,
+                   server)
 
 
 @dataclass
@@ -282,7 +283,8 @@ def test_consumer_exports_its_stream() -> None:
     """feedline_consumer_stream_info{stream} 1: the label dashboards join on (set when the
     RemoteDataZMQ is made, before it connects anywhere)."""
     registry = CollectorRegistry()
-    remote = RemoteDataZMQ(f"tcp://127.0.0.1:{free_port()}", stream="val", registry=registry)
+    remote = RemoteDataZMQ(f"tcp://127.0.0.1:{free_port()}", stream="val",
+                           options=ConsumerOptions(registry=registry))
     try:
         assert registry.get_sample_value("feedline_consumer_stream_info",
                                          {"stream": "val"}) == 1
@@ -310,6 +312,7 @@ def test_a_stream_without_consumers_does_not_starve_another(tmp_path: Path, endp
     daemons("feedline.producer", "--config", plain, "--broker", endpoints.ingress, "--stream",
             "val",
             "--id", "val", *LIVENESS, name="val")
-    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=20, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=20,
+                       options=ConsumerOptions(link=FAST)) as src:
         got = [b for _, b in zip(range(10), src, strict=False)]
     assert len(got) == 10

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.producer.dataflow import BatchData, DataFromList, MapData, MultiProcessMapData
 from feedline.producer.exact import build_exact
 from feedline.producer.image import ImageNetVal
@@ -308,7 +308,8 @@ def test_producer_cli_runs_the_val_example_against_a_real_broker(
                 "--broker", endpoints.ingress, "--id", f"p{i}", "--heartbeat-interval", "0.2",
                 "--heartbeat-timeout", "1.5", name=f"producer-{i}")
     got: list = []
-    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=60, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=60,
+                       options=ConsumerOptions(link=FAST)) as src:
         for imgs, labs in src.epoch():
             got += [(img.tobytes(), int(lab)) for img, lab in zip(imgs, labs, strict=True)]
     val = ImageNetVal(64, 72)

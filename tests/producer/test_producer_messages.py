@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from tests.support.jpeg_data import make_folder
 from tests.support.operator_support import ROOT, feedline
 
@@ -57,7 +57,8 @@ def test_an_exact_producer_stopped_counts_the_batches_a_broker_took(broker_proc,
     broker_proc("--state-dir", str(tmp_path / "state"))
     cfg = pipeline(tmp_path, epochs=None)
     p = producer(daemons, cfg, endpoints.ingress, "p0")
-    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30,
+                       options=ConsumerOptions(link=FAST)) as src:
         got = len(list(src.epoch()))
     assert got == 96 // 4
     assert p.stop() == 0, p.log_text()[-2000:]

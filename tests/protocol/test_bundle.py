@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from feedline.broker.buffer import Buffer
 from feedline.broker.egress import ConsumerSide
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.procs import free_port, wait_for
 from feedline.producer import Sender
@@ -224,8 +224,8 @@ def test_a_producer_bundles_small_batches_to_a_direct_mode_trainer_and_loses_not
     sreg, treg = CollectorRegistry(), CollectorRegistry()
     link = LinkConfig(**FAST)
     payload = np.zeros(16_000, np.uint8)
-    with RemoteDataZMQ(addr, bind=True, timeout=30, link=link, return_meta=True,
-                       registry=treg) as src:
+    with RemoteDataZMQ(addr, bind=True, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=link, registry=treg)) as src:
         taking = _Taking(src, pause_at=50, pause=0.5)
         with Sender(addr, producer_id="bundler", link=link, registry=sreg) as s:
             for i in range(n):
@@ -298,8 +298,8 @@ def test_a_direct_mode_trainer_refuses_a_bundle_beyond_what_it_offered_and_goes_
     ctx = zmq.Context()
     treg = CollectorRegistry()
     try:
-        with RemoteDataZMQ(addr, bind=True, timeout=10, link=LinkConfig(**FAST),
-                           registry=treg, return_meta=True) as src:
+        with RemoteDataZMQ(addr, bind=True, timeout=10, return_meta=True,
+                           options=ConsumerOptions(link=LinkConfig(**FAST), registry=treg)) as src:
             taking = _Taking(src)
             peer, welcome = _registered(ctx, addr, "raw")
             assert welcome.get("bn") == MAX_BUNDLE
@@ -332,8 +332,8 @@ def test_a_bundle_beyond_its_credit_cuts_its_producer_off():
     ctx = zmq.Context()
     treg = CollectorRegistry()
     try:
-        with RemoteDataZMQ(addr, bind=True, timeout=10, link=LinkConfig(**FAST),
-                           registry=treg) as src:
+        with RemoteDataZMQ(addr, bind=True, timeout=10,
+                           options=ConsumerOptions(link=LinkConfig(**FAST), registry=treg)) as src:
             _Taking(src)
             peer, _ = _registered(ctx, addr, "greedy")
             assert peer.granted == 1
@@ -424,8 +424,8 @@ def test_a_producer_bundles_small_batches_through_a_broker_and_loses_nothing(thr
     sreg, creg = CollectorRegistry(), CollectorRegistry()
     link = LinkConfig(**FAST)
     payload = np.zeros(16_000, np.uint8)
-    with RemoteDataZMQ(endpoints.egress, timeout=30, link=link, return_meta=True,
-                       registry=creg) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, return_meta=True,
+                       options=ConsumerOptions(link=link, registry=creg)) as src:
         taking = _Taking(src, pause_at=50, pause=0.5)
         with Sender(endpoints.ingress, producer_id="bundler", link=link, registry=sreg) as s:
             for i in range(n):
@@ -463,7 +463,8 @@ def test_a_broker_asks_for_larger_batches_joined_and_a_sender_joins_them(thread_
         assert welcome.get("jn") == JOIN_FORWARDED
         peer.close()
         addr = f"tcp://127.0.0.1:{free_port()}"
-        with RemoteDataZMQ(addr, bind=True, timeout=10, link=LinkConfig(**FAST)) as src:
+        with RemoteDataZMQ(addr, bind=True, timeout=10,
+                           options=ConsumerOptions(link=LinkConfig(**FAST))) as src:
             _Taking(src)
             peer, welcome = _registered(ctx, addr, "raw")
             assert welcome.get("jn", 0) == 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import DataError, ProducerError
 from feedline.procs import wait_for
 from feedline.producer.dataflow import BatchData, DataFromList
@@ -105,7 +105,8 @@ def test_each_odd_sample_is_named_skipped_and_the_others_served(broker_proc, dae
     want = sorted(set(range(N)) - {ODD})
     for stream in producers:
         got: list[int] = []
-        with RemoteDataZMQ(endpoints.egress, stream=stream, timeout=30, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, stream=stream, timeout=30,
+                           options=ConsumerOptions(link=FAST)) as src:
             for batch in src:
                 got += _labels(batch)
                 if len(got) >= len(want):
@@ -139,7 +140,8 @@ def test_under_raise_the_producer_stops_with_one_line_naming_the_sample(
     path.write_text(yaml.safe_dump(cfg))
     p = daemons("feedline.producer", "--config", path, "--broker", endpoints.ingress,
                 "--id", "p", *LIVENESS, name="p")
-    with RemoteDataZMQ(endpoints.egress, stream="tfrecord", timeout=30, link=FAST) as src, \
+    with RemoteDataZMQ(endpoints.egress, stream="tfrecord", timeout=30,
+                       options=ConsumerOptions(link=FAST)) as src, \
             pytest.raises(ProducerError) as err:
         for _ in src:
             pass
@@ -263,7 +265,7 @@ def test_a_batch_the_wire_cannot_carry_is_skipped_under_skip(broker_proc, daemon
     p = daemons("feedline.producer", "--config", cfg, "--broker", endpoints.ingress,
                 *LIVENESS, name="p")
     labels: list[int] = []
-    with RemoteDataZMQ(endpoints.egress, timeout=30, link=FAST) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, options=ConsumerOptions(link=FAST)) as src:
         for batch in src:
             labels += [int(x) for x in batch[1]]
             if len(labels) >= 20:
@@ -288,3 +290,34 @@ def test_a_list_of_another_length_is_an_odd_sample() -> None:
     odd = odd_samples(boxes, {})
     assert [i for i, _ in odd] == [2]
     assert "a list of 5 values where the others in its batch have a list of 4" in odd[0][1]
+
+
+def test_a_sample_odd_on_one_component_does_not_decide_another() -> None:
+    """The shard fuzzer's finding (CI, stop 60): three TFRecord samples, the third odd on
+    component 0, the second on component 1. Setting the third aside first left a tie of
+    one int and one array on component 1, and the batch step stopped the producer though
+    each component had a majority. Each component's kind is now the majority's over every
+    well-structured sample: the second and the third are skipped, each named for its own
+    component, and the first is served."""
+    from feedline.producer.dataflow.batch_data import odd_samples
+
+    dps = [[b"a", 1], [b"b", np.zeros(2, np.int64)], [1.5, 2]]
+    odd = odd_samples(dps, {})
+    assert [i for i, _ in odd] == [1, 2]
+    assert "component 1 is an int64 array of shape (2,)" in odd[0][1]
+    assert "component 0 is a float" in odd[1][1]
+    b = BatchData(DataFromList(dps, shuffle=False), 3, remainder=True, on_error="skip")
+    batches = list(b)
+    assert b.skipped == 2 and [list(x[1]) for x in batches] == [[1]]
+
+
+def test_a_source_of_plain_numbers_batches_into_one_component() -> None:
+    """The new-user review: ``items: [1, 2, 3, 4]`` (no list per sample) stopped the
+    producer with a raw TypeError ("object of type 'int' has no len()"). A datapoint that
+    is neither a list nor a dict is one component; an odd one is skipped and named."""
+    batches = list(BatchData(DataFromList([1, 2, 3, 4], shuffle=False), 2))
+    assert [b[0].tolist() for b in batches] == [[1, 2], [3, 4]]
+    b = BatchData(DataFromList([np.zeros(2), np.zeros(3), np.ones(2)], shuffle=False), 3,
+                  remainder=True, on_error="skip")
+    assert [x[0].tolist() for x in b] == [[[0.0, 0.0], [1.0, 1.0]]] and b.skipped == 1
+    assert BatchData.aggregate([5, 6])[0].tolist() == [5, 6]

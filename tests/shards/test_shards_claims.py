@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import Refusal
 from feedline.exact.coordinator import Assignment
 from feedline.procs import wait_for
@@ -145,8 +145,8 @@ def test_producers_of_a_stream_split_the_shards_each_once_per_epoch(broker_proc,
                          "--id", f"p{k}", *LIVENESS, name=f"p{k}") for k in range(3)]
         seen: Counter = Counter()
         by_producer: Counter = Counter()
-        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=30, link=FAST,
-                           return_meta=True) as src:
+        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=30, return_meta=True,
+                           options=ConsumerOptions(link=FAST)) as src:
             it = iter(src)
             while sum(seen.values()) < 120:
                 b = next(it)
@@ -236,7 +236,8 @@ def test_runner_mode_over_url_shards_as_its_error_advises_serves_each_sample_onc
                                      endpoints.ingress, "--id", f"{name}{k}", *LIVENESS,
                                      name=f"{name}{k}"))
             seen: Counter = Counter()
-            with RemoteDataZMQ(endpoints.egress, stream=name, timeout=30, link=FAST) as src:
+            with RemoteDataZMQ(endpoints.egress, stream=name, timeout=30,
+                               options=ConsumerOptions(link=FAST)) as src:
                 it = iter(src)
                 while sum(seen.values()) < 48:
                     ids, _ = next(it)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.producer.exact import build_exact
 from feedline.transport.link import LinkConfig
 from tests.support import ROOT
@@ -65,7 +65,8 @@ def test_image_folder_and_http_shards_give_identical_bytes_per_sample(broker_pro
         for k in range(2):
             daemons("feedline.producer", "--config", tmp_path / "shards.yaml", "--broker",
                     endpoints.ingress, "--id", f"p{k}", *LIVENESS, name=f"p{k}")
-        with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, stream="val", timeout=30,
+                           options=ConsumerOptions(link=FAST)) as src:
             for epoch in range(2):
                 assert by_id(src.epoch()) == expected[epoch]
 
@@ -104,7 +105,8 @@ def test_exact_over_http_faults_and_kill9_loses_and_repeats_nothing(broker_proc,
         producer("survivor")
         want = {i: hashlib.blake2b(payload(i, NBYTES), digest_size=16).digest()
                 for i in range(N_SHARDS * PER_SHARD)}
-        with RemoteDataZMQ(endpoints.egress, stream="val", timeout=60, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, stream="val", timeout=60,
+                           options=ConsumerOptions(link=FAST)) as src:
             for epoch in range(3):
                 seen: Counter = Counter()
                 for ids, digests in src.epoch():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ProducerError
 from feedline.procs import wait_for
 from feedline.producer.dataflow.sharded import ShardsFailed
@@ -73,7 +73,8 @@ def test_claimed_shards_that_all_404_end_the_producer_and_the_trainer_is_told(
         path.write_text(yaml.safe_dump(cfg))
         p = daemons("feedline.producer", "--config", path, "--broker", endpoints.ingress,
                     *LIVENESS, name="producer")
-        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=30, link=FAST) as src, \
+        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=30,
+                           options=ConsumerOptions(link=FAST)) as src, \
                 pytest.raises(ProducerError) as err:
             next(iter(src))
         wait_for(lambda: not p.alive(), 20, what="the producer to stop")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.procs import free_port, wait_for
 from feedline.producer.dataflow.webdataset import WebDataset
 from feedline.producer.exact import build_exact
@@ -87,7 +87,8 @@ def test_a_producer_counts_retries_and_skipped_shards_in_its_metrics(broker_proc
         p = daemons("feedline.producer", "--config", path, "--broker", endpoints.ingress,
                     "--metrics-port", str(metrics), *LIVENESS, name="producer")
         seen: list[int] = []
-        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=60, link=FAST) as src:
+        with RemoteDataZMQ(endpoints.egress, stream="train", timeout=60,
+                           options=ConsumerOptions(link=FAST)) as src:
             it = iter(src)
             while len(seen) < 25:  # the first epoch: every sample but the dead shard's
                 ids, _ = next(it)

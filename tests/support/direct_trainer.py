@@ -28,7 +28,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from feedline.broker.config import BrokerConfig
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.consumer.direct import DirectConfig
 from feedline.errors import ReceiveTimeout
 from feedline.flags import parse_size
@@ -82,9 +82,10 @@ def main() -> None:
     direct = DirectConfig(producer_window=a.producer_window, credit_lease=a.credit_lease,
                           max_producers=a.max_peers, tensorpack=a.tensorpack_ingress)
     with open(a.ledger, "a", buffering=1) as out, \
-            RemoteDataZMQ(a.ingress, bind=True, window=a.max_batches, max_bytes=a.max_bytes,
-                          timeout=0.2, return_meta=True, registry=registry, link=link,
-                          direct=direct, stream=a.stream) as src:
+            RemoteDataZMQ(a.ingress, bind=True, timeout=0.2, return_meta=True, stream=a.stream,
+                          options=ConsumerOptions(window=a.max_batches, max_bytes=a.max_bytes,
+                                                  registry=registry, link=link,
+                                                  direct=direct)) as src:
         taking = True
         while not stop.is_set():
             if not taking:

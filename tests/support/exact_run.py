@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.producer.exact import build_exact
 from feedline.transport.link import LinkConfig
 from tests.support.ledger_data import check
@@ -75,9 +75,10 @@ def assert_exactly_once(seen: list[tuple[int, bytes]], cfg: Path, epoch: int) ->
 Seen = list[tuple[int, bytes]]
 
 
-def remote(addr: str, timeout: float = 30, **kw: Any) -> RemoteDataZMQ:
-    return RemoteDataZMQ(addr, stream="val", timeout=timeout, link=FAST, return_meta=True,
-                         **kw)
+def remote(addr: str, timeout: float = 30, window: int = ConsumerOptions.window,
+           **kw: Any) -> RemoteDataZMQ:
+    return RemoteDataZMQ(addr, stream="val", timeout=timeout, return_meta=True,
+                         options=ConsumerOptions(window=window, link=FAST), **kw)
 
 
 def take(it: Any, n: int) -> Seen:

@@ -26,7 +26,7 @@ import psutil
 import yaml
 import zmq
 
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ReceiveTimeout, Stopped
 from feedline.procs import Daemon, free_port, wait_for
 from feedline.producer import Sender
@@ -208,8 +208,8 @@ class CountingConsumer:
         return sum(self.counts.values())
 
     def _run(self) -> None:
-        with RemoteDataZMQ(self.addr, window=self.window, timeout=0.3, return_meta=True,
-                           link=self.link) as src:
+        with RemoteDataZMQ(self.addr, timeout=0.3, return_meta=True,
+                           options=ConsumerOptions(window=self.window, link=self.link)) as src:
             it = iter(src)
             while not self._stop.is_set():
                 try:

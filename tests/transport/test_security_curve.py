@@ -22,7 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from feedline import security
-from feedline.consumer import RemoteDataZMQ
+from feedline.consumer import ConsumerOptions, RemoteDataZMQ
 from feedline.errors import ReceiveTimeout
 from feedline.procs import wait_for
 from feedline.producer import send_dataflow
@@ -93,7 +93,8 @@ def test_allowed_keys_deliver_end_to_end(thread_broker, endpoints, keys):
     assert handshake(endpoints.egress, keys.client("consumer")) == "ok"
     sender = send(endpoints.ingress, 20, 7, keys.client("producer"))
     link, curve = FAST, keys.client("consumer")
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=link, curve=curve) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, curve=curve,
+                       options=ConsumerOptions(link=link)) as src:
         got = list(itertools.islice(src, 20))
     sender.join(10)
     assert [int(dp[1][0]) for dp in got] == list(range(20))
@@ -115,8 +116,8 @@ def test_unknown_key_and_plain_client_are_refused_and_get_nothing_in(
     plain = send(endpoints.ingress, 50, 667, None, stop)
     sender = send(endpoints.ingress, 10, 1, keys.client("producer"))
     link, curve = FAST, keys.client("consumer")
-    with RemoteDataZMQ(endpoints.egress, timeout=20, window=1, link=link, curve=curve,
-                       return_meta=True) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, curve=curve,
+                       return_meta=True, options=ConsumerOptions(window=1, link=link)) as src:
         got = list(itertools.islice(src, 10))
         sender.join(10)
     assert {b.producer for b in got} == {"p1"}
@@ -136,7 +137,8 @@ def test_consumer_with_unknown_key_gets_nothing_out(thread_broker, endpoints, ke
     wait_for(lambda: tb.broker.stats.received == 3, 20, what="batches buffered")
     assert handshake(endpoints.egress, keys.client("stranger")) == "auth_refused"
     link, curve = FAST, keys.client("stranger")
-    with RemoteDataZMQ(endpoints.egress, timeout=2, link=link, curve=curve) as src, \
+    with RemoteDataZMQ(endpoints.egress, timeout=2, curve=curve,
+                       options=ConsumerOptions(link=link)) as src, \
             pytest.raises(ReceiveTimeout):
         next(iter(src))
     assert tb.broker.stats.forwarded == 0
@@ -152,11 +154,11 @@ def test_a_consumer_without_keys_is_told_why_and_curve_kwarg_lets_it_in(thread_b
     its timeout must say that keys may be the reason, not only "no producers"."""
     thread_broker(curve=keys.server())
     sender = send(endpoints.ingress, 5, 3, keys.client("producer"))
-    with RemoteDataZMQ(endpoints.egress, timeout=2, link=FAST) as src, \
+    with RemoteDataZMQ(endpoints.egress, timeout=2, options=ConsumerOptions(link=FAST)) as src, \
             pytest.raises(ReceiveTimeout, match="CURVE"):
         next(iter(src))
-    with RemoteDataZMQ(endpoints.egress, timeout=20, link=FAST,
-                       curve=keys.client("consumer")) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=20, curve=keys.client("consumer"),
+                       options=ConsumerOptions(link=FAST)) as src:
         got = list(itertools.islice(src, 5))
     sender.join(10)
     assert [int(dp[1][0]) for dp in got] == list(range(5))
@@ -297,7 +299,8 @@ def test_processes_with_keys_from_flags_and_environment(broker_proc, daemons, en
         for k in env_keys:
             os.environ.pop(k)
     link, curve = FAST, keys.client("consumer")
-    with RemoteDataZMQ(endpoints.egress, timeout=30, link=link, curve=curve) as src:
+    with RemoteDataZMQ(endpoints.egress, timeout=30, curve=curve,
+                       options=ConsumerOptions(link=link)) as src:
         got = list(itertools.islice(src, 5))
     assert len(got) == 5 and all(np.asarray(dp[0]).shape[-1] == 3 for dp in got)
 

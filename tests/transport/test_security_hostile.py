@@ -332,13 +332,13 @@ def test_tensorpack_ingress_refuses_exposed_address_even_with_keys(kind, tmp_pat
         assert r.returncode != 0, r.stderr
         error = r.stderr.strip().splitlines()[-1]
     else:
-        from feedline.consumer import RemoteDataZMQ
+        from feedline.consumer import ConsumerOptions, RemoteDataZMQ
         from feedline.consumer.direct import DirectConfig
 
         keys = security.ServerKeys.load(sec, allowed)
         with pytest.raises(ValueError) as err:
             RemoteDataZMQ(endpoints.ingress, bind=True, curve=keys,
-                          direct=DirectConfig(tensorpack=exposed))
+                          options=ConsumerOptions(direct=DirectConfig(tensorpack=exposed)))
         error = str(err.value)
     assert f"refusing to listen on {exposed} without CURVE keys" in error, error
     assert "tensorpack" in error and "\n" not in error, error
