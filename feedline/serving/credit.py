@@ -76,7 +76,8 @@ class CreditState(Enum):
     RUNNING = "running"  # sent a batch, or asked and was granted: its window is topped up
     WANTING = "wanting"  # asked (WANT) and short: granted what it asked first, topped up too
     # Gave its credit back (RETURNED) with a WANT from before the REVOKE still standing: that
-    # WANT is granted, nothing more until it sends (a producer asks again after a RETURNED).
+    # WANT, counted anew against what it holds after the RETURNED, is granted; nothing more
+    # until it sends (a producer asks again after a RETURNED; the grant may cross it).
     IDLE_WANTING = "idle_wanting"
     REVOKING = "revoking"  # asked to give its unused credit back: nothing until it answers
     REVOKING_WANTING = "revoking_wanting"  # ... with a WANT standing (granted after RETURNED)
@@ -162,6 +163,7 @@ class ProducerCredit:
     received_bytes: int = 0
     short_bytes: int = 0  # WANT: bytes its next batch needs beyond its byte credit
     short_batch: bool = False  # WANT: ... and it has no batch credit either
+    want_size: int = 0  # WANT: the size of the batch it asked for (kept across a REVOKE)
     revoking_since: float | None = None  # when the REVOKE pending (None: none) was sent
     state: CreditState = CreditState.IDLE
     held_since: float = 0.0  # when it last started holding credit, or last used it
@@ -298,7 +300,7 @@ class CreditPlanner:
             return "batch_too_large"
         if p.state in REVOKED:
             return None  # its RETURNED is on the way; it asks again after
-        p.declared = max(p.declared, size)
+        p.declared, p.want_size = max(p.declared, size), size
         p.short_batch = p.granted - sent <= 0
         p.short_bytes = max(0, size - max(0, p.granted_bytes - sent_bytes))
         # Both 0: a grant crossed the WANT on the way, nothing more to do.
@@ -314,6 +316,12 @@ class CreditPlanner:
         p.granted = max(min(sent, p.granted), p.received)
         p.granted_bytes = max(min(sent_bytes, p.granted_bytes), p.received_bytes)
         p.revoking_since = None
+        if p.state is REVOKING_WANTING:
+            # The WANT stands, but it was reckoned against the credit just given back: what
+            # it needs is counted anew from what it holds now (no batch credit is left: the
+            # grant is what it sent), so that the grant after the RETURNED lets it send.
+            p.short_batch = p.granted - sent <= 0
+            p.short_bytes = max(0, p.want_size - max(0, p.granted_bytes - sent_bytes))
         step(p, RETURNED)
         return True
 
