@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "pipeline file's)")
     p.add_argument("--epoch", type=int, default=None, help="the batch's epoch")
     p.add_argument("--unit", type=int, default=None, help="its work unit")
-    p.add_argument("--index", type=int, default=0, help="its index in the unit (default 0)")
+    p.add_argument("--index", type=int, default=0, help="its index in the unit")
     p.add_argument("--ledger", default=None, metavar="FILE",
                    help="a consumer's ledger (ConsumerOptions(ledger=...)): replay its --line")
     p.add_argument("--line", type=int, default=None, metavar="N",
