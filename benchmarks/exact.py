@@ -49,6 +49,7 @@ from feedline.procs import Child, free_port, wait_for  # noqa: E402
 
 STREAM = "bench"
 MODES = ("training", "exact")
+LEDGER = "exact-ledger"  # --ledger: exact, the consumer writing its lineage ledger
 
 
 def pipeline(a: argparse.Namespace) -> dict[str, Any]:
@@ -95,8 +96,8 @@ class Run:
         egress = f"ipc://{self.work}/egress.sock"
         path = self.work / "pipeline.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        extra = [] if self.mode != "exact" else ["--exact-ephemeral"] if a.no_journal else \
-            ["--state-dir", str(self.work / "state")]
+        extra = [] if not self.mode.startswith("exact") else ["--exact-ephemeral"] \
+            if a.no_journal else ["--state-dir", str(self.work / "state")]
         broker = self._python("feedline.broker", ["--ingress", ingress, "--egress", egress,
                                          "--metrics-port", "0", "--log-level", "WARNING",
                                          *extra], "broker")
@@ -104,8 +105,9 @@ class Run:
         producers = [self._python("feedline.producer", ["--config", str(path), "--broker", ingress,
                                                "--id", f"p{i}", "--log-level", "WARNING"],
                                   f"p{i}") for i in range(a.producers)]
-        with RemoteDataZMQ(egress, stream=STREAM, timeout=120,
-                           return_meta=True, options=ConsumerOptions(window=a.window)) as src:
+        ledger = self.work / "ledger.jsonl" if self.mode == LEDGER else None
+        with RemoteDataZMQ(egress, stream=STREAM, timeout=120, return_meta=True,
+                           options=ConsumerOptions(window=a.window, ledger=ledger)) as src:
             it = iter(src)
             next(it)
             t_warm = time.perf_counter() + a.warmup
@@ -206,17 +208,23 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true",
                     help="also time one epoch of each mode's pipeline in this process (no "
                          "broker): the producer's own cost, apart from transport")
+    ap.add_argument("--ledger", action="store_true",
+                    help="also run exact delivery with the consumer writing its lineage "
+                    "ledger (ConsumerOptions(ledger=...)): the ledger's cost, exact-ledger / "
+                    "exact")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
+    modes = (*MODES, LEDGER) if a.ledger else MODES
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if a.profile is not None:
         a.profile.mkdir(parents=True, exist_ok=True)
     base = pipeline(a)
     cfgs = {"training": base, "exact": exact_form(base, a.unit)}
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    cfgs[LEDGER] = cfgs["exact"]
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     runs: list[Run] = []
     for r in range(a.rounds):
-        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             with tempfile.TemporaryDirectory(prefix=f"feedline-exact-{mode}-") as tmp:
                 run = Run(Path(tmp), mode, a)
                 try:
@@ -228,7 +236,7 @@ def main() -> None:
             print(f"round {r + 1} {mode}: {got['samples_per_s']:.0f} samples/s "
                   f"({got['epochs_seen']} epochs seen)", flush=True)
     med = {m: {k: statistics.median(x[k] for x in results[m]) for k in results[m][0]}
-           for m in MODES}
+           for m in modes}
     print(f"\npipeline {a.pipeline}, batch {a.batch}, unit {a.unit}, {a.producers} producers, "
           f"{a.seconds:.0f} s measured per run, {a.rounds} rounds"
           f"{', exact without journal' if a.no_journal else ''}")
@@ -236,7 +244,7 @@ def main() -> None:
           "stalled s | epoch switch s | producer CPU ms / 1000 samples | broker CPU ms / "
           "1000 samples | samples per CPU-s (all processes) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for m in MODES:
+    for m in modes:
         each = " / ".join(f"{x['samples_per_s']:.0f}" for x in results[m])
         print(f"| {m} | {each} | {med[m]['samples_per_s']:.0f} | "
               f"{med[m]['batches_per_s']:.1f} | {med[m]['epochs_seen']:.0f} | "
@@ -247,6 +255,14 @@ def main() -> None:
     per_cpu = med["exact"]["samples_per_cpu_s"] / med["training"]["samples_per_cpu_s"]
     print(f"\nexact / training = {ratio:.2f}x (target >= 0.9x); per CPU-second "
           f"{per_cpu:.2f}x")
+    if a.ledger:
+        # Each round's ledger run against its exact run (the same round, side by side).
+        paired = [x["samples_per_s"] / y["samples_per_s"]
+                  for x, y in zip(results[LEDGER], results["exact"], strict=True)]
+        whole = med[LEDGER]["samples_per_s"] / med["exact"]["samples_per_s"]
+        each = " / ".join(f"{x:.3f}" for x in paired)
+        print(f"exact-ledger / exact = {whole:.3f}x (medians); per round {each}, median "
+              f"{statistics.median(paired):.3f}x")
     local: dict[str, list[float]] = {m: [] for m in MODES}
     if a.in_process:
         for r in range(a.rounds):
@@ -261,7 +277,7 @@ def main() -> None:
                                       "results": results, "ratio": ratio,
                                       "in_process": local}, indent=1))
     if a.profile is not None:
-        for mode in MODES:
+        for mode in modes:
             last = [r for r in runs if r.mode == mode][-1]
             profile_report(last.profiles, a.top)
 
