@@ -7,7 +7,7 @@ pipeline, pipeline-file and code fingerprints: the batches are then the same byt
 (it follows which producer finished which unit first), and a batch taken twice (a resumed
 run re-takes what its checkpoint did not hold) counts once. Exit status 0: the same data;
 1: they differ (the first difference is printed: the line in each ledger and why); 2: a
-ledger could not be read.
+ledger could not be read, or holds training-mode batches (which have no place to compare).
 
     feedline diff run-a.jsonl run-b.jsonl
 """

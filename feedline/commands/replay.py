@@ -2,7 +2,7 @@
 
 A batch of ``delivery: exact`` is a function of its pipeline file and its place: the unit's
 samples in the order ``(seed, epoch, unit)`` gives, each augmented by randomness drawn from
-``(seed, epoch, sample)`` (docs/reliability.md, "Lineage and replay"). So this reads the
+``(seed, epoch, sample)`` (docs/tensorflow.md, "Which samples were in step N"). So this reads the
 pipeline file and the dataset, runs that one batch (``ExactPipeline.batches(epoch, unit,
 start=index)``), no broker, no producer, and prints its sample ids and a sha256 per component
 (``--out FILE.npz``: the arrays themselves). Given a ledger line (``--ledger FILE --line N``)
@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         batch = regenerate(pipe, epoch, unit, index)
     except FeedlineError as e:  # ConfigError, DataError included
         raise SystemExit(f"feedline replay: {e}") from None
+    except OSError as e:  # a ledger that is not there, a directory
+        raise SystemExit(f"feedline replay: {e.filename}: {e.strerror}") from None
     if batch is None:
         print(f"feedline replay: every sample of epoch {epoch} unit {unit} batch {index} was "
               "skipped (on_error: skip): its producer sent nothing", file=err)

@@ -288,7 +288,12 @@ class RemoteDataZMQ:
     def state(self) -> Cursor:
         """Exact delivery: what this process has taken of the current epoch (a cursor to
         checkpoint with the model and pass back as ``resume=``; ``.to_dict()`` for plain
-        frameworks, :func:`feedline.consumer.checkpoint.trackable` for ``tf.train.Checkpoint``)."""
+        frameworks, :func:`feedline.consumer.checkpoint.trackable` for ``tf.train.Checkpoint``).
+        The ledger, if any, is flushed here: a run killed after its checkpoint keeps every
+        line up to it, which is what a resumed run's ledger goes on from."""
+        ledger = self._ledger
+        if ledger is not None:
+            ledger.flush()
         s = self._shared
         with s.lock:
             return s.exact.cursor.copy()

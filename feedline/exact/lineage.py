@@ -23,7 +23,8 @@ producers' names are not compared: they do not change a byte). Within an epoch t
 not compared: which producer finishes which unit first, and so the order a consumer takes
 them in, differs from run to run (and a resumed run re-takes what its checkpoint did not
 hold), while the batches are the same bytes. A batch taken twice with the same lineage is
-one batch (counted, and said). Training-mode batches (no place) compare in their order.
+one batch (counted, and said). A ledger with training-mode batches (no place, no
+fingerprints) cannot be compared: a DataError that says so.
 """
 
 from __future__ import annotations
@@ -130,14 +131,15 @@ class Ledger:
 def read_ledger(path: str | Path) -> Iterator[tuple[int, Lineage]]:
     """``(line number from 1, lineage)`` of each line; a line that is not one (a torn last
     line of a killed process) is a DataError naming it."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for n, text in enumerate(f, 1):
             if not text.strip():
                 continue
             try:
                 yield n, Lineage.from_dict(json.loads(text))
             except (ValueError, AttributeError, TypeError) as e:
-                raise DataError(f"{path}:{n}: {e}") from None
+                raise DataError(f"{path}:{n}: not a ledger line ({e}); a torn last line is "
+                                "what a killed consumer leaves: delete it") from None
 
 
 def ledger_line(path: str | Path, line: int) -> Lineage:
@@ -214,6 +216,14 @@ def diff(a: Iterable[tuple[int, Lineage]], b: Iterable[tuple[int, Lineage]]) -> 
     batch ``a`` lacks."""
     ka, order_a, rep_a = _keyed(a)
     kb, order_b, rep_b = _keyed(b)
+    for keyed, which in ((ka, "first"), (kb, "second")):
+        training = [n for k, (n, _) in keyed.items() if k[0] == "training"]
+        if training:
+            # No place, no fingerprints (the producer's own shuffle): equal lines say nothing
+            # of the data, and two such runs would read as identical.
+            raise DataError(f"line {min(training)} of the {which} ledger is a training-mode "
+                            "batch (no delivery: exact): it has no place or fingerprints, so "
+                            "two runs' data cannot be compared by their ledgers")
     epochs_b = {k[0] for k in kb if k[0] != "training"}
     for key in order_a:
         na, la = ka[key]

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import yaml
 
 from feedline.commands.replay import components, load, regenerate
 from feedline.consumer import ConsumerOptions, RemoteDataZMQ
+from feedline.errors import DataError
 from feedline.exact import diff, read_ledger
 from feedline.version import code_version
 from tests.support import ROOT
@@ -157,3 +159,46 @@ def test_a_resumed_run_and_an_uninterrupted_one_have_identical_ledgers(
     assert result.repeated == (0, 3) and result.batches == 2 * 96 // 4
     r = feedline("diff", whole, resumed)
     assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr
+
+
+# -- the new-user review's findings (stop 62), on ledgers written by hand ------------------
+
+def _line(step: int, unit: int, pipeline: int = 7) -> str:
+    return json.dumps({"step": step, "stream": "s", "epoch": 0, "unit": unit, "index": 0,
+                       "producer": "p", "pipeline": pipeline if unit >= 0 else 0,
+                       "file": 3 if unit >= 0 else 0, "code": "c" if unit >= 0 else ""}) + "\n"
+
+
+def test_training_mode_ledgers_are_refused_not_called_identical(tmp_path):
+    """Two training-mode runs of other seeds and sizes were "identical": their lines hold no
+    place and no fingerprints. A ledger with such lines cannot be compared: exit 2, why."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(_line(0, -1) + _line(1, -1))
+    b.write_text(_line(0, -1) + _line(1, -1))
+    with pytest.raises(DataError, match="line 1 of the first ledger is a training-mode"):
+        diff(read_ledger(a), read_ledger(b))
+    exact = tmp_path / "e.jsonl"
+    exact.write_text(_line(0, 0))
+    with pytest.raises(DataError, match="of the second ledger"):
+        diff(read_ledger(exact), read_ledger(b))
+    r = feedline("diff", a, b)
+    assert r.returncode == 2 and "training-mode" in r.stdout, r.stdout + r.stderr
+
+
+def test_unreadable_ledger_bytes_are_one_line_and_exit_2(tmp_path):
+    """Bytes that are no UTF-8 gave a traceback and exit 1 ("they differ"); a torn line gave
+    the parser's words only. Both are one line that names the file's line, exit 2."""
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(_line(0, 0))
+    bad.write_bytes(b"\xff\xfe" + _line(0, 0).encode())
+    r = feedline("diff", good, bad)
+    assert r.returncode == 2 and "bad.jsonl:1: not a ledger line" in r.stdout, r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text(_line(0, 0) + _line(1, 1)[:40])
+    r = feedline("diff", good, torn)
+    assert r.returncode == 2 and "torn.jsonl:2" in r.stdout and "delete it" in r.stdout
+    r = feedline("replay", tmp_path / "none.yaml", "--ledger", tmp_path / "missing.jsonl",
+                 "--line", "1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "missing.jsonl" in r.stderr
