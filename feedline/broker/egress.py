@@ -223,11 +223,19 @@ class ConsumerSide:
     def _void(self, stream: str) -> None:
         """What is buffered of ``stream`` that its coordinator would not serve now goes (a
         job's new launch voided the older one's units); what is still here counts as
-        accepted, so that it is not made again."""
+        accepted, so that it is not made again.
+
+        An EPOCH_END still queued goes too: it is of the older launch (a new launch's ends
+        are queued after the view that brought it), and the consumers served after this are
+        the new launch's (the older one's are refused), whose epoch is the checkpoint's: one
+        that waited for its resume's answer, admitted now, would take it for the end of its
+        own epoch and miss the rest of it. (It waits in the buffer behind batches, or while a
+        restarted host recovers and serves nothing.)"""
         coord = self.exact.get(stream)
         if coord is None:
             return
-        self.buffer.discard(stream, lambda h: h.batch is not None
+        self.buffer.discard(stream, lambda h: isinstance(m.decode(h.frames[0]), m.EpochEnd)
+                            if h.broadcast else h.batch is not None
                             and not coord.servable(h.batch.key, h.batch.pipeline))
         coord.holding(self.held_keys(stream))
 

@@ -45,6 +45,7 @@ from feedline.exact.cursor import Cursor
 from feedline.exact.job import View
 from feedline.exact.journal import (
     EpochBegun,
+    HostLaunch,
     JobBegun,
     JobUnit,
     Journal,
@@ -122,6 +123,10 @@ class Coordinator:
         # Served with a job's coordinator (several hosts): only the units it opened here are
         # handed out, and the epoch moves when the job's does (feedline.exact.scope).
         self.job: JobScope | None = None
+        # On a job's host: the (job, launch) this state is of, journaled (HostLaunch) so that
+        # a host restarted on its journal knows it; None: not known (not a job's host yet, or
+        # a journal written before hosts kept it).
+        self.job_launch: tuple[int, int] | None = None
         if records:
             self._replay(records)
             if not self.finished:
@@ -131,7 +136,10 @@ class Coordinator:
 
     # -- journal --------------------------------------------------------------------------
     def _snapshot(self) -> list[Record]:
-        recs: list[Record] = [Planned(self.plan), EpochBegun(self.epoch), RunEnds(self.end)]
+        recs: list[Record] = [Planned(self.plan)]
+        if self.job_launch is not None:
+            recs.append(HostLaunch(*self.job_launch))
+        recs += [EpochBegun(self.epoch), RunEnds(self.end)]
         if self.finished:
             recs.append(RunFinished())
         for u, total in sorted(self.done.items()):
@@ -154,6 +162,8 @@ class Coordinator:
             match r:
                 case Planned():
                     pass  # the plan is the caller's (feedline.exact.streams)
+                case HostLaunch(job=job, launch=launch):
+                    self.job_launch = (job, launch)
                 case EpochBegun(epoch=epoch):
                     self.epoch, self.units, self.done = epoch, {}, {}
                 case RunEnds(end=end):
@@ -609,6 +619,14 @@ class Coordinator:
         ch = job.take(view)
         ended: list[int] = []
         moved = (job.member.epoch, job.member.finished) != (self.epoch, self.finished)
+        # The launch this state is of, journaled before anything of it is settled here: a
+        # host restarted on its journal compares it with the job's (JobMember.view), and a
+        # view of another launch voids what the journal holds (takes of that launch: not
+        # the job's now, whose checkpoint may lack them).
+        launch = (job.member.job, job.member.launch)
+        relabeled = job.member.launch != 0 and launch != self.job_launch
+        if relabeled:
+            self.job_launch = launch
         if ch.new_launch or moved:
             if not ch.new_launch and job.member.epoch >= self.epoch:
                 ended = list(range(self.epoch,
@@ -622,6 +640,8 @@ class Coordinator:
                 log.info("stream %s: epoch %s complete on every host of the job%s", self.stream,
                          ", ".join(map(str, ended)),
                          "; every epoch of its run served" if self.finished else "")
+        elif relabeled:
+            self._rewrite()
         for u in ch.closed:
             if u not in self.done:
                 self.units.pop(u, None)

@@ -20,7 +20,8 @@ Records (:data:`Record`): a frozen dataclass per kind, each written as a JSON ob
 key (its ``encode()``) and read back by :func:`decode`. The coordinator's whole state (a
 rewrite) is :class:`Planned`, :class:`EpochBegun`, :class:`RunEnds`, :class:`RunFinished` once
 the run is served, :class:`UnitDone` for each unit done, and :class:`Settled` and
-:class:`UnitTotal` for each unit begun; appended after it: the batches settled since, a unit's
+:class:`UnitTotal` for each unit begun (on a host of a job, :class:`HostLaunch` after the
+plan); appended after it: the batches settled since, a unit's
 total, a unit done. A line whose checksum holds but whose object is of no kind here, or not
 as its kind writes it, is read as a line that fails its checksum.
 """
@@ -177,6 +178,25 @@ class UnitTotal:
         return UnitTotal(*_pair(value))
 
 
+@dataclass(frozen=True)
+class HostLaunch:
+    """``{"launch": [job, launch]}``: a host of a job served by several hosts
+    (feedline.exact.scope): the records after it are of that job's launch. A host restarted on
+    its journal knows from it whether what it holds is of the launch the job is at now (a
+    journal without it, written before hosts kept it: not known)."""
+
+    key: ClassVar[str] = "launch"
+    job: int
+    launch: int
+
+    def encode(self) -> dict[str, Any]:
+        return {self.key: [self.job, self.launch]}
+
+    @staticmethod
+    def _of(value: Any) -> HostLaunch:
+        return HostLaunch(*_pair(value))
+
+
 # -- a job coordinator's records (feedline.exact.job): its journal holds only these and Planned
 @dataclass(frozen=True)
 class JobBegun:
@@ -235,10 +255,10 @@ class JobUnit:
 
 
 Record = (Planned | EpochBegun | RunEnds | RunFinished | UnitDone | Settled | UnitTotal
-          | JobBegun | JobUnit)
+          | HostLaunch | JobBegun | JobUnit)
 _KINDS: dict[str, Callable[[Any], Record]] = {
     k.key: k._of for k in (Planned, EpochBegun, RunEnds, RunFinished, UnitDone, Settled,
-                           UnitTotal, JobBegun, JobUnit)}
+                           UnitTotal, HostLaunch, JobBegun, JobUnit)}
 
 
 def decode(raw: Any) -> Record:

@@ -20,8 +20,11 @@ What the host does with it:
   the host drops their buffered batches and refuses the older launch's consumers;
 - an epoch's end (:attr:`Change.ended`) is told to its consumers.
 
-State the host keeps in its journal: the job id, the launch, the epoch and its open units
-with what was taken of them (its own coordinator's journal holds the takes).
+State the host keeps in its journal (its own coordinator's, :mod:`feedline.exact.journal`):
+the job id and the launch its state is of (``HostLaunch``), the epoch, and what was taken
+here. A host restarted on it is :meth:`JobMember.restore`-d from it, so that a first view of
+another launch voids what it holds (takes of the older launch, which the job's checkpoint may
+lack); the units open here are the coordinator's to say (its view after the Join).
 """
 
 from __future__ import annotations
@@ -71,6 +74,13 @@ class JobMember:
         self._released: dict[int, int] = {}  # unit -> seq of the Done/Back that let it go
         self.heard = 0  # the seq of the last view taken
         self.version = (0, 0)  # of the last view taken
+
+    def restore(self, job: int, launch: int, epoch: int, finished: bool) -> None:
+        """A host restarted on its journal: it believes what it journaled (the job, the launch
+        its state is of, the epoch). A first view of another launch then voids that state
+        (:attr:`Change.new_launch`), as on a host that ran through the change; a member that
+        knew no launch would take any first view as its own."""
+        self.job, self.launch, self.epoch, self.finished = job, launch, epoch, finished
 
     def _next(self) -> int:
         self.seq += 1

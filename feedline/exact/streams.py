@@ -289,6 +289,8 @@ class ExactStreams:
                         now)
         if self.cfg.coordinator is not None:  # one host of a job: the job's units only
             member = JobMember(self.cfg.host, stream, plan, secrets.randbits(62) | 1)
+            if c.job_launch is not None:  # restarted on its journal (JobMember.restore)
+                member.restore(*c.job_launch, c.epoch, c.finished)
             c.job = JobScope(member, self.cfg.coordinator, now)
         return c
 

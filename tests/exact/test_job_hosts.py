@@ -112,11 +112,6 @@ def resume_ranks(egress: list[str], cursor: Cursor) -> list[Seen]:
     return got
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known race, issue 54 (stop 62): a host restarted on its journal does not know the job's "
-    "launch it was of, so a first view of a newer launch is not taken as one and the journal's "
-    "units of the old launch stand; fails about 1 run in 3 (a unit lost, or a rank never told "
-    "its epoch ended). The fix (the host journals its launch) is on branch jobrace."))
 def test_a_job_resumed_from_its_checkpoint_on_other_numbers_of_hosts_and_ranks(daemons,
                                                                               tmp_path):
     """3 hosts x 2 ranks take part of epoch 0, each rank saves its cursor and takes a little

@@ -24,6 +24,7 @@ from feedline.exact.coordinator import Assignment, Coordinator, ExactPlan
 from feedline.exact.cursor import Cursor
 from feedline.exact.journal import (
     EpochBegun,
+    HostLaunch,
     Journal,
     JournalCorrupt,
     Planned,
@@ -107,6 +108,7 @@ KINDS: list[tuple[Record, dict[str, Any]]] = [
     (Settled(1, 0b1011), {"settled": [1, [[0, 2], [3, 1]]]}),
     (Settled(0, 1 << 40), {"settled": [0, [[40, 1]]]}),
     (UnitTotal(0, 3), {"total": [0, 3]}),
+    (HostLaunch(0x1234, 3), {"launch": [0x1234, 3]}),
 ]
 
 

@@ -58,6 +58,10 @@ class Host:
     cut: bool = False  # partitioned: what it sends and is sent is lost
     joined: bool = False  # its Join was answered by this coordinator
     buffer: set[Key] = field(default_factory=set)  # made, not delivered (lost in a crash)
+    # The host's own journal (its coordinator's, feedline.exact.coordinator): the batches
+    # taken here, and the (job, launch) they were taken under; it survives a restart.
+    settled: set[Key] = field(default_factory=set)
+    journal_launch: tuple[int, int] = (0, 0)
     ranks: list[Rank] = field(default_factory=list)
 
 
@@ -149,7 +153,16 @@ class JobModel(RuleBasedStateMachine):
             return
         if v.session == h.member.session:
             h.joined = True
+        before = (h.member.epoch, h.member.finished)
         ch = h.member.view(v)
+        # What the host's coordinator does with it (Coordinator.job_view): a new launch or
+        # epoch voids what it settled, a unit no longer open here its batches'.
+        if ch.new_launch or (h.member.epoch, h.member.finished) != before:
+            h.settled.clear()
+        for u in ch.closed:
+            h.settled = {k for k in h.settled if k[1] != u}
+        if h.member.launch:
+            h.journal_launch = (h.member.job, h.member.launch)
         if ch.new_launch:
             # Every unit of the older launch is void: its buffered batches go, and its
             # consumers are refused (they are of the launch before).
@@ -235,8 +248,7 @@ class JobModel(RuleBasedStateMachine):
                 return
 
     def _taken_here(self, h: Host, key: Key) -> bool:
-        return any(key in r.keys for r in h.ranks
-                   if r.admitted == h.member.launch and r.admitted)
+        return key in h.settled
 
     @rule(data=st.data())
     def deliver(self, data: st.DataObject) -> None:
@@ -252,6 +264,7 @@ class JobModel(RuleBasedStateMachine):
         if not h.member.deliverable(*key) or self._taken_here(h, key):
             return
         r.keys.append(key)
+        h.settled.add(key)
         self.took.setdefault(r.launch, []).append(key)
         epoch, u, _ = key
         taken = self._unit_taken(h, u)
@@ -262,11 +275,9 @@ class JobModel(RuleBasedStateMachine):
     def _unit_taken(self, h: Host, u: int) -> int:
         got = h.member.open.get(u)
         bits = got[1] if got else 0
-        for r in h.ranks:
-            if r.admitted == h.member.launch and r.admitted:
-                for e, uu, i in r.keys:
-                    if e == h.member.epoch and uu == u:
-                        bits |= 1 << i
+        for e, uu, i in h.settled:
+            if e == h.member.epoch and uu == u:
+                bits |= 1 << i
         return bits
 
     @rule(data=st.data())
@@ -283,14 +294,16 @@ class JobModel(RuleBasedStateMachine):
     # -- faults -----------------------------------------------------------------------------
     @rule(data=st.data())
     def host_restarts(self, data: st.DataObject) -> None:
-        """kill -9 of the host's broker, started again: its buffer is lost, its journal (the
-        member's state) stays, its consumers register again."""
+        """kill -9 of the host's broker, started again: its buffer is lost, its journal (what
+        it settled, and the launch that was of) stays and the member is restored from it as
+        feedline.exact.streams restores it (not its open units: the coordinator's view says
+        them), its consumers register again."""
         h = self._host(data)
         old = h.member
         h.session += 1
         m = JobMember(h.name, STREAM, self.plan, h.session)
-        m.job, m.launch, m.epoch, m.finished = old.job, old.launch, old.epoch, old.finished
-        m.open, m.done_units = dict(old.open), dict(old.done_units)
+        if h.journal_launch != (0, 0):
+            m.restore(*h.journal_launch, old.epoch, old.finished)
         h.member, h.buffer, h.joined, h.up = m, set(), False, True
         self._send(h, m.join(self._readers(h)))
         for r in h.ranks:  # those not admitted yet register again, with the new broker
