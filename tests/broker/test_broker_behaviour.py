@@ -405,7 +405,9 @@ def test_a_second_sigint_while_stopping_ends_the_broker_without_a_traceback(tmp_
                                                                            endpoints) -> None:
     """Ctrl-C in a terminal (or ``timeout`` and the shell) can deliver SIGINT twice: a new
     user got a KeyboardInterrupt traceback from zmq_poll. The second one ends it at once, in
-    one line, status 130 (or, if it came after the broker had stopped, 0)."""
+    one line, status 130. If it came after the broker had stopped (its last line said so), the
+    status is 0, or death by SIGINT (-2; 130 in a shell) when it landed while Python tore the
+    process down: CPython puts the default handlers back then. CI saw that once."""
     broker = subprocess.Popen(
         [sys.executable, "-m", "feedline.broker", "--ingress", endpoints.ingress, "--egress",
          endpoints.egress, "--metrics-port", "0"],
@@ -421,6 +423,9 @@ def test_a_second_sigint_while_stopping_ends_the_broker_without_a_traceback(tmp_
             broker.kill()
             broker.communicate()
     assert "Traceback" not in err, err
-    assert broker.returncode in (0, 130), (broker.returncode, err)
+    assert broker.returncode in (0, 130, -signal.SIGINT), (broker.returncode, err)
+    last = err.strip().splitlines()[-1]
     if broker.returncode == 130:
-        assert err.strip().splitlines()[-1].startswith("feedline broker: interrupted again"), err
+        assert last.startswith("feedline broker: interrupted again"), err
+    else:  # it had stopped and said so before the second signal counted
+        assert "INFO feedline.broker.cli: broker stopped by SIGINT" in last, err
