@@ -46,7 +46,7 @@ from feedline.producer.dataflow.batch_data import odd_samples, sample_name
 from feedline.producer.dataflow.map_data import ComponentFunc, apply, reseed
 from feedline.producer.dataflow.worker import WorkerInfo, set_worker
 from feedline.producer.outbox import ExactSpec
-from feedline.producer.pipeline import training_fingerprint
+from feedline.producer.pipeline import exact_file_fingerprint
 from feedline.producer.pipeline_spec import (
     MAP_STEPS,
     SOURCES,
@@ -84,7 +84,7 @@ class ExactPipeline:
     shuffle: bool = True
     stream: str = DEFAULT_STREAM
     skipped: int = 0  # samples the batch step left out (on_error: skip), over the run
-    # The pipeline file's fingerprint (training_fingerprint of the map it was built from:
+    # The pipeline file's fingerprint (exact_file_fingerprint of the map it was built from:
     # what a batch's lineage names, with the code version; 0: not built from one).
     file_fingerprint: int = 0
 
@@ -312,7 +312,7 @@ def build_exact(cfg: Mapping[str, Any]) -> ExactPipeline:
     epochs = cfg.get("epochs")
     return ExactPipeline(src, funcs, batch_size, seed, on_error, workers, unit_size or 0,
                          int(epochs or 0), shuffle, str(cfg.get("stream", DEFAULT_STREAM)),
-                         file_fingerprint=training_fingerprint(cfg))
+                         file_fingerprint=exact_file_fingerprint(cfg))
 
 
 def send_exact(pipe: ExactPipeline, addr: str | list[str], *, producer_id: str | None = None,

@@ -110,7 +110,19 @@ def training_fingerprint(cfg: Mapping[str, Any]) -> int:
     everything in it but its stream and epochs (``--data`` applied). Producers of one file
     have the same; a broker drops what a departed pipeline left on a stream once one with
     another fingerprint produces it (docs/architecture.md, "Streams")."""
-    what = {k: v for k, v in cfg.items() if k not in _NOT_THE_PIPELINE}
+    return _fingerprint(cfg, _NOT_THE_PIPELINE)
+
+
+def exact_file_fingerprint(cfg: Mapping[str, Any]) -> int:
+    """The file an exact pipeline was built from, as a batch's lineage names it: as
+    :func:`training_fingerprint`, and without ``parallel``: an exact batch is the same bytes
+    whatever the workers (each sample's randomness is its own), so a file run with more
+    workers is not another pipeline file (``feedline diff`` would call it one)."""
+    return _fingerprint(cfg, (*_NOT_THE_PIPELINE, "parallel"))
+
+
+def _fingerprint(cfg: Mapping[str, Any], leave_out: tuple[str, ...]) -> int:
+    what = {k: v for k, v in cfg.items() if k not in leave_out}
     text = json.dumps(what, sort_keys=True, default=str)
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "big") >> 1) or 1
