@@ -92,9 +92,10 @@ def regenerate(pipe: Any, epoch: int, unit: int, index: int) -> Any:
     units = -(-spec.dataset_size // max(1, spec.unit_size))
     if not 0 <= unit < units:
         raise FeedlineError(f"unit {unit}: the pipeline has units 0..{units - 1}")
-    if epoch < 0 or (pipe.epochs and epoch >= pipe.epochs):
-        raise FeedlineError(f"epoch {epoch}: the pipeline runs epochs 0..{pipe.epochs - 1}"
-                            if pipe.epochs else f"epoch {epoch}: epochs are >= 0")
+    # Any epoch: the file's ``epochs:`` is how long one run went, not part of the pipeline
+    # (a run given more, or resumed past it, made later epochs from the same file).
+    if epoch < 0:
+        raise FeedlineError(f"epoch {epoch}: epochs are >= 0")
     slots = pipe.slots(epoch, unit)
     if not 0 <= index < slots:
         raise FeedlineError(f"index {index}: unit {unit} of epoch {epoch} has batches "

@@ -30,6 +30,7 @@ fingerprints) cannot be compared: a DataError that says so.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from typing import Any, TextIO
 
 from feedline.errors import DataError
 from feedline.protocol.wire import Batch
+
+log = logging.getLogger(__name__)
 
 BUFFER = 64 * 1024  # bytes a ledger holds before it writes
 
@@ -88,6 +91,13 @@ class Ledger:
     def __init__(self, path: str | Path, stream: str) -> None:
         self.path = Path(path)
         self._stream = json.dumps(stream)
+        try:
+            held = self.path.stat().st_size
+        except OSError:
+            held = 0
+        if held:  # a resumed run continues its file; a new one may have meant a new file
+            log.info("ledger %s: appending to its %d bytes (steps count from 0 again; give "
+                     "another path to start a new ledger)", self.path, held)
         self._file: TextIO | None = open(self.path, "a", buffering=BUFFER,  # noqa: SIM115
                                          encoding="utf-8")
         self._lock = threading.Lock()
@@ -143,10 +153,13 @@ def read_ledger(path: str | Path) -> Iterator[tuple[int, Lineage]]:
 
 
 def ledger_line(path: str | Path, line: int) -> Lineage:
+    first = last = 0
     for n, lin in read_ledger(path):
         if n == line:
             return lin
-    raise DataError(f"{path} has no line {line}")
+        first, last = first or n, n
+    held = f"its lines are {first}..{last}" if last else "it holds no ledger line"
+    raise DataError(f"{path} has no line {line}: {held}")
 
 
 @dataclass(frozen=True)
