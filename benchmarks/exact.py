@@ -143,6 +143,8 @@ class Run:
                 "switch_s": statistics.median(switches) if switches else 0.0,
                 "producer_cpu_ms_per_1k": 1e6 * producer_cpu / max(samples, 1),
                 "broker_cpu_ms_per_1k": 1e6 * (cpu1[1] - cpu0[1]) / max(samples, 1),
+                # The consumer's (this process's) CPU a batch: where a ledger costs.
+                "consumer_cpu_us_per_batch": 1e6 * (cpu1[2] - cpu0[2]) / max(len(times), 1),
                 "samples_per_cpu_s": samples / max(total_cpu, 1e-9)}
 
     def close(self) -> None:
@@ -263,6 +265,11 @@ def main() -> None:
         each = " / ".join(f"{x:.3f}" for x in paired)
         print(f"exact-ledger / exact = {whole:.3f}x (medians); per round {each}, median "
               f"{statistics.median(paired):.3f}x")
+        # Throughput hides the ledger when the consumer is not the bottleneck; its CPU shows it.
+        cx, cl = (med[m]["consumer_cpu_us_per_batch"] for m in ("exact", LEDGER))
+        print(f"consumer CPU per batch: exact {cx:.1f} us, exact-ledger {cl:.1f} us: the "
+              f"ledger {cl - cx:+.1f} us a batch, {100 * (cl - cx) / max(cx, 1e-9):+.1f}% of "
+              "the consumer's CPU")
     local: dict[str, list[float]] = {m: [] for m in MODES}
     if a.in_process:
         for r in range(a.rounds):
