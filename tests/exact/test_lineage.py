@@ -3,12 +3,17 @@ replayed offline give byte for byte the batches the consumer received, for the c
 test pipeline and for the ImageNet train preset over JPEG shards served over HTTP; a pipeline
 file changed by one number is named by ``feedline diff``; a run interrupted and resumed from
 its checkpoint and the same run uninterrupted have ledgers ``feedline diff`` calls identical.
+
+FEEDLINE_LINEAGE_LINES=N (20 by default) sizes the two replay runs to give at least N ledger
+lines and replays N of them: the issue's figure is N=200 (about 2 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
 import random
 import subprocess
@@ -22,13 +27,15 @@ import yaml
 
 from feedline.commands.replay import components, load, regenerate
 from feedline.consumer import ConsumerOptions, RemoteDataZMQ
-from feedline.errors import DataError
-from feedline.exact import diff, read_ledger
+from feedline.errors import DataError, FeedlineError
+from feedline.exact import Ledger, diff, ledger_line, read_ledger
 from feedline.version import code_version
 from tests.support import ROOT
 from tests.support.exact_run import FAST, LIVENESS, pipeline
 from tests.support.jpeg_data import make_folder
 from tests.support.shard_server import file_server
+
+LINES = int(os.environ.get("FEEDLINE_LINEAGE_LINES", "20"))  # ledger lines replayed per run
 
 
 def producer(daemons, cfg: Path, broker: str, name: str, stream: str):
@@ -55,12 +62,12 @@ def feedline(*args: Any) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def assert_replayed(cfg: Path, ledger: Path, got: list[Any], lines: int = 20) -> None:
+def assert_replayed(cfg: Path, ledger: Path, got: list[Any], lines: int = LINES) -> None:
     """``lines`` random ledger lines made again offline equal what the consumer received,
     component by component: dtype, shape and bytes."""
     pipe = load(str(cfg))
     entries = list(read_ledger(ledger))
-    assert len(entries) == len(got)
+    assert len(entries) == len(got) >= lines
     for n, lin in random.Random(5).sample(entries, min(lines, len(entries))):
         assert (lin.pipeline, lin.pipeline_file, lin.code) == \
             (pipe.fingerprint, pipe.file_fingerprint, code_version())
@@ -76,7 +83,7 @@ def assert_replayed(cfg: Path, ledger: Path, got: list[Any], lines: int = 20) ->
 def test_ledger_lines_replay_to_the_received_batches(broker_proc, daemons, endpoints,
                                                      tmp_path):
     broker_proc("--state-dir", str(tmp_path / "state"))
-    cfg = pipeline(tmp_path)
+    cfg = pipeline(tmp_path, n=max(96, 32 * math.ceil(LINES / 16)))  # 2 epochs of n / 4
     for i in range(2):
         producer(daemons, cfg, endpoints.ingress, f"p{i}", "val")
     ledger = tmp_path / "ledger.jsonl"
@@ -97,7 +104,8 @@ def test_ledger_lines_replay_to_the_received_batches(broker_proc, daemons, endpo
 
 def test_jpeg_shards_with_the_train_preset_replay_bit_for_bit(broker_proc, daemons,
                                                               endpoints, tmp_path):
-    make_folder(tmp_path / "images", classes=3, per_class=8)
+    # 3 classes of p images in units of 4, batches of 3: 1.5 p batches an epoch, 2 epochs.
+    make_folder(tmp_path / "images", classes=3, per_class=max(8, math.ceil(LINES / 3)))
     r = feedline("convert", tmp_path / "images", tmp_path / "shards", "--shard-size", "20KB",
                  "--no-progress")
     assert r.returncode == 0, r.stderr
@@ -202,3 +210,48 @@ def test_unreadable_ledger_bytes_are_one_line_and_exit_2(tmp_path):
                  "--line", "1")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "missing.jsonl" in r.stderr
+
+
+def test_the_workers_of_an_exact_file_are_not_another_pipeline_file(tmp_path):
+    """A run with ``parallel.workers: 4`` makes the same bytes as one with 1 (each sample's
+    randomness is its own), so the lineage's file fingerprint leaves ``parallel`` out; a step's
+    number still changes it."""
+    one = pipeline(tmp_path / "one")
+    text = one.read_text()
+    four = tmp_path / "four.yaml"
+    four.write_text(text + "parallel: {workers: 4}\n")
+    other = tmp_path / "other.yaml"
+    other.write_text(text.replace("nbytes: 512", "nbytes: 513"))
+    a, b, c = (load(str(p)) for p in (one, four, other))
+    assert b.threads == 4 != a.threads
+    assert a.file_fingerprint == b.file_fingerprint != c.file_fingerprint
+    assert a.fingerprint == b.fingerprint
+
+
+def test_a_missing_line_names_the_ledgers_range_and_an_epoch_past_the_files_replays(
+        tmp_path, caplog):
+    """``--line 9`` of a 2-line ledger said "has no line 9" only; an epoch past the file's
+    ``epochs:`` (a run given more, or resumed past it) was refused though the file makes it;
+    a ledger appended to said nothing (its steps count from 0 again)."""
+    path = tmp_path / "l.jsonl"
+    path.write_text(_line(0, 0) + _line(1, 1))
+    with pytest.raises(DataError, match=r"has no line 9: its lines are 1\.\.2"):
+        ledger_line(path, 9)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="it holds no ledger line"):
+        ledger_line(empty, 1)
+    with caplog.at_level(logging.INFO, logger="feedline.exact.lineage"):
+        Ledger(empty, "s").close()
+        assert not caplog.records  # a new ledger: nothing to say
+        Ledger(path, "s").close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ledger {path}: appending to its {path.stat().st_size} bytes (steps count from 0 "
+        "again; give another path to start a new ledger)"]
+    pipe = load(str(pipeline(tmp_path, epochs=2)))
+    late = dict(components(regenerate(pipe, 5, 0, 0)))
+    first = dict(components(regenerate(pipe, 0, 0, 0)))
+    assert late.keys() == first.keys()
+    assert any(late[k].tobytes() != first[k].tobytes() for k in late)  # another epoch's
+    with pytest.raises(FeedlineError, match="epochs are >= 0"):
+        regenerate(pipe, -1, 0, 0)
