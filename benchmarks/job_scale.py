@@ -10,12 +10,16 @@ what that means for a job at ``--rate`` samples a second.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
-from feedline.exact.job import JobCoordinator
-from feedline.exact.member import JobMember
-from feedline.exact.plan import ExactPlan
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as is
+
+from feedline.exact.job import JobCoordinator  # noqa: E402
+from feedline.exact.member import JobMember  # noqa: E402
+from feedline.exact.plan import ExactPlan  # noqa: E402
 
 
 def main() -> None:
