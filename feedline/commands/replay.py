@@ -20,7 +20,9 @@ import argparse
 import hashlib
 import json
 import sys
+import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -128,6 +130,23 @@ def checked(pipe: Any, lin: Lineage) -> list[str]:
     return notes
 
 
+def _write_npz(path: str, parts: list[tuple[str, np.ndarray]]) -> None:
+    """An .npz as ``np.savez`` writes it, each component ``NAME.npy`` (numpy.lib.format),
+    whatever its name: ``np.savez(f, **parts)`` takes "file" or "allow_pickle" as its own."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, a in parts:
+            with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
+
+
+def _check_out(path: str) -> None:
+    target = Path(path)
+    if target.is_dir():
+        raise FeedlineError(f"--out {path}: a directory; give a file name (batch.npz)")
+    if not target.parent.is_dir():
+        raise FeedlineError(f"--out {path}: its directory {target.parent} does not exist")
+
+
 def run(args: argparse.Namespace) -> int:
     err = sys.stderr
     try:
@@ -142,24 +161,38 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit("feedline replay: give --epoch E --unit U [--index I], or "
                                  "--ledger FILE --line N")
             lin, epoch, unit, index = None, args.epoch, args.unit, args.index
-        pipe = load(args.pipeline, args.data)
+        if args.ledger is not None and args.index != 0:
+            raise SystemExit("feedline replay: --ledger takes --line N; the line gives the "
+                             "batch's index (drop --index)")
+        if args.out:
+            _check_out(args.out)  # before minutes of decoding, not after
+        try:
+            pipe = load(args.pipeline, args.data)
+        except UnicodeDecodeError:
+            raise FeedlineError(f"{args.pipeline}: not a text file (a pipeline file is "
+                                "YAML)") from None
+        except FeedlineError as e:  # which file, where the message says only what
+            raise FeedlineError(e if args.pipeline in str(e) else
+                                f"{args.pipeline}: {e}") from None
         notes = checked(pipe, lin) if lin is not None else []
         for n in notes:
             print(n, file=err)
+        batch = regenerate(pipe, epoch, unit, index)  # checks the place first
         ids = pipe.batch_samples(epoch, unit, index)
-        batch = regenerate(pipe, epoch, unit, index)
     except FeedlineError as e:  # ConfigError, DataError included
         raise SystemExit(f"feedline replay: {e}") from None
-    except OSError as e:  # a ledger that is not there, a directory
-        raise SystemExit(f"feedline replay: {e.filename}: {e.strerror}") from None
+    except OSError as e:  # a ledger or pipeline file that is not there, a directory
+        raise SystemExit(f"feedline replay: {e.filename or args.pipeline}: "
+                         f"{e.strerror}") from None
     if batch is None:
         print(f"feedline replay: every sample of epoch {epoch} unit {unit} batch {index} was "
               "skipped (on_error: skip): its producer sent nothing", file=err)
         return 1
     parts = list(components(batch))
     if args.out:
-        with open(args.out, "wb") as f:
-            np.savez(f, **dict(parts))  # type: ignore[arg-type]  # numpy's stub: allow_pickle
+        # Keys as one dict argument: a component named "file" or "allow_pickle" is an array
+        # of the archive, not savez's parameter.
+        _write_npz(args.out, parts)
     if args.json:
         print(json.dumps({
             "epoch": epoch, "unit": unit, "index": index, "samples": ids, "seed": pipe.seed,

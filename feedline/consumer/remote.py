@@ -39,7 +39,7 @@ from feedline import endpoints
 from feedline.consumer.direct import DirectConfig, DirectIO
 from feedline.consumer.io import ConsumerIO, Delivery, EpochMark, Marker, ProducerStats, Shared
 from feedline.errors import ConfigError, FeedlineError, ReceiveTimeout
-from feedline.exact import Cursor, Ledger, Lineage
+from feedline.exact import Cursor, Ledger, Lineage, check_ledger_path
 from feedline.protocol.messages import DEFAULT_STREAM, check_stream
 from feedline.security import ClientKeys, ServerKeys
 from feedline.serving.budget import DEPTH
@@ -123,6 +123,8 @@ class ConsumerOptions:
             raise ConfigError("max_bytes must be >= 1")
         if self.ledger is not None and not isinstance(self.ledger, (str, Path)):
             raise ConfigError("ledger must be a path (str or Path) or None")
+        if self.ledger is not None:
+            check_ledger_path(self.ledger)  # now, not at the first batch in the I/O thread
 
 
 # The keywords RemoteDataZMQ took before ConsumerOptions held them, accepted with a warning

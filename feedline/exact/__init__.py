@@ -46,6 +46,7 @@ from feedline.exact.lineage import (
            Difference,
            Ledger,
            Lineage,
+           check_ledger_path,
            diff,
            ledger_line,
            read_ledger,
@@ -60,5 +61,5 @@ __all__ = ["JOB_FRAME_MAX", "MAX_CURSOR_BYTES", "MAX_STREAMS", "MAX_UNITS", "REC
            "WAIT", "Applied", "Assignment", "Comparison", "Coordinator", "Cursor", "CursorKeeper",
            "Difference", "ExactConfig", "ExactPlan", "ExactStreams", "JobCoordinator", "JobJoin",
            "JobMember", "JobRefused", "JobScope", "Ledger", "Lineage", "NoUnit", "Succession",
-           "View", "decode_job_frame", "diff", "encode_job_frame", "encode_job_refusal",
-           "ledger_line", "read_ledger"]
+           "View", "check_ledger_path", "decode_job_frame", "diff", "encode_job_frame",
+           "encode_job_refusal", "ledger_line", "read_ledger"]

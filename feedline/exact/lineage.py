@@ -6,7 +6,8 @@ the ``index``-th ``batch_size`` of them) and the seed of every sample's augmenta
 function of ``(seed, epoch, sample)``) follow from the pipeline file, so they are recomputed
 (``feedline replay``), never sent. What the place cannot give travels with the batch, two
 optional header entries (:func:`feedline.protocol.wire.lineage_fields`): the fingerprint of
-the pipeline file and the producer's code version (docs/architecture.md, "Lineage").
+the pipeline file and the producer's code version (docs/tensorflow.md, "Which samples were
+in step N").
 
 The ledger (``ConsumerOptions(ledger=PATH)``) is one JSON line per batch the model took, in
 the order it took them, appended (a resumed run goes on in the same file)::
@@ -22,9 +23,11 @@ Diff (:func:`diff`): two ledgers hold the same data when every epoch holds the s
 producers' names are not compared: they do not change a byte). Within an epoch the order is
 not compared: which producer finishes which unit first, and so the order a consumer takes
 them in, differs from run to run (and a resumed run re-takes what its checkpoint did not
-hold), while the batches are the same bytes. A batch taken twice with the same lineage is
-one batch (counted, and said). A ledger with training-mode batches (no place, no
-fingerprints) cannot be compared: a DataError that says so.
+hold), while the batches are the same bytes. A batch taken again after a resume (the
+ledger's steps counting from 0 again) with the same lineage is one batch (counted, and
+said); taken again with another lineage, or twice without a resume between, is a
+difference: the model saw other data, or the same batch twice. A ledger with training-mode
+batches (no place, no fingerprints) cannot be compared: a DataError that says so.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ import json
 import logging
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from feedline.errors import DataError
+from feedline.errors import ConfigError, DataError
 from feedline.protocol.wire import Batch
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class Lineage:
     pipeline: int
     pipeline_file: int
     code: str
+    step: int = field(default=-1, compare=False)  # its ledger line's (-1: not from one)
 
     @classmethod
     def of(cls, batch: Batch, stream: str) -> Lineage:
@@ -73,15 +77,42 @@ class Lineage:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Lineage:
+        """A ledger line's lineage; a value of another type (1.7, "1", true, null) is a
+        DataError, not coerced into another batch's place."""
+        if not isinstance(d, dict):
+            raise DataError(f"not a ledger line: a JSON {type(d).__name__}, not an object")
         try:
-            return cls(str(d["stream"]), int(d["epoch"]), int(d["unit"]), int(d["index"]),
-                       str(d["producer"]), int(d["pipeline"]), int(d["file"]), str(d["code"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(f"not a ledger line: {e!r}") from None
+            ints = [d[k] for k in ("epoch", "unit", "index", "pipeline", "file")]
+            strs = [d[k] for k in ("stream", "producer", "code")]
+        except KeyError as e:
+            raise DataError(f"not a ledger line: it has no {e.args[0]!r}") from None
+        step = d.get("step", -1)
+        for k, v in zip(("epoch", "unit", "index", "pipeline", "file", "step"),
+                        (*ints, step), strict=True):
+            if type(v) is not int or v < -1 or (k in ("pipeline", "file", "epoch") and v < 0):
+                raise DataError(f"not a ledger line: {k} is {v!r}, not a count")
+        for k, v in zip(("stream", "producer", "code"), strs, strict=True):
+            if not isinstance(v, str):
+                raise DataError(f"not a ledger line: {k} is {v!r}, not a string")
+        return cls(strs[0], ints[0], ints[1], ints[2], strs[1], ints[3], ints[4], strs[2],
+                   step)
 
     @property
     def key(self) -> tuple[int, int, int]:
         return (self.epoch, self.unit, self.index)
+
+
+def check_ledger_path(path: str | Path) -> None:
+    """A ledger path a consumer can append lines to, or a ConfigError saying what it is:
+    a directory, a FIFO or a device (a FIFO would block the consumer), no such directory."""
+    p = Path(path)
+    if str(path) == "":
+        raise ConfigError("ledger: an empty path; give a file name (run-a.jsonl)")
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"ledger {p}: not a regular file (a directory, FIFO or device); "
+                          "give a file name")
+    if not p.parent.is_dir():
+        raise ConfigError(f"ledger {p}: its directory {p.parent} does not exist")
 
 
 class Ledger:
@@ -91,15 +122,23 @@ class Ledger:
     def __init__(self, path: str | Path, stream: str) -> None:
         self.path = Path(path)
         self._stream = json.dumps(stream)
+        check_ledger_path(self.path)
+        held = self.path.stat().st_size if self.path.exists() else 0
+        torn = False
+        if held:
+            with open(self.path, "rb") as f:
+                f.seek(held - 1)
+                torn = f.read(1) != b"\n"
         try:
-            held = self.path.stat().st_size
-        except OSError:
-            held = 0
+            self._file: TextIO | None = open(self.path, "a", buffering=BUFFER,  # noqa: SIM115
+                                             encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"ledger {self.path}: cannot write it: {e.strerror}") from None
+        if torn:  # a killed writer's or a full disk's part line: end it, keep it apart
+            self._file.write("\n")
         if held:  # a resumed run continues its file; a new one may have meant a new file
             log.info("ledger %s: appending to its %d bytes (steps count from 0 again; give "
                      "another path to start a new ledger)", self.path, held)
-        self._file: TextIO | None = open(self.path, "a", buffering=BUFFER,  # noqa: SIM115
-                                         encoding="utf-8")
         self._lock = threading.Lock()
         self._quoted: dict[str, str] = {}  # producer ids and code versions, JSON-quoted
         self.step = 0
@@ -145,11 +184,15 @@ def read_ledger(path: str | Path) -> Iterator[tuple[int, Lineage]]:
         for n, text in enumerate(f, 1):
             if not text.strip():
                 continue
+            torn = "a torn line is what a killed consumer or a full disk leaves: delete it"
             try:
-                yield n, Lineage.from_dict(json.loads(text))
-            except (ValueError, AttributeError, TypeError) as e:
-                raise DataError(f"{path}:{n}: not a ledger line ({e}); a torn last line is "
-                                "what a killed consumer leaves: delete it") from None
+                d = json.loads(text)
+            except (ValueError, RecursionError) as e:  # not JSON, ints of 5000 digits, [[[[...
+                raise DataError(f"{path}:{n}: not a ledger line ({e}); {torn}") from None
+            try:
+                yield n, Lineage.from_dict(d)
+            except DataError as e:  # Infinity, 1.7, "1", null
+                raise DataError(f"{path}:{n}: {e}; {torn}") from None
 
 
 def ledger_line(path: str | Path, line: int) -> Lineage:
@@ -183,24 +226,41 @@ class Comparison:
 
 
 def _keyed(lines: Iterable[tuple[int, Lineage]]) -> tuple[dict[tuple, tuple[int, Lineage]],
-                                                         list[tuple], int]:
+                                                         list[tuple], int,
+                                                         tuple[int, str] | None]:
     """Batches by their place (training batches by their order), the places in line order,
-    and the lines that repeated a batch (the first line of each is kept)."""
-    out: dict[tuple, tuple[int, Lineage]] = {}
+    the lines that repeated a batch after a resume (its first line is kept), and the first
+    repeat that is a difference within the ledger: ``(line, why)`` of a batch taken again
+    with another lineage, or twice in one run (no step 0 between: no resume)."""
+    out: dict[tuple, tuple[int, Lineage, int]] = {}
     order: list[tuple] = []
-    repeated, training = 0, 0
+    repeated, training, run, last_step = 0, 0, 0, None
+    conflict: tuple[int, str] | None = None
     for n, lin in lines:
+        if lin.step >= 0 and last_step is not None and lin.step <= last_step:
+            run += 1  # steps counted from 0 again: a resumed run appends here
+        last_step = lin.step if lin.step >= 0 else last_step
         if lin.unit < 0:
             key: tuple = ("training", training)
             training += 1
         else:
             key = lin.key
         if key in out:  # taken again: its first line is the one compared
+            first_n, first, first_run = out[key]
             repeated += 1
+            if conflict is None:
+                reason = why(first, lin)
+                if reason is not None:
+                    conflict = (n, f"{reason}: taken again after line {first_n} with another "
+                                "lineage (a resume onto a changed pipeline or code)")
+                elif first_run == run and lin.step >= 0:
+                    conflict = (n, f"epoch {lin.epoch} unit {lin.unit} batch {lin.index}: "
+                                f"taken twice in one run (lines {first_n} and {n}, no resume "
+                                "between): the model saw it twice")
             continue
-        out[key] = (n, lin)
+        out[key] = (n, lin, run)
         order.append(key)
-    return out, order, repeated
+    return {k: (n, lin) for k, (n, lin, _) in out.items()}, order, repeated, conflict
 
 
 def why(a: Lineage, b: Lineage) -> str | None:
@@ -227,8 +287,8 @@ def diff(a: Iterable[tuple[int, Lineage]], b: Iterable[tuple[int, Lineage]]) -> 
     epoch as sets of places. The first difference is the first line of ``a`` (in its order)
     whose batch ``b`` lacks or has with another lineage, else the first line of ``b`` whose
     batch ``a`` lacks."""
-    ka, order_a, rep_a = _keyed(a)
-    kb, order_b, rep_b = _keyed(b)
+    ka, order_a, rep_a, conflict_a = _keyed(a)
+    kb, order_b, rep_b, conflict_b = _keyed(b)
     for keyed, which in ((ka, "first"), (kb, "second")):
         training = [n for k, (n, _) in keyed.items() if k[0] == "training"]
         if training:
@@ -237,6 +297,10 @@ def diff(a: Iterable[tuple[int, Lineage]], b: Iterable[tuple[int, Lineage]]) -> 
             raise DataError(f"line {min(training)} of the {which} ledger is a training-mode "
                             "batch (no delivery: exact): it has no place or fingerprints, so "
                             "two runs' data cannot be compared by their ledgers")
+    if conflict_a is not None:
+        return Comparison(Difference(conflict_a[0], 0, conflict_a[1]), len(ka), (rep_a, rep_b))
+    if conflict_b is not None:
+        return Comparison(Difference(0, conflict_b[0], conflict_b[1]), len(ka), (rep_a, rep_b))
     epochs_b = {k[0] for k in kb if k[0] != "training"}
     for key in order_a:
         na, la = ka[key]

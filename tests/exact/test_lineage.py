@@ -27,7 +27,7 @@ import yaml
 
 from feedline.commands.replay import components, load, regenerate
 from feedline.consumer import ConsumerOptions, RemoteDataZMQ
-from feedline.errors import DataError, FeedlineError
+from feedline.errors import ConfigError, DataError, FeedlineError
 from feedline.exact import Ledger, diff, ledger_line, read_ledger
 from feedline.version import code_version
 from tests.support import ROOT
@@ -255,3 +255,113 @@ def test_a_missing_line_names_the_ledgers_range_and_an_epoch_past_the_files_repl
     assert any(late[k].tobytes() != first[k].tobytes() for k in late)  # another epoch's
     with pytest.raises(FeedlineError, match="epochs are >= 0"):
         regenerate(pipe, -1, 0, 0)
+
+
+# -- the attack review's findings (stop 63) ---------------------------------------------------
+
+def _stepped(step: int, unit: int, **kw: Any) -> str:
+    d = json.loads(_line(step, unit))
+    d.update(kw)
+    return json.dumps(d) + "\n"
+
+
+def test_a_batch_taken_again_with_another_lineage_or_twice_in_one_run_is_a_difference(
+        tmp_path):
+    """diff kept a re-taken batch's first line and dropped the rest unread: a resume onto a
+    changed pipeline file read as identical, and so did a run that took one batch twice."""
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(_stepped(i, i) for i in range(4)))
+    # Resumed after step 1 (steps from 0 again), the re-takes of units 2 and 3 the same: one
+    # batch each, said as repeats.
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(_stepped(i, i) for i in range(3))
+                    + "".join(_stepped(i, u) for i, u in enumerate((2, 3))))
+    result = diff(read_ledger(whole), read_ledger(same))
+    assert result.first is None and result.repeated == (0, 1), result
+    # The same resume onto a pipeline file changed by one number: the re-take differs.
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("".join(_stepped(i, i) for i in range(3))
+                       + "".join(_stepped(i, u, file=4) for i, u in enumerate((2, 3))))
+    first = diff(read_ledger(whole), read_ledger(changed)).first
+    assert first is not None and first.line_b == 4, first
+    assert "another pipeline file" in first.why and "taken again after line 3" in first.why
+    # One run (steps never back to 0) that took unit 1 twice.
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("".join(_stepped(i, u) for i, u in enumerate((0, 1, 1, 2, 3))))
+    first = diff(read_ledger(twice), read_ledger(whole)).first
+    assert first is not None and first.line_a == 3 and "taken twice in one run" in first.why
+    r = feedline("diff", whole, changed)
+    assert r.returncode == 1 and "taken again" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("bad", ["Infinity", "1e400", "1.7", '"1"', "true", "null", "-3"])
+def test_a_ledger_value_of_another_type_is_refused_not_coerced(tmp_path, bad):
+    """Infinity crashed diff with OverflowError (exit 1: "they differ"); 1.7, "1" and true
+    were read as units 1, another batch's place; -3 made an exact line a training one."""
+    path = tmp_path / "l.jsonl"
+    path.write_text(_line(0, 0) + _line(1, 1).replace('"unit": 1', f'"unit": {bad}'))
+    with pytest.raises(DataError, match=r"l\.jsonl:2: not a ledger line: unit is"):
+        list(read_ledger(path))
+    r = feedline("diff", path, path)
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_a_ledger_nested_too_deep_is_one_line(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 100_000 + "\n")
+    with pytest.raises(DataError, match="deep.jsonl:1: not a ledger line"):
+        list(read_ledger(path))
+
+
+def test_a_torn_line_is_ended_before_a_resumed_run_appends(tmp_path, caplog):
+    """A part line (kill -9, a full disk) took the resumed run's first line into it: the
+    file was refused from there on with "a torn last line", in its middle."""
+    path = tmp_path / "l.jsonl"
+    path.write_text(_line(0, 0) + _line(1, 1)[:30])
+    ledger = Ledger(path, "s")
+    ledger.close()
+    text = path.read_text()
+    assert text.endswith("\n") and text.count("\n") == 2
+    path.write_text(text + _line(0, 1))  # the resumed run's line, whole on its own line
+    with pytest.raises(DataError, match=r"l\.jsonl:2: not a ledger line.*delete it"):
+        list(read_ledger(path))
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[2] + "\n")  # what the message says to do
+    assert [lin.unit for _, lin in read_ledger(path)] == [0, 1]
+
+
+def test_a_ledger_path_that_cannot_take_lines_is_refused_when_the_options_are_made(tmp_path):
+    """A directory, a missing directory or "" failed inside epoch(), from the I/O thread;
+    a FIFO hung epoch() for ever."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, what in ((tmp_path, "not a regular file"), (fifo, "not a regular file"),
+                       (tmp_path / "no" / "l.jsonl", "does not exist"), ("", "empty path")):
+        with pytest.raises(ConfigError, match=what):
+            ConsumerOptions(ledger=path)
+
+
+def test_replay_checks_its_place_and_out_before_the_work_and_keeps_every_name(tmp_path):
+    """--epoch -1 and --out DIR gave tracebacks (the latter after the batch was made); a
+    component named "file" or "allow_pickle" broke np.savez's keywords."""
+    cfg = pipeline(tmp_path)
+    for args, what in ((["--epoch", "-1", "--unit", "0"], "epochs are >= 0"),
+                       (["--epoch", "0", "--unit", "99"], "the pipeline has units"),
+                       (["--epoch", "0", "--unit", "0", "--out", tmp_path], "a directory"),
+                       (["--epoch", "0", "--unit", "0", "--out", tmp_path / "no" / "b.npz"],
+                        "does not exist")):
+        r = feedline("replay", cfg, *args)
+        assert r.returncode == 1 and what in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00source")
+    r = feedline("replay", binary, "--epoch", "0", "--unit", "0")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    r = feedline("replay", tmp_path / "none.yaml", "--epoch", "0", "--unit", "0")
+    assert r.returncode == 1 and "none.yaml" in r.stderr, r.stderr
+    from feedline.commands.replay import _write_npz
+    parts = [("file", np.arange(3)), ("allow_pickle", np.ones(2, np.uint8))]
+    _write_npz(str(tmp_path / "n.npz"), parts)
+    with np.load(tmp_path / "n.npz") as saved:
+        assert sorted(saved.files) == ["allow_pickle", "file"]
+        assert saved["file"].tolist() == [0, 1, 2]
